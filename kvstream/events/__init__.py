@@ -1,0 +1,44 @@
+"""Events: the typed model (:mod:`.model`), the emitter the cache records into
+(:mod:`.emitter`) and conversions to and from peers' formats (:mod:`.trtllm_json`)."""
+
+from kvstream.events.model import (
+    CURRENT_SCHEMA_VERSION,
+    DEFAULT_HASH_ALGO,
+    AttentionKind,
+    BlockHash,
+    Cleared,
+    Created,
+    EventBatch,
+    EventData,
+    EventDiff,
+    EventKind,
+    KVCacheEvent,
+    Lost,
+    MmKey,
+    Removed,
+    SourceId,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+
+__all__ = [
+    "CURRENT_SCHEMA_VERSION",
+    "DEFAULT_HASH_ALGO",
+    "AttentionKind",
+    "BlockHash",
+    "Cleared",
+    "Created",
+    "EventBatch",
+    "EventData",
+    "EventDiff",
+    "EventKind",
+    "KVCacheEvent",
+    "Lost",
+    "MmKey",
+    "Removed",
+    "SourceId",
+    "Stored",
+    "StoredBlock",
+    "Updated",
+]
