@@ -1,0 +1,1 @@
+"""The ``kvstream`` command line (layer L4): thin wiring over the library."""

@@ -1,0 +1,109 @@
+"""Layer and dependency rules of DESIGN §1, checked on the source tree."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Top-level name under kvstream -> layer. A module imports only its own or lower layers.
+LAYERS = {
+    "_types": 0,
+    "errors": 0,
+    "clock": 0,
+    "config": 0,
+    "events": 1,
+    "hashing": 1,
+    "codec": 2,
+    "sink": 2,
+    "sinks": 2,  # adapters: L0-L2 only, never L3+
+    "schemas": 2,
+    "cache": 3,
+    "pipeline": 3,
+    "index": 3,
+    "cli": 4,
+    "app": 4,
+}
+L3_SIBLINGS = {"cache", "pipeline", "index"}
+# third-party module -> the only kvstream areas allowed to import it
+CONFINED = {
+    "torch": {"cache"},
+    "aiokafka": {"sinks"},
+    "fastavro": {"codec"},
+    "avro": {"codec"},
+}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted((ROOT / "kvstream").rglob("*.py")):
+        rel = path.relative_to(ROOT / "kvstream").with_suffix("")
+        out.append((".".join(("kvstream", *rel.parts)).removesuffix(".__init__"), path))
+    for path in sorted((ROOT / "sinks").rglob("*.py")):
+        rel = path.relative_to(ROOT / "sinks").with_suffix("")
+        out.append((".".join(("kvstream", "sinks", *rel.parts)).removesuffix(".__init__"), path))
+    return out
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(module: str, path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    names: list[str] = []
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                names.append(".".join([*base, node.module] if node.module else base))
+            elif node.module:
+                names.append(node.module)
+    return names
+
+
+MODULES = _modules()
+
+
+def test_found_the_package() -> None:
+    assert any(m == "kvstream.events.model" for m, _ in MODULES)
+
+
+@pytest.mark.parametrize(("module", "path"), MODULES, ids=[m for m, _ in MODULES])
+def test_layering(module: str, path: Path) -> None:
+    area = _area(module)
+    if area not in LAYERS:  # the package root re-exports; kept import-light by its own test
+        return
+    mine = LAYERS[area]
+    for imp in _imports(module, path):
+        top = imp.split(".")[0]
+        if top == "kvstream":
+            other = _area(imp)
+            if other in ("", area):
+                continue
+            assert other in LAYERS, f"{module} imports unknown kvstream area {imp}"
+            assert LAYERS[other] <= mine, f"{module} (L{mine}) imports higher layer {imp}"
+            if area in L3_SIBLINGS:
+                assert other not in L3_SIBLINGS, f"L3 siblings must not import each other: {imp}"
+        elif top in CONFINED:
+            assert area in CONFINED[top], f"{module} imports {top}; only {CONFINED[top]} may"
+
+
+def test_core_imports_without_torch_or_kafka() -> None:
+    code = (
+        "import sys\n"
+        "import kvstream, kvstream.events, kvstream.hashing, kvstream.codec\n"
+        "bad = [m for m in ('torch', 'aiokafka', 'avro') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
