@@ -5,6 +5,7 @@ Layer L0: imports nothing from kvstream except :mod:`kvstream.errors`.
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -123,8 +124,9 @@ class TokenIds(Sequence[int]):
         except OverflowError:
             raise ValueError(f"token ids must be in 0..{TOKEN_ID_MAX}") from None
         except TypeError:
+            # numpy integer scalars and other int-like objects: go through __index__
             try:
-                arr = array("I", [int(v) for v in values])
+                arr = array("I", [operator.index(v) for v in values])
             except OverflowError:
                 raise ValueError(f"token ids must be in 0..{TOKEN_ID_MAX}") from None
         if not _LITTLE:  # pragma: no cover
@@ -212,11 +214,10 @@ class TokenIds(Sequence[int]):
             value, Iterable
         ):
             raise ValueError("token ids must be a sequence of ints")
-        if isinstance(value, (list, tuple)) and any(
-            isinstance(v, bool) or not isinstance(v, int) for v in value
-        ):
-            raise ValueError("token ids must be ints")
-        return cls(value)
+        try:
+            return cls(value)
+        except TypeError:
+            raise ValueError("token ids must be ints") from None
 
     @classmethod
     def __get_pydantic_core_schema__(
@@ -233,4 +234,7 @@ class TokenIds(Sequence[int]):
     def __get_pydantic_json_schema__(
         cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
     ) -> JsonSchemaValue:
-        return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}}
+        return {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX},
+        }

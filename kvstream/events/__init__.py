@@ -1,6 +1,14 @@
 """Events: the typed model (:mod:`.model`), the emitter the cache records into
 (:mod:`.emitter`) and conversions to and from peers' formats (:mod:`.trtllm_json`)."""
 
+from kvstream.events.dp_gather import gather_attention_dp
+from kvstream.events.emitter import (
+    NULL_RECORDER,
+    EmitterStats,
+    EventEmitter,
+    EventRecorder,
+    NullRecorder,
+)
 from kvstream.events.model import (
     CURRENT_SCHEMA_VERSION,
     DEFAULT_HASH_ALGO,
@@ -23,6 +31,12 @@ from kvstream.events.model import (
 )
 
 __all__ = [
+    "NULL_RECORDER",
+    "EmitterStats",
+    "EventEmitter",
+    "EventRecorder",
+    "NullRecorder",
+    "gather_attention_dp",
     "CURRENT_SCHEMA_VERSION",
     "DEFAULT_HASH_ALGO",
     "AttentionKind",

@@ -255,6 +255,7 @@ EventData: TypeAlias = Annotated[
 
 
 def _hashes_of(data: EventData) -> Iterator[tuple[str, bytes]]:
+    """Every hash in ``data`` with its field path (only walked to report an error)."""
     if isinstance(data, Stored):
         if data.parent_hash is not None:
             yield "data.parent_hash", data.parent_hash
@@ -265,6 +266,19 @@ def _hashes_of(data: EventData) -> Iterator[tuple[str, bytes]]:
             yield f"data.block_hashes.{i}", h
     elif isinstance(data, Updated):
         yield "data.block_hash", data.block_hash
+
+
+def _hash_lengths(data: EventData) -> set[int]:
+    if isinstance(data, Stored):
+        lengths = {len(b.block_hash) for b in data.blocks}
+        if data.parent_hash is not None:
+            lengths.add(len(data.parent_hash))
+        return lengths
+    if isinstance(data, Removed):
+        return {len(h) for h in data.block_hashes}
+    if isinstance(data, Updated):
+        return {len(data.block_hash)}
+    return set()
 
 
 class KVCacheEvent(_Frozen):
@@ -288,20 +302,23 @@ class KVCacheEvent(_Frozen):
 
     @model_validator(mode="after")
     def _hash_widths(self) -> Self:
+        lengths = _hash_lengths(self.data)
         width = hash_width(self.hash_algo)
-        seen: int | None = width
+        if not lengths or lengths == {width}:
+            return self
+        if width is None and len(lengths) == 1 and lengths <= set(ALLOWED_UNKNOWN_WIDTHS):
+            return self
+        # Slow path, taken only to report: name the first offending hash.
         for loc, h in _hashes_of(self.data):
-            if seen is None:
+            if width is None:
                 if len(h) not in ALLOWED_UNKNOWN_WIDTHS:
                     raise ValueError(
                         f"{loc}: a hash must be {ALLOWED_UNKNOWN_WIDTHS} bytes, got {len(h)}"
                     )
-                seen = len(h)
-            elif len(h) != seen:
-                raise ValueError(
-                    f"{loc}: {self.hash_algo} hashes are {seen} bytes, got {len(h)}"
-                )
-        return self
+                width = len(h)
+            elif len(h) != width:
+                raise ValueError(f"{loc}: {self.hash_algo} hashes are {width} bytes, got {len(h)}")
+        return self  # pragma: no cover - lengths disagreed, so the loop raised
 
 
 class EventBatch(_Frozen):

@@ -1,0 +1,248 @@
+"""Cost of recording KV-cache events, against baselines measured in the same run.
+
+Workload: each iteration stores ``--requests`` chains of ``--chain`` blocks (each chain
+coalesces into one ``stored`` event) per layer group, evicts as many older blocks
+(``removed``, batched per group), then calls ``flush()`` (which builds and validates the
+EventBatch). The cost per recorded block is the whole loop's time (recording + take) divided
+by the number of stored + removed calls.
+
+Also measured: a NullRecorder call (events off) against an empty method call with the same
+signature and a bare empty method call, and the per-block cost against appending a tuple to a
+list (the cheapest conceivable "recording").
+
+    python benchmarks/bench_emitter.py [--iterations N] [--chain 16] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstream._types import TokenIds
+from kvstream.events.emitter import EventEmitter, NullRecorder
+from kvstream.events.model import AttentionKind, SourceId
+
+
+def best_ns(fn: Callable[[], int], repeats: int) -> tuple[float, float]:
+    """(best, median) ns per operation over ``repeats`` runs; ``fn`` returns its op count."""
+    per_op: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        n = fn()
+        per_op.append((time.perf_counter_ns() - t0) / n)
+    return min(per_op), statistics.median(per_op)
+
+
+class Workload:
+    """Pre-built arguments, so that only recording is timed."""
+
+    def __init__(self, iterations: int, requests: int, chain: int, groups: int, tpb: int) -> None:
+        self.groups = groups
+        self.tpb = tpb
+        n_blocks = iterations * requests * chain
+        self.hashes = [(i + 1).to_bytes(8, "big") for i in range(n_blocks)]
+        self.tokens = [TokenIds(range(i * tpb, (i + 1) * tpb)) for i in range(n_blocks)]
+        self.token_lists = [list(t) for t in self.tokens]
+        self.iterations, self.requests, self.chain = iterations, requests, chain
+
+    def emitter(self, capacity: int) -> EventEmitter:
+        em = EventEmitter(SourceId(instance_id="bench"), capacity=capacity)
+        for g in range(self.groups):
+            em.created(
+                g,
+                window_size=4096 if g == 0 else 128,
+                num_blocks_per_cache_level=[1 << 20],
+                tokens_per_block=self.tpb,
+                attention_kind=AttentionKind.FULL if g == 0 else AttentionKind.SLIDING_WINDOW,
+            )
+        em.take()
+        return em
+
+    def run(self, em: EventEmitter, *, lists: bool = False, do_take: bool = True) -> int:
+        """Record the workload; returns the number of recording calls."""
+        hashes = self.hashes
+        tokens = self.token_lists if lists else self.tokens
+        chain, per_iter = self.chain, self.requests * self.chain
+        groups = range(self.groups)
+        stored = em.stored
+        removed = em.removed
+        calls = 0
+        for it in range(self.iterations):
+            base = it * per_iter
+            for r in range(self.requests):
+                start = base + r * chain
+                for g in groups:
+                    parent = None
+                    for i in range(start, start + chain):
+                        h = hashes[i]
+                        stored(g, parent_hash=parent, block_hash=h, token_ids=tokens[i])
+                        parent = h
+            calls += per_iter * self.groups
+            if it:  # evict the previous iteration's blocks
+                prev = base - per_iter
+                for g in groups:
+                    for i in range(prev, base):
+                        removed(g, hashes[i])
+                calls += per_iter * self.groups
+            if do_take:
+                em.flush()
+            else:
+                em.flush_iteration()
+        return calls
+
+    def baseline_append(self) -> int:
+        """The same loop shape, appending a tuple per call instead of recording."""
+        hashes, tokens = self.hashes, self.tokens
+        chain, per_iter = self.chain, self.requests * self.chain
+        groups = range(self.groups)
+        out: list[tuple[Any, ...]] = []
+        append = out.append
+        calls = 0
+        for it in range(self.iterations):
+            base = it * per_iter
+            for r in range(self.requests):
+                start = base + r * chain
+                for g in groups:
+                    parent = None
+                    for i in range(start, start + chain):
+                        h = hashes[i]
+                        append((g, parent, h, tokens[i]))
+                        parent = h
+            calls += per_iter * self.groups
+            if it:
+                prev = base - per_iter
+                for g in groups:
+                    for i in range(prev, base):
+                        append((g, hashes[i]))
+                calls += per_iter * self.groups
+            out.clear()
+        return calls
+
+
+class _Empty:
+    def noop(self) -> None:
+        pass
+
+    def stored(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hash: bytes,
+        token_ids: Any,
+        cache_level: int = 0,
+        priority: int = 35,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        mm_keys: Any = (),
+        cache_salt: str | None = None,
+        token_extra_ids: Any = None,
+    ) -> None:
+        pass
+
+
+def null_costs(n: int, repeats: int) -> dict[str, tuple[float, float]]:
+    h = b"\x00" * 8
+    t = TokenIds(range(16))
+    rec = NullRecorder()
+    empty = _Empty()
+
+    def null_call() -> int:
+        stored = rec.stored
+        for _ in range(n):
+            stored(0, parent_hash=h, block_hash=h, token_ids=t)
+        return n
+
+    def null_guarded() -> int:
+        for _ in range(n):
+            if rec.enabled:
+                rec.stored(0, parent_hash=h, block_hash=h, token_ids=t)
+        return n
+
+    def empty_same_signature() -> int:
+        stored = empty.stored
+        for _ in range(n):
+            stored(0, parent_hash=h, block_hash=h, token_ids=t)
+        return n
+
+    def empty_method() -> int:
+        noop = empty.noop
+        for _ in range(n):
+            noop()
+        return n
+
+    def empty_loop() -> int:
+        for _ in range(n):
+            pass
+        return n
+
+    return {
+        "empty loop iteration": best_ns(empty_loop, repeats),
+        "empty method call": best_ns(empty_method, repeats),
+        "empty method, stored() signature": best_ns(empty_same_signature, repeats),
+        "NullRecorder.stored()": best_ns(null_call, repeats),
+        "if rec.enabled: (NullRecorder)": best_ns(null_guarded, repeats),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=8, help="chains stored per iteration")
+    ap.add_argument("--chain", type=int, default=16, help="blocks per chain")
+    ap.add_argument("--groups", type=int, default=1, help="layer groups (1 = full attention)")
+    ap.add_argument("--tokens-per-block", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="cProfile one run and print the top")
+    args = ap.parse_args()
+
+    wl = Workload(args.iterations, args.requests, args.chain, args.groups, args.tokens_per_block)
+    capacity = 1 << 20
+
+    if args.profile:
+        em = wl.emitter(capacity)
+        prof = cProfile.Profile()
+        prof.runcall(wl.run, em)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+    rows: dict[str, tuple[float, float]] = {}
+    rows["baseline: append a tuple"] = best_ns(wl.baseline_append, args.repeats)
+    rows["emitter, recording only (flush_iteration)"] = best_ns(
+        lambda: wl.run(wl.emitter(capacity), do_take=False), args.repeats
+    )
+    rows["emitter, recording + take (flush)"] = best_ns(
+        lambda: wl.run(wl.emitter(capacity)), args.repeats
+    )
+    rows["emitter, list[int] tokens, + take"] = best_ns(
+        lambda: wl.run(wl.emitter(capacity), lists=True), args.repeats
+    )
+    small = max(2, args.requests * args.chain // 4)
+    rows[f"emitter, capacity {small} (overflowing), + take"] = best_ns(
+        lambda: wl.run(wl.emitter(small)), args.repeats
+    )
+
+    calls = wl.iterations * wl.requests * wl.chain * wl.groups * 2 - (
+        wl.requests * wl.chain * wl.groups
+    )
+    print(
+        f"\nper recorded block ({calls} stored+removed calls, chains of {wl.chain}, "
+        f"{wl.requests} chains/iteration, {wl.groups} group(s), best/median of {args.repeats})"
+    )
+    base = rows["baseline: append a tuple"][0]
+    for name, (best, med) in rows.items():
+        print(f"  {name:<48} {best:8.0f} ns  (median {med:6.0f})  x{best / base:6.1f}")
+
+    nulls = null_costs(1_000_000, args.repeats)
+    print("\nevents off, per call (best/median)")
+    ref = nulls["empty method, stored() signature"][0]
+    for name, (best, med) in nulls.items():
+        print(f"  {name:<48} {best:8.1f} ns  (median {med:6.1f})  x{best / ref:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

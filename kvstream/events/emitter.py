@@ -1,0 +1,854 @@
+"""The event emitter: what a paged KV-cache manager records into on the engine thread.
+
+The cache manager depends only on :class:`EventRecorder`. :class:`EventEmitter` implements
+it with the semantics of DESIGN §2.2 (TensorRT-LLM V2's event manager, plus explicit loss
+markers); :class:`NullRecorder` implements it as nothing at all, for events off. Once per
+engine iteration the engine calls :meth:`EventRecorder.flush` (or ``flush_iteration`` then,
+whenever it likes, ``take``) and hands the returned :class:`EventBatch` to the pipeline.
+
+Recording is synchronous, does no I/O and is not thread-safe: call one emitter from one
+thread (the engine's). Recording methods only validate their arguments and append to cheap
+internal records (plain dicts); the pydantic models are built, and validated once, by
+:meth:`EventEmitter.take`. Every recording method validates *all* its arguments first and
+raises :class:`~kvstream.errors.EmitterError` (naming the argument) without changing any
+state, so ``take`` never fails on something a recording call accepted.
+
+Rules, per layer group ("group", registered by ``created``):
+
+* **Windowing.** Every event carries its group's ``layer_group_id`` and ``window_size`` and
+  the emitter's ``hash_algo``; hashes must have ``hash_algo``'s width (8 or 32 bytes; an
+  algorithm unknown to :data:`kvstream._types.BLOCK_HASH_WIDTHS` may use 8, 16 or 32 bytes,
+  the same for the emitter's whole life). Calls for a group that was never created raise.
+* **Removal coalescing.** ``removed`` is held back; a group's pending removals become ONE
+  ``removed`` event (in call order). They are flushed (a) before a ``stored`` event of the
+  same group (that group only), (b) before any ``updated``/``created``/``cleared`` event of
+  any group (all groups, in the order their first pending removal was recorded), and (c) by
+  ``flush_iteration``. The event's ``cache_level`` is the level every coalesced removal named
+  when they all named the same one, else None (mixed or unknown levels: one event, not one
+  per level, so a removal batch is never split).
+* **Stored coalescing.** A stored block whose ``parent_hash`` is the last block of the
+  group's latest materialised event, when that event is a ``stored`` event still buffered
+  (not taken, not dropped) and no removal of the group is pending, is appended to it (no new
+  event id). Targets reset at ``flush_iteration`` and ``take``, and whenever another event of
+  the group is materialised.
+* **Dedup.** A block already announced in a group is not announced again (a reused prefix
+  emits nothing). Once its removal is recorded, a later store announces it again. Removing
+  or updating a block that is not announced in the group is ignored (as TensorRT-LLM V2
+  does). ``cleared`` forgets every announced block of the group(s) and discards their
+  pending removals: the clear subsumes them, and a consumer that applies it is left in the
+  same state.
+* **Partial blocks** (fewer tokens than the group's ``tokens_per_block``) are skipped unless
+  ``announce_partial_blocks=True``; a skipped block was never announced, so its removal is
+  ignored too. More tokens than ``tokens_per_block`` is an error.
+* **Event ids** start at 0 and grow by one per materialised event (a removal batch gets its
+  id when flushed; a coalesced block gets none).
+* **Capacity.** At most ``capacity`` materialised events wait for ``take``. On overflow the
+  oldest are dropped and one ``lost`` marker (reason ``"overflow"``) takes their place at
+  the head of the buffer, occupying one slot: it covers the dropped ids
+  ``[first_event_id, first_event_id + count)`` and carries the last of them as its own
+  ``event_id``, so every id reaches the consumer exactly once, as an event or inside a
+  marker's range. Drops while a marker heads the buffer extend it. The marker's
+  ``layer_group_id``/``window_size`` are those of the last dropped event; it concerns the
+  whole source.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, SupportsIndex, TypeAlias, cast, runtime_checkable
+
+from kvstream._types import (
+    ALLOWED_UNKNOWN_WIDTHS,
+    PRIORITY_DEFAULT,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    TokenIds,
+    hash_width,
+)
+from kvstream.clock import SYSTEM_CLOCK, Clock
+from kvstream.errors import ConfigError, EmitterError
+from kvstream.events.dp_gather import gather_attention_dp
+from kvstream.events.model import AttentionKind, EventBatch, MmKey, SourceId
+
+__all__ = [
+    "EmitterStats",
+    "EventEmitter",
+    "EventRecorder",
+    "NULL_RECORDER",
+    "NullRecorder",
+    "gather_attention_dp",
+]
+
+_I32_MAX: Final = 2**31 - 1
+_I64_MAX: Final = 2**63 - 1
+_U64_MAX: Final = 2**64 - 1
+
+# An event as the model will validate it: {"event_id", "hash_algo", "layer_group_id",
+# "window_size", "data": {...}}; stored events' "blocks" lists are appended to in place.
+_Rec: TypeAlias = dict[str, Any]
+
+
+@runtime_checkable
+class EventRecorder(Protocol):
+    """What a cache manager records KV-cache events into (engine thread, synchronous).
+
+    ``enabled`` is False for a recorder that discards everything (:class:`NullRecorder`), so
+    callers may skip building arguments. Every hash is ``bytes``; ``cache_level`` 0 is the
+    GPU, 1 host, 2 disk.
+    """
+
+    enabled: bool
+
+    def created(
+        self,
+        layer_group_id: int,
+        *,
+        window_size: int,
+        num_blocks_per_cache_level: Sequence[int],
+        tokens_per_block: int,
+        attention_kind: AttentionKind = AttentionKind.FULL,
+    ) -> None:
+        """Register (or re-announce, e.g. after a capacity change) a layer group."""
+        ...
+
+    def stored(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hash: bytes,
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        mm_keys: Sequence[MmKey] = (),
+        cache_salt: str | None = None,
+        token_extra_ids: TokenIds | Sequence[int] | None = None,
+    ) -> None:
+        """One block entered the cache; ``parent_hash`` is its parent (None at the root)."""
+        ...
+
+    def removed(
+        self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
+    ) -> None:
+        """A block left the cache (its last tier, ``cache_level`` when known)."""
+        ...
+
+    def updated(
+        self,
+        layer_group_id: int,
+        block_hash: bytes,
+        *,
+        cache_level: tuple[int, int] | None = None,
+        priority: tuple[int, int] | None = None,
+    ) -> None:
+        """A block moved tier and/or changed priority; each change is (old, new)."""
+        ...
+
+    def cleared(self, layer_group_id: int | None = None) -> None:
+        """Every block of the group (None: of every group) is gone."""
+        ...
+
+    def flush_iteration(self) -> None:
+        """End of an engine iteration: materialise pending removals, reset coalescing."""
+        ...
+
+    def take(self) -> EventBatch | None:
+        """Hand over every materialised event (None when there is none) and clear them."""
+        ...
+
+    def flush(self) -> EventBatch | None:
+        """``flush_iteration()`` then ``take()``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EmitterStats:
+    """A snapshot of an :class:`EventEmitter`'s counters (monotonic unless noted)."""
+
+    #: Event ids assigned so far (== ``next_event_id``); lost markers reuse dropped ids.
+    events_emitted: int
+    #: Events handed over by ``take`` (lost markers not included).
+    events_taken: int
+    #: Events dropped on overflow; equals the sum of every lost marker's ``count``.
+    events_dropped: int
+    #: Lost markers created (each handed over by a later ``take``, or still buffered).
+    lost_markers: int
+    #: Non-empty batches returned by ``take``.
+    batches_taken: int
+    #: Blocks placed in ``stored`` events (coalesced ones included).
+    blocks_stored_announced: int
+    #: Blocks of ``stored`` events dropped on overflow (announced, never delivered).
+    blocks_dropped: int
+    #: Hashes placed in materialised ``removed`` events.
+    blocks_removed_announced: int
+    #: Stores of a block already announced in its group (nothing emitted).
+    duplicate_stores_suppressed: int
+    #: Removals of a block not announced in its group (nothing emitted).
+    unknown_removals_ignored: int
+    #: Updates of a block not announced in its group (nothing emitted).
+    unknown_updates_ignored: int
+    #: Stores of a partial block skipped (``announce_partial_blocks=False``).
+    partial_blocks_skipped: int
+    #: Pending removals discarded because ``cleared`` subsumed them.
+    removals_subsumed_by_clear: int
+    #: Gauge: events (lost marker included) waiting for ``take``.
+    buffered_events: int
+    #: Gauge: removals recorded but not yet materialised.
+    pending_removals: int
+
+
+class _Group:
+    """Per-layer-group state."""
+
+    __slots__ = (
+        "announced",
+        "attention_kind",
+        "gid",
+        "last_hash",
+        "pending",
+        "pending_level",
+        "target",
+        "tokens_per_block",
+        "window_size",
+    )
+
+    def __init__(
+        self, gid: int, window_size: int, tokens_per_block: int, attention_kind: AttentionKind
+    ) -> None:
+        self.gid = gid
+        self.window_size = window_size
+        self.tokens_per_block = tokens_per_block
+        self.attention_kind = attention_kind
+        self.announced: set[bytes] = set()
+        self.pending: list[bytes] = []
+        # The cache level shared by every pending removal, None once they disagree.
+        self.pending_level: int | None = None
+        # Blocks list of the coalescing target (a buffered stored event) and its last hash.
+        self.target: list[dict[str, Any]] | None = None
+        self.last_hash: bytes | None = None
+
+
+def _as_int(value: object, lo: int, hi: int, what: str) -> int:
+    if isinstance(value, bool):
+        raise EmitterError(f"{what} must be an int, got bool")
+    try:
+        v = operator.index(cast("SupportsIndex", value))
+    except TypeError:
+        raise EmitterError(f"{what} must be an int, got {type(value).__name__}") from None
+    if not lo <= v <= hi:
+        raise EmitterError(f"{what} must be in {lo}..{hi}, got {v}")
+    return v
+
+
+def _as_tokens(value: object, what: str) -> TokenIds:
+    # Copies the caller's ints (it may reuse its list). Any iterable of ints is accepted,
+    # numpy arrays included; bools pass as the ints they are (checking costs ~1 us a block).
+    if isinstance(value, TokenIds):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        raise EmitterError(f"{what} must be a sequence of ints, got {type(value).__name__}")
+    try:
+        return TokenIds(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise EmitterError(f"{what} must be a sequence of ints in 0..2**32-1: {exc}") from None
+
+
+def _as_opt_str(value: object, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise EmitterError(f"{what} must be a str or None, got {type(value).__name__}")
+
+
+def _diff(value: object, lo: int, hi: int, what: str) -> dict[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise EmitterError(f"{what} must be an (old, new) tuple or None, got {value!r}")
+    return {
+        "old_value": _as_int(value[0], lo, hi, f"{what}[0] (old)"),
+        "new_value": _as_int(value[1], lo, hi, f"{what}[1] (new)"),
+    }
+
+
+class EventEmitter:
+    """Records one source's KV-cache events with the semantics of DESIGN §2.2.
+
+    See the module docstring for the rules. ``source`` names the producer (one emitter per
+    attention-DP rank, each with its own ids); ``hash_algo`` is published on every event and
+    fixes the hash width; ``capacity`` (>= 2) bounds the events waiting for :meth:`take`;
+    ``clock`` stamps batches; ``announce_partial_blocks`` announces blocks shorter than the
+    group's ``tokens_per_block`` instead of skipping them.
+
+    Not thread-safe: record and take from one thread.
+    """
+
+    enabled: bool = True
+
+    def __init__(
+        self,
+        source: SourceId,
+        *,
+        hash_algo: str = "v1_block_key",
+        capacity: int = 8192,
+        clock: Clock = SYSTEM_CLOCK,
+        announce_partial_blocks: bool = False,
+    ) -> None:
+        if not isinstance(source, SourceId):
+            raise ConfigError(f"source must be a SourceId, got {type(source).__name__}")
+        if not isinstance(hash_algo, str) or not 1 <= len(hash_algo) <= 64:
+            raise ConfigError(f"hash_algo must be a str of 1..64 characters, got {hash_algo!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
+            raise ConfigError(f"capacity must be an int >= 2, got {capacity!r}")
+        self._source = source
+        self._hash_algo = hash_algo
+        # None: an algorithm of unknown width, pinned by the first hash recorded.
+        self._width: int | None = hash_width(hash_algo)
+        self._capacity = capacity
+        self._clock = clock
+        self._announce_partial = bool(announce_partial_blocks)
+        self._groups: dict[int, _Group] = {}
+        self._pending_groups: list[_Group] = []  # groups with pending removals, first-pending order
+        self._buf: deque[_Rec] = deque()
+        self._marker: _Rec | None = None  # the lost marker heading _buf, if any
+        self._next_id = 0
+        # Counters (see EmitterStats).
+        self._taken = 0
+        self._dropped = 0
+        self._markers = 0
+        self._batches = 0
+        self._blocks_stored = 0
+        self._blocks_dropped = 0
+        self._blocks_removed = 0
+        self._dup_stores = 0
+        self._unknown_removals = 0
+        self._unknown_updates = 0
+        self._partial_skipped = 0
+        self._subsumed = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def source(self) -> SourceId:
+        """The producer every batch is stamped with."""
+        return self._source
+
+    @property
+    def hash_algo(self) -> str:
+        """The hash algorithm published on every event."""
+        return self._hash_algo
+
+    @property
+    def capacity(self) -> int:
+        """The most events (lost marker included) that wait for :meth:`take`."""
+        return self._capacity
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next materialised event will get."""
+        return self._next_id
+
+    def stats(self) -> EmitterStats:
+        """A snapshot of the counters."""
+        return EmitterStats(
+            events_emitted=self._next_id,
+            events_taken=self._taken,
+            events_dropped=self._dropped,
+            lost_markers=self._markers,
+            batches_taken=self._batches,
+            blocks_stored_announced=self._blocks_stored,
+            blocks_dropped=self._blocks_dropped,
+            blocks_removed_announced=self._blocks_removed,
+            duplicate_stores_suppressed=self._dup_stores,
+            unknown_removals_ignored=self._unknown_removals,
+            unknown_updates_ignored=self._unknown_updates,
+            partial_blocks_skipped=self._partial_skipped,
+            removals_subsumed_by_clear=self._subsumed,
+            buffered_events=len(self._buf),
+            pending_removals=sum(len(g.pending) for g in self._pending_groups),
+        )
+
+    # ------------------------------------------------------------------ recording
+
+    def created(
+        self,
+        layer_group_id: int,
+        *,
+        window_size: int,
+        num_blocks_per_cache_level: Sequence[int],
+        tokens_per_block: int,
+        attention_kind: AttentionKind = AttentionKind.FULL,
+    ) -> None:
+        """Register layer group ``layer_group_id`` and emit ``created``.
+
+        Calling it again for a registered group re-emits ``created`` (e.g. a new capacity)
+        and keeps the group's announced blocks; its ``window_size``, ``tokens_per_block``
+        and ``attention_kind`` are fixed at registration (a different one raises
+        EmitterError). Flushes every group's pending removals first.
+        """
+        gid = _as_int(layer_group_id, 0, _I32_MAX, "layer_group_id")
+        ws = _as_int(window_size, 1, _I64_MAX, "window_size")
+        tpb = _as_int(tokens_per_block, 1, _I32_MAX, "tokens_per_block")
+        if isinstance(num_blocks_per_cache_level, (str, bytes)) or not isinstance(
+            num_blocks_per_cache_level, Sequence
+        ):
+            raise EmitterError("num_blocks_per_cache_level must be a sequence of ints")
+        levels = tuple(
+            _as_int(n, 0, _I64_MAX, f"num_blocks_per_cache_level[{i}]")
+            for i, n in enumerate(num_blocks_per_cache_level)
+        )
+        if not levels:
+            raise EmitterError("num_blocks_per_cache_level must name at least one level")
+        try:
+            kind = AttentionKind(attention_kind)
+        except ValueError:
+            raise EmitterError(f"attention_kind: unknown kind {attention_kind!r}") from None
+        g = self._groups.get(gid)
+        if g is None:
+            g = _Group(gid, ws, tpb, kind)
+        elif (g.window_size, g.tokens_per_block, g.attention_kind) != (ws, tpb, kind):
+            raise EmitterError(
+                f"layer group {gid} was created with window_size={g.window_size}, "
+                f"tokens_per_block={g.tokens_per_block}, attention_kind={g.attention_kind.value}"
+                f"; got {ws}, {tpb}, {kind.value}"
+            )
+        self._groups[gid] = g
+        if self._pending_groups:
+            self._flush_all_removals()
+        self._emit(
+            g,
+            {
+                "type": "created",
+                "num_blocks_per_cache_level": levels,
+                "tokens_per_block": tpb,
+                "attention_kind": kind,
+            },
+        )
+        g.target = None
+
+    def stored(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hash: bytes,
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        mm_keys: Sequence[MmKey] = (),
+        cache_salt: str | None = None,
+        token_extra_ids: TokenIds | Sequence[int] | None = None,
+    ) -> None:
+        """Record one block stored in group ``layer_group_id``.
+
+        Nothing is emitted for a block already announced in the group, or for a partial
+        block unless ``announce_partial_blocks``. Otherwise the group's pending removals are
+        flushed first, then the block is appended to the group's coalescing target when
+        ``parent_hash`` is that event's last block, else it opens a new ``stored`` event.
+        """
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        width = self._width
+        if type(block_hash) is not bytes or len(block_hash) != width:
+            block_hash = self._check_hash(block_hash, "block_hash")
+        if parent_hash is not None and (
+            type(parent_hash) is not bytes or len(parent_hash) != self._width
+        ):
+            parent_hash = self._check_hash(parent_hash, "parent_hash")
+        if type(token_ids) is not TokenIds:
+            token_ids = _as_tokens(token_ids, "token_ids")
+        block: dict[str, Any] | None = None
+        if not (
+            cache_level == 0
+            and priority == PRIORITY_DEFAULT
+            and lora_id is None
+            and lora_name is None
+            and not mm_keys
+            and cache_salt is None
+            and token_extra_ids is None
+        ):
+            block = self._full_block(
+                block_hash,
+                token_ids,
+                cache_level=cache_level,
+                priority=priority,
+                lora_id=lora_id,
+                lora_name=lora_name,
+                mm_keys=mm_keys,
+                cache_salt=cache_salt,
+                token_extra_ids=token_extra_ids,
+            )
+        n = len(token_ids)
+        if n != g.tokens_per_block:
+            if n > g.tokens_per_block:
+                raise EmitterError(
+                    f"token_ids: {n} tokens exceed layer group {g.gid}'s "
+                    f"tokens_per_block={g.tokens_per_block}"
+                )
+            if not self._announce_partial:
+                self._partial_skipped += 1
+                return
+        announced = g.announced
+        if block_hash in announced:
+            self._dup_stores += 1
+            return
+        if g.pending:
+            self._flush_group_removals(g)
+        if block is None:
+            block = {"block_hash": block_hash, "token_ids": token_ids}
+        target = g.target
+        if target is not None and parent_hash == g.last_hash:
+            target.append(block)
+        else:
+            blocks = [block]
+            self._emit(g, {"type": "stored", "parent_hash": parent_hash, "blocks": blocks})
+            g.target = blocks
+        g.last_hash = block_hash
+        announced.add(block_hash)
+        self._blocks_stored += 1
+
+    def removed(
+        self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
+    ) -> None:
+        """Record that a block left group ``layer_group_id`` (from ``cache_level`` if known).
+
+        The removal is held back and coalesced with the group's other pending removals (see
+        the module docstring); removing a block not announced in the group is ignored.
+        """
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        if cache_level is not None and (
+            type(cache_level) is not int or not 0 <= cache_level <= _I32_MAX
+        ):
+            cache_level = _as_int(cache_level, 0, _I32_MAX, "cache_level")
+        announced = g.announced
+        try:
+            announced.remove(block_hash)
+        except (KeyError, TypeError):  # TypeError: unhashable, so not a hash at all
+            self._check_hash(block_hash, "block_hash")
+            self._unknown_removals += 1
+            return
+        pending = g.pending
+        if not pending:
+            self._pending_groups.append(g)
+            g.pending_level = cache_level
+        elif g.pending_level != cache_level:
+            g.pending_level = None
+        pending.append(block_hash)
+
+    def updated(
+        self,
+        layer_group_id: int,
+        block_hash: bytes,
+        *,
+        cache_level: tuple[int, int] | None = None,
+        priority: tuple[int, int] | None = None,
+    ) -> None:
+        """Record a tier move and/or priority change, each ``(old, new)``; at least one.
+
+        Ignored for a block not announced in the group. Otherwise every group's pending
+        removals are flushed first, then an ``updated`` event is emitted.
+        """
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        level_diff = _diff(cache_level, 0, _I32_MAX, "cache_level")
+        prio_diff = _diff(priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+        if level_diff is None and prio_diff is None:
+            raise EmitterError("updated needs a cache_level or a priority change")
+        if not self._is_announced(g.announced, block_hash):
+            self._check_hash(block_hash, "block_hash")
+            self._unknown_updates += 1
+            return
+        if self._pending_groups:
+            self._flush_all_removals()
+        self._emit(
+            g,
+            {
+                "type": "updated",
+                "block_hash": block_hash,
+                "cache_level": level_diff,
+                "priority": prio_diff,
+            },
+        )
+        g.target = None
+
+    def cleared(self, layer_group_id: int | None = None) -> None:
+        """Every block of group ``layer_group_id`` (None: of every group) is gone.
+
+        Emits one ``cleared`` event per group (registration order for None). The groups'
+        announced blocks are forgotten and their pending removals discarded (the clear
+        subsumes them); other groups' pending removals are flushed first.
+        """
+        if layer_group_id is None:
+            groups = list(self._groups.values())
+        else:
+            g = self._groups.get(layer_group_id)
+            if g is None:
+                raise self._unknown_group(layer_group_id)
+            groups = [g]
+        for g in groups:
+            if g.pending:
+                self._subsumed += len(g.pending)
+                g.pending = []
+                self._pending_groups.remove(g)
+        if self._pending_groups:
+            self._flush_all_removals()
+        for g in groups:
+            g.announced.clear()
+            self._emit(g, {"type": "cleared"})
+            g.target = None
+
+    def flush_iteration(self) -> None:
+        """End of an engine iteration: materialise every pending removal (one ``removed``
+        event per group, in first-pending order) and reset every coalescing target."""
+        if self._pending_groups:
+            self._flush_all_removals()
+        for g in self._groups.values():
+            g.target = None
+
+    def take(self) -> EventBatch | None:
+        """Hand over every materialised event as one batch, in id order (a lost marker
+        first), stamped with ``clock.time_ns()``; None when there is none. Pending removals
+        stay pending. Clears the buffer and resets every coalescing target."""
+        buf = self._buf
+        if not buf:
+            return None
+        batch = EventBatch(source=self._source, ts_ns=self._clock.time_ns(), events=list(buf))
+        n = len(buf)
+        if self._marker is not None:
+            n -= 1
+            self._marker = None
+        self._taken += n
+        self._batches += 1
+        buf.clear()
+        for g in self._groups.values():
+            g.target = None
+        return batch
+
+    def flush(self) -> EventBatch | None:
+        """``flush_iteration()`` then ``take()``."""
+        self.flush_iteration()
+        return self.take()
+
+    # ------------------------------------------------------------------ internals
+
+    def _emit(self, g: _Group, data: dict[str, Any]) -> None:
+        # Materialise one event: the next id, at the tail of the buffer.
+        if len(self._buf) >= self._capacity:
+            self._make_room()
+        self._buf.append(
+            {
+                "event_id": self._next_id,
+                "hash_algo": self._hash_algo,
+                "layer_group_id": g.gid,
+                "window_size": g.window_size,
+                "data": data,
+            }
+        )
+        self._next_id += 1
+
+    def _make_room(self) -> None:
+        buf = self._buf
+        while len(buf) >= self._capacity:
+            if self._marker is not None:
+                victim = buf[1]
+                del buf[1]
+            else:
+                victim = buf.popleft()
+            self._dropped += 1
+            data = victim["data"]
+            if data["type"] == "stored":
+                self._blocks_dropped += len(data["blocks"])
+                g = self._groups[victim["layer_group_id"]]
+                if g.target is data["blocks"]:
+                    g.target = None
+            marker = self._marker
+            if marker is None:
+                marker = {
+                    "event_id": victim["event_id"],
+                    "hash_algo": self._hash_algo,
+                    "layer_group_id": victim["layer_group_id"],
+                    "window_size": victim["window_size"],
+                    "data": {
+                        "type": "lost",
+                        "first_event_id": victim["event_id"],
+                        "count": 1,
+                        "reason": "overflow",
+                    },
+                }
+                self._marker = marker
+                self._markers += 1
+                buf.appendleft(marker)
+            else:
+                marker["event_id"] = victim["event_id"]
+                marker["layer_group_id"] = victim["layer_group_id"]
+                marker["window_size"] = victim["window_size"]
+                marker["data"]["count"] += 1
+
+    def _flush_group_removals(self, g: _Group) -> None:
+        self._pending_groups.remove(g)
+        self._emit_removals(g)
+
+    def _flush_all_removals(self) -> None:
+        groups = self._pending_groups
+        self._pending_groups = []
+        for g in groups:
+            self._emit_removals(g)
+
+    def _emit_removals(self, g: _Group) -> None:
+        hashes = g.pending
+        g.pending = []
+        self._blocks_removed += len(hashes)
+        self._emit(g, {"type": "removed", "block_hashes": hashes, "cache_level": g.pending_level})
+        g.target = None
+
+    @staticmethod
+    def _is_announced(announced: set[bytes], block_hash: object) -> bool:
+        try:
+            return block_hash in announced
+        except TypeError:  # unhashable: certainly not a valid hash; _check_hash says why
+            return False
+
+    def _check_hash(self, value: object, what: str) -> bytes:
+        # Slow path of the inline width check: normalise bytes subclasses, pin the width of an
+        # unknown algorithm on first use, or raise.
+        if not isinstance(value, bytes):
+            raise EmitterError(f"{what} must be bytes, got {type(value).__name__}")
+        h = bytes(value)
+        if self._width is None:
+            if len(h) not in ALLOWED_UNKNOWN_WIDTHS:
+                raise EmitterError(
+                    f"{what}: hashes must be {ALLOWED_UNKNOWN_WIDTHS} bytes, got {len(h)}"
+                )
+            self._width = len(h)
+        elif len(h) != self._width:
+            raise EmitterError(
+                f"{what}: {self._hash_algo} hashes are {self._width} bytes, got {len(h)}"
+            )
+        return h
+
+    def _full_block(
+        self,
+        block_hash: bytes,
+        token_ids: TokenIds,
+        *,
+        cache_level: object,
+        priority: object,
+        lora_id: object,
+        lora_name: object,
+        mm_keys: object,
+        cache_salt: object,
+        token_extra_ids: object,
+    ) -> dict[str, Any]:
+        block: dict[str, Any] = {
+            "block_hash": block_hash,
+            "token_ids": token_ids,
+            "cache_level": _as_int(cache_level, 0, _I32_MAX, "cache_level"),
+            "priority": _as_int(priority, PRIORITY_MIN, PRIORITY_MAX, "priority"),
+        }
+        if lora_id is not None:
+            block["lora_id"] = _as_int(lora_id, 0, _U64_MAX, "lora_id")
+        if lora_name is not None:
+            block["lora_name"] = _as_opt_str(lora_name, "lora_name")
+        if cache_salt is not None:
+            block["cache_salt"] = _as_opt_str(cache_salt, "cache_salt")
+        if mm_keys:
+            if isinstance(mm_keys, (str, bytes)) or not isinstance(mm_keys, Sequence):
+                raise EmitterError("mm_keys must be a sequence of MmKey")
+            keys = tuple(mm_keys)
+            for i, k in enumerate(keys):
+                if not isinstance(k, MmKey):
+                    raise EmitterError(f"mm_keys[{i}] must be an MmKey, got {type(k).__name__}")
+            block["mm_keys"] = keys
+        if token_extra_ids is not None:
+            extra = _as_tokens(token_extra_ids, "token_extra_ids")
+            if len(extra) != len(token_ids):
+                raise EmitterError(
+                    f"token_extra_ids has {len(extra)} entries for {len(token_ids)} tokens"
+                )
+            block["token_extra_ids"] = extra
+        return block
+
+    def _unknown_group(self, layer_group_id: object) -> EmitterError:
+        known = ", ".join(map(str, self._groups)) or "none"
+        return EmitterError(
+            f"layer group {layer_group_id!r} is not registered (call created() first; "
+            f"registered: {known})"
+        )
+
+
+class NullRecorder:
+    """A recorder that records nothing: every method returns None and builds nothing.
+
+    ``enabled`` is False so a cache manager may skip computing arguments altogether.
+    """
+
+    enabled: bool = False
+
+    def created(
+        self,
+        layer_group_id: int,
+        *,
+        window_size: int,
+        num_blocks_per_cache_level: Sequence[int],
+        tokens_per_block: int,
+        attention_kind: AttentionKind = AttentionKind.FULL,
+    ) -> None:
+        """Does nothing."""
+
+    def stored(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hash: bytes,
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        mm_keys: Sequence[MmKey] = (),
+        cache_salt: str | None = None,
+        token_extra_ids: TokenIds | Sequence[int] | None = None,
+    ) -> None:
+        """Does nothing."""
+
+    def removed(
+        self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
+    ) -> None:
+        """Does nothing."""
+
+    def updated(
+        self,
+        layer_group_id: int,
+        block_hash: bytes,
+        *,
+        cache_level: tuple[int, int] | None = None,
+        priority: tuple[int, int] | None = None,
+    ) -> None:
+        """Does nothing."""
+
+    def cleared(self, layer_group_id: int | None = None) -> None:
+        """Does nothing."""
+
+    def flush_iteration(self) -> None:
+        """Does nothing."""
+
+    def take(self) -> None:
+        """Always None."""
+
+    def flush(self) -> None:
+        """Always None."""
+
+
+#: A shared :class:`NullRecorder` (it has no state).
+NULL_RECORDER: Final = NullRecorder()
