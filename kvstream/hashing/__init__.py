@@ -1,0 +1,32 @@
+"""Block hashing: the registry of hash algorithms published in events' ``hash_algo``.
+
+::
+
+    from kvstream.hashing import get_hasher
+    h = get_hasher("v2_sha256")                       # or get_hasher("vllm_sha256_cbor", seed="0")
+    h.chain([[1, 2, 3, 4], [5, 6]])                   # [bytes32, ...]; ints for 64-bit algorithms
+    h.chain_bytes(blocks)                             # bytes of width h.width (what events carry)
+    st = h.root(lora_id=None, cache_salt=None)        # incremental: one block at a time
+    published, st = h.extend(st, block_tokens, mm_keys=())
+
+Modules: :mod:`.registry` (names -> factories), :mod:`.base` (the interface, chain state,
+scope helpers), :mod:`.trtllm`, :mod:`.vllm`, :mod:`.native` (the algorithms),
+:mod:`.multimodal` (content digests, mm keys), :mod:`.blocks` (token containers, request
+chunking), :mod:`.cbor` (canonical CBOR for vLLM).
+"""
+
+from kvstream.hashing.base import BlockHasher, ChainState, cache_salt_id
+from kvstream.hashing.blocks import split_blocks
+from kvstream.hashing.multimodal import content_digest
+from kvstream.hashing.registry import available_hashers, get_hasher, register_hasher
+
+__all__ = [
+    "BlockHasher",
+    "ChainState",
+    "available_hashers",
+    "cache_salt_id",
+    "content_digest",
+    "get_hasher",
+    "register_hasher",
+    "split_blocks",
+]

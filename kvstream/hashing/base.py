@@ -1,0 +1,244 @@
+"""The :class:`BlockHasher` interface, its chain state, and the request-scope helpers.
+
+A hasher turns a request's token blocks into a chain of block hashes: block *i*'s hash
+depends on block *i-1*'s (its parent) and, at the root, on the request's scope (LoRA adapter,
+cache salt). Two ways to drive it, always giving the same values:
+
+- ``chain_bytes(blocks, ...)`` / ``chain(blocks, ...)``: a whole request at once (routers);
+- ``root(...)`` then ``extend(state, block)`` per block (cache managers committing blocks one
+  at a time). The state is an immutable :class:`ChainState`, so a prefix's state can be kept
+  and extended along several branches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from kvstream.errors import HashingError
+
+__all__ = [
+    "BlockHasher",
+    "ChainState",
+    "cache_salt_id",
+    "check_u64",
+    "id_scope",
+    "per_block_args",
+    "resolve_salt_id",
+    "scope_bytes",
+]
+
+_U64_MAX = 2**64 - 1
+
+
+class ChainState(NamedTuple):
+    """Immutable chain position: treat as opaque and pass back to the hasher that made it.
+
+    ``algo`` is the hasher's name, ``key`` the chaining value after the last block (the root
+    key at the root), ``depth`` the number of blocks hashed so far, and ``scope`` the
+    algorithm's per-request inputs that apply beyond the root.
+    """
+
+    algo: str
+    key: Any
+    depth: int
+    scope: tuple[Any, ...]
+
+
+def check_u64(name: str, value: object) -> int:
+    """``value`` as an unsigned 64-bit int; HashingError if it is not an int in 0..2**64-1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HashingError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= _U64_MAX:
+        raise HashingError(f"{name} must be in 0..2**64-1, got {value}")
+    return value
+
+
+def cache_salt_id(cache_salt: str) -> int:
+    """The salt id of a cache-salt string: first 8 bytes of SHA-256(utf-8), little-endian.
+
+    This is the mapping of TensorRT-LLM's V2 manager, its router and ``kv_cache_hash``
+    (older V1 builds used BLAKE3 or ``std::hash`` and do not match; pass their id as
+    ``salt_id`` instead). ``cache_salt_id("tenant-A") == 10590430051267512242``.
+    """
+    if not isinstance(cache_salt, str):
+        raise HashingError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8")).digest()[:8], "little")
+
+
+def resolve_salt_id(cache_salt: str | None, salt_id: int | None) -> int | None:
+    """The numeric salt of a request: ``salt_id``, or :func:`cache_salt_id` of ``cache_salt``.
+
+    Passing both is ambiguous and raises HashingError.
+    """
+    if cache_salt is not None and salt_id is not None:
+        raise HashingError("pass either cache_salt or salt_id, not both")
+    if cache_salt is not None:
+        return cache_salt_id(cache_salt)
+    if salt_id is not None:
+        return check_u64("salt_id", salt_id)
+    return None
+
+
+def id_scope(
+    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any
+) -> tuple[int | None, int | None]:
+    """(lora_id, salt_id) of a request for the id-scoped algorithms (TensorRT-LLM, blake3)."""
+    if lora_id is None and lora_name is not None:
+        raise HashingError(
+            f"{name} identifies LoRA adapters by lora_id; got lora_name={lora_name!r} "
+            "without a lora_id"
+        )
+    lora = None if lora_id is None else check_u64("lora_id", lora_id)
+    return lora, resolve_salt_id(cache_salt, salt_id)
+
+
+def scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
+    """The V2 scope encoding: mask byte, then lora id and salt id (present ones) as u64 LE."""
+    mask = (1 if lora_id is not None else 0) | (2 if salt_id is not None else 0)
+    out = bytes([mask])
+    if lora_id is not None:
+        out += lora_id.to_bytes(8, "little")
+    if salt_id is not None:
+        out += salt_id.to_bytes(8, "little")
+    return out
+
+
+class BlockHasher(ABC):
+    """One block-hash algorithm, bound to its algorithm-level parameters. Immutable.
+
+    Attributes: ``name`` (the ``hash_algo`` name events publish) and ``width`` (bytes of a
+    published hash: 8 for 64-bit algorithms, 32 for 256-bit ones).
+    """
+
+    name: str
+    width: int
+
+    @abstractmethod
+    def root(
+        self,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        lora_name: str | None = None,
+        *,
+        lora_path: str | None = None,
+    ) -> ChainState:
+        """The chain state before a request's first block.
+
+        ``lora_id``/``lora_name``(+``lora_path``) name the LoRA adapter, ``cache_salt`` (a
+        string) or ``salt_id`` (an int) the cache-isolation salt; which of them an algorithm
+        hashes is in its docs. Passing an adapter or salt in a form the algorithm cannot
+        hash raises HashingError rather than silently hashing without it.
+        """
+
+    @abstractmethod
+    def extend(
+        self,
+        state: ChainState,
+        block_tokens: Any,
+        mm_keys: Iterable[Any] | None = (),
+        token_extra_ids: Any = None,
+    ) -> tuple[bytes, ChainState]:
+        """Hash one block after ``state``: ``(published hash of width self.width, new state)``.
+
+        ``mm_keys`` are the block's multimodal keys (see :mod:`kvstream.hashing.multimodal`);
+        ``token_extra_ids`` one extra id per token (algorithms that define them). The states
+        are never mutated.
+        """
+
+    def _check_state(self, state: ChainState) -> None:
+        """Raise HashingError unless ``state`` is a chain state of this algorithm."""
+        if type(state) is not ChainState or state.algo != self.name:
+            got = state.algo if isinstance(state, ChainState) else type(state).__name__
+            raise HashingError(f"{self.name}.extend() got a chain state of {got}")
+
+    def chain_bytes(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[bytes]:
+        """The published hash of every block, as bytes of width ``self.width``.
+
+        64-bit values are big-endian. ``mm_keys`` and ``token_extra_ids``, when given, hold
+        one entry per block (None or empty for a block without any). Equals folding
+        :meth:`extend` over the blocks from :meth:`root`.
+        """
+        blocks = list(blocks)
+        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
+        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
+        out: list[bytes] = []
+        for i, block in enumerate(blocks):
+            published, state = self.extend(
+                state,
+                block,
+                mm[i] if mm is not None else (),
+                extra[i] if extra is not None else None,
+            )
+            out.append(published)
+        return out
+
+    def chain(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[int] | list[bytes]:
+        """Like :meth:`chain_bytes`, in the form engines publish in JSON.
+
+        Unsigned ints for 64-bit algorithms, 32-byte ``bytes`` for 256-bit ones.
+        """
+        out = self.chain_bytes(
+            blocks,
+            lora_id,
+            cache_salt,
+            salt_id,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            mm_keys=mm_keys,
+            token_extra_ids=token_extra_ids,
+        )
+        if self.width == 8:
+            return [int.from_bytes(b, "big") for b in out]
+        return out
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} width={self.width}>"
+
+
+def per_block_args(
+    n_blocks: int,
+    mm_keys: Sequence[Iterable[Any] | None] | None,
+    token_extra_ids: Sequence[Any] | None,
+) -> tuple[list[Any] | None, list[Any] | None]:
+    """Validate the per-block ``mm_keys``/``token_extra_ids`` of a chain call (one per block)."""
+    mm = None
+    if mm_keys is not None:
+        mm = list(mm_keys)
+        if len(mm) != n_blocks:
+            raise HashingError(
+                f"mm_keys needs one entry per block: got {len(mm)} for {n_blocks} blocks"
+            )
+    extra = None
+    if token_extra_ids is not None:
+        extra = list(token_extra_ids)
+        if len(extra) != n_blocks:
+            raise HashingError(
+                f"token_extra_ids needs one entry per block: got {len(extra)} for {n_blocks} blocks"
+            )
+    return mm, extra

@@ -1,0 +1,415 @@
+"""TensorRT-LLM block hashes: ``v1_block_key``, ``v2_sha256`` and ``v2_sha256_64``.
+
+Request scope (all three): ``lora_id`` (LoRA task id, uint64) and a salt, given either as
+``salt_id`` (uint64) or as a ``cache_salt`` string mapped by :func:`cache_salt_id`
+(SHA-256(utf-8)[:8] little-endian, the V2/router rule). TensorRT-LLM identifies adapters by
+id only, so a ``lora_name`` without a ``lora_id`` raises HashingError.
+
+``v1_block_key`` (V1 ``BlockKeyHasher``; 64-bit). All arithmetic mod 2**64 unless noted::
+
+    mix32(v, s): v = token as uint32; twice v = ((v>>16)^v) * 0x045D9F3B mod 2**32;
+                 v = (v>>16)^v; v = (v + 0x9E3779B9) mod 2**32;
+                 return s ^ (v + (s<<6) + (s>>2))
+    mix64(v, s): v = (v^(v>>30))*0xBF58476D1CE4E5B9; v = (v^(v>>27))*0x94D049BB133111EB;
+                 v ^= v>>31; return s ^ (v + 0x9E3779B9 + (s<<6) + (s>>2))
+    hash(block, parent):      (the root's parent is 0)
+        s = len(tokens) ^ (parent * 0xBF58476D1CE4E5B9)
+        if parent == 0 and salt: s = mix64(salt_id, s)
+        for each token: s = mix32(token, s); with extra ids also s = mix64(extra_id, s)
+        if lora_id is not None: s = mix64(lora_id, s)            (every block)
+        for each mm key: s = mix32(w, s) for the 8 little-endian u32 words w of the digest,
+                         then s = mix64(start_offset, s)          (V1 C++ only)
+        return s
+
+Every ``mix`` returns ``s ^ (w + (s<<6) + (s>>2))`` with a *seed-independent* ``w``; the
+``w`` of a request's tokens come from a lookup table (single blocks) or one numpy pass (long
+requests), so only the seed recurrence runs per token in Python (~150 ns/token: expect ~10x
+less throughput than the SHA-256 algorithms). Published: the unsigned value, 8 bytes
+big-endian.
+
+``v2_sha256`` (V2 radix key; 256-bit)::
+
+    scope = one mask byte (bit0 lora present, bit1 salt present), then each present field as
+            uint64 little-endian, lora first (no scope: b"\\x00")
+    root  = SHA-256(scope)
+    key   = SHA-256(parent_key (32 bytes) || each token as 4 bytes little-endian)
+
+A 32-byte ``bytes`` element in a block is a multimodal *digest token* and enters the hashed
+stream verbatim (TensorRT-LLM V2 puts the item's digest in place of its first token, item token
+k as ``vocab_size + k``); pass blocks that way to reproduce a V2 engine's keys. ``mm_keys``
+(a kvstream extension for engines that keep placeholder ids) are appended after the tokens,
+each as ``digest (32 bytes) || start_offset as 4 bytes little-endian``.
+
+``v2_sha256_64``: the first 8 key bytes (big-endian unsigned); chaining uses the full keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from kvstream._types import TokenIds
+from kvstream.errors import HashingError
+from kvstream.hashing.base import BlockHasher, ChainState, id_scope, scope_bytes
+from kvstream.hashing.blocks import (
+    MixedBlock,
+    Where,
+    coerce_block,
+    coerce_many,
+    coerce_tokens,
+    extra_ids_list,
+    u32_list,
+)
+from kvstream.hashing.multimodal import digest32, normalize_mm_keys
+
+__all__ = ["V1BlockKeyHasher", "V2Sha256Hasher"]
+
+_M32: Final = 0xFFFFFFFF
+_M64: Final = 0xFFFFFFFFFFFFFFFF
+_K32: Final = 0x045D9F3B
+_GOLD: Final = 0x9E3779B9
+_SM1: Final = 0xBF58476D1CE4E5B9
+_SM2: Final = 0x94D049BB133111EB
+#: Below this many tokens the per-token w values come from a lookup table (numpy's per-call
+#: overhead dominates for single blocks).
+_NUMPY_MIN_TOKENS: Final = 64
+_TABLE_SIZE: Final = 1 << 18
+_W32_TABLE: array[int] | None = None
+_sha256 = hashlib.sha256
+_tuple_new = tuple.__new__
+
+
+def _w32(v: int) -> int:
+    """The seed-independent term of mix32 for one token."""
+    v = (((v >> 16) ^ v) * _K32) & _M32
+    v = (((v >> 16) ^ v) * _K32) & _M32
+    v = (v >> 16) ^ v
+    return (v + _GOLD) & _M32
+
+
+def _w64(v: int) -> int:
+    """The seed-independent term of mix64 (splitmix64 finalizer plus the golden constant)."""
+    v = ((v ^ (v >> 30)) * _SM1) & _M64
+    v = ((v ^ (v >> 27)) * _SM2) & _M64
+    v ^= v >> 31
+    return (v + _GOLD) & _M64
+
+
+def _w32_np(v: np.ndarray[Any, np.dtype[np.uint32]]) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """mix32 terms of a uint32 array (a new array; uint32 arithmetic wraps mod 2**32)."""
+    v = v.astype(np.uint32)
+    k = np.uint32(_K32)
+    v ^= v >> 16
+    v *= k
+    v ^= v >> 16
+    v *= k
+    v ^= v >> 16
+    v += np.uint32(_GOLD)
+    return v
+
+
+def _w32_table() -> array[int]:
+    """mix32 terms of the ids below ``_TABLE_SIZE`` (built on first use: ~1 MiB, a few ms)."""
+    global _W32_TABLE  # noqa: PLW0603  (published by one atomic rebinding: thread-safe)
+    table = _W32_TABLE
+    if table is None:
+        table = array("I", _w32_np(np.arange(_TABLE_SIZE, dtype=np.uint32)).tobytes())
+        _W32_TABLE = table
+    return table
+
+
+def _w32_all(raw: bytes) -> list[int]:
+    """mix32 terms of every u32 little-endian token in ``raw``.
+
+    Short blocks look the terms up in a table (vocabulary ids are below 2**18); long requests
+    compute them with numpy in one pass.
+    """
+    if len(raw) < 4 * _NUMPY_MIN_TOKENS:
+        toks = u32_list(raw)
+        try:
+            return list(map(_w32_table().__getitem__, toks))
+        except IndexError:  # an id >= _TABLE_SIZE
+            return [_w32(t) for t in toks]
+    out: list[int] = _w32_np(np.frombuffer(raw, dtype="<u4")).tolist()
+    return out
+
+
+def _w64_all(values: list[int]) -> list[int]:
+    """mix64 terms of every value (uint64), vectorised for long lists."""
+    if len(values) < _NUMPY_MIN_TOKENS:
+        return [_w64(x) for x in values]
+    v = np.array(values, dtype=np.uint64)
+    v ^= v >> np.uint64(30)
+    v *= np.uint64(_SM1)
+    v ^= v >> np.uint64(27)
+    v *= np.uint64(_SM2)
+    v ^= v >> np.uint64(31)
+    v += np.uint64(_GOLD)
+    out: list[int] = v.tolist()
+    return out
+
+
+def _mm_terms(mm_keys: Iterable[Any] | None) -> list[int]:
+    terms: list[int] = []
+    for i, (h, off) in enumerate(normalize_mm_keys(mm_keys)):
+        d = digest32(h, f"mm_keys[{i}]")
+        terms.extend(_w32(w) for w in u32_list(d))
+        terms.append(_w64(off))
+    return terms
+
+
+class V1BlockKeyHasher(BlockHasher):
+    """``v1_block_key``: TensorRT-LLM V1 ``BlockKeyHasher`` (64-bit; see module docstring).
+
+    Supports salt, LoRA id, per-token extra ids and multimodal keys. Chain values are the
+    unsigned 64-bit ints TensorRT-LLM publishes in JSON.
+    """
+
+    name = "v1_block_key"
+    width = 8
+
+    def root(
+        self,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        lora_name: str | None = None,
+        *,
+        lora_path: str | None = None,
+    ) -> ChainState:
+        """Root state; the parent of the first block is 0."""
+        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        return ChainState(
+            self.name,
+            0,
+            0,
+            (None if salt is None else _w64(salt), None if lora is None else _w64(lora)),
+        )
+
+    @staticmethod
+    def _hash(
+        parent: int, n: int, terms: list[int], scope: tuple[Any, ...], tail: list[int]
+    ) -> int:
+        salt_w, lora_w = scope
+        s = (n ^ (parent * _SM1)) & _M64
+        if parent == 0 and salt_w is not None:
+            s = (s ^ (salt_w + (s << 6) + (s >> 2))) & _M64
+        for w in terms:
+            s = (s ^ (w + (s << 6) + (s >> 2))) & _M64
+        if lora_w is not None:
+            s = (s ^ (lora_w + (s << 6) + (s >> 2))) & _M64
+        for w in tail:
+            s = (s ^ (w + (s << 6) + (s >> 2))) & _M64
+        return s
+
+    def _extend_int(
+        self, state: ChainState, block_tokens: Any, mm_keys: Any, token_extra_ids: Any
+    ) -> int:
+        raw = coerce_tokens(block_tokens)
+        n = len(raw) >> 2
+        if n == 0:
+            raise HashingError("a block needs at least one token")
+        terms = _w32_all(raw)
+        if token_extra_ids is not None:
+            extra = _w64_all(extra_ids_list(token_extra_ids, n))
+            terms = [w for pair in zip(terms, extra, strict=True) for w in pair]
+        return self._hash(state.key, n, terms, state.scope, _mm_terms(mm_keys))
+
+    def extend(
+        self,
+        state: ChainState,
+        block_tokens: Any,
+        mm_keys: Iterable[Any] | None = (),
+        token_extra_ids: Any = None,
+    ) -> tuple[bytes, ChainState]:
+        """Hash one block; the published hash is the 64-bit value, 8 bytes big-endian."""
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        key = self._extend_int(state, block_tokens, mm_keys, token_extra_ids)
+        return key.to_bytes(8, "big"), _tuple_new(
+            ChainState, (self.name, key, state.depth + 1, state.scope)
+        )
+
+    def chain(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[int]:
+        """The chain as unsigned 64-bit ints (the JSON form). See :meth:`BlockHasher.chain`."""
+        blocks = list(blocks)
+        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
+        out: list[int] = []
+        if mm_keys is not None or token_extra_ids is not None:
+            for b in super().chain_bytes(
+                blocks,
+                lora_id,
+                cache_salt,
+                salt_id,
+                lora_name=lora_name,
+                lora_path=lora_path,
+                mm_keys=mm_keys,
+                token_extra_ids=token_extra_ids,
+            ):
+                out.append(int.from_bytes(b, "big"))
+            return out
+        # Fast path: the w terms of every token of the request in one numpy pass.
+        raws = coerce_many(blocks)
+        terms = _w32_all(b"".join(raws))
+        scope = state.scope
+        key = 0
+        pos = 0
+        hash_ = self._hash
+        for raw in raws:
+            n = len(raw) >> 2
+            if n == 0:
+                raise HashingError("a block needs at least one token")
+            key = hash_(key, n, terms[pos : pos + n], scope, [])
+            pos += n
+            out.append(key)
+        return out
+
+    def chain_bytes(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[bytes]:
+        """The chain as 8-byte big-endian values. See :meth:`BlockHasher.chain_bytes`."""
+        ints = self.chain(
+            blocks,
+            lora_id,
+            cache_salt,
+            salt_id,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            mm_keys=mm_keys,
+            token_extra_ids=token_extra_ids,
+        )
+        return [k.to_bytes(8, "big") for k in ints]
+
+
+class V2Sha256Hasher(BlockHasher):
+    """``v2_sha256`` (``width=32``) and ``v2_sha256_64`` (``width=8``): TensorRT-LLM V2 keys.
+
+    See the module docstring for the key definition, digest tokens and ``mm_keys``. Per-token
+    extra ids are not part of V2 keys and raise HashingError.
+    """
+
+    def __init__(self, width: int = 32) -> None:
+        if width not in (8, 32):
+            raise HashingError(
+                f"v2_sha256 publishes 32-byte keys or their first 8 bytes, not {width}"
+            )
+        self.width = width
+        self.name = "v2_sha256" if width == 32 else "v2_sha256_64"
+
+    def root(
+        self,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        lora_name: str | None = None,
+        *,
+        lora_path: str | None = None,
+    ) -> ChainState:
+        """Root state: key = SHA-256(scope bytes)."""
+        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        return ChainState(self.name, hashlib.sha256(scope_bytes(lora, salt)).digest(), 0, ())
+
+    @staticmethod
+    def _message(block_tokens: Any, mm_keys: Any, token_extra_ids: Any, where: Where) -> bytes:
+        if token_extra_ids is not None:
+            raise HashingError("v2_sha256 keys do not include per-token extra ids")
+        coerced = coerce_block(block_tokens, where)
+        raw = coerced.verbatim if isinstance(coerced, MixedBlock) else coerced
+        if not raw:
+            raise HashingError("a block needs at least one token")
+        if mm_keys:
+            parts = [raw]
+            for i, (h, off) in enumerate(normalize_mm_keys(mm_keys)):
+                parts.append(digest32(h, f"mm_keys[{i}]"))
+                parts.append(off.to_bytes(4, "little"))
+            raw = b"".join(parts)
+        return raw
+
+    def extend(
+        self,
+        state: ChainState,
+        block_tokens: Any,
+        mm_keys: Iterable[Any] | None = (),
+        token_extra_ids: Any = None,
+    ) -> tuple[bytes, ChainState]:
+        """Hash one block: key = SHA-256(parent key || block stream)."""
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        if type(block_tokens) is TokenIds and not mm_keys and token_extra_ids is None:
+            msg = block_tokens._raw
+        else:
+            msg = self._message(block_tokens, mm_keys, token_extra_ids, "block_tokens")
+        if not msg:
+            raise HashingError("a block needs at least one token")
+        key = _sha256(state.key + msg).digest()
+        return (key if self.width == 32 else key[:8]), _tuple_new(
+            ChainState, (self.name, key, state.depth + 1, ())
+        )
+
+    def chain_bytes(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[bytes]:
+        """The chain as bytes of width ``self.width``. See :meth:`BlockHasher.chain_bytes`."""
+        blocks = list(blocks)
+        if token_extra_ids is not None:
+            raise HashingError("v2_sha256 keys do not include per-token extra ids")
+        if mm_keys is not None and len(mm_keys) != len(blocks):
+            raise HashingError(
+                f"mm_keys needs one entry per block: got {len(mm_keys)} for {len(blocks)} blocks"
+            )
+        key: bytes = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path).key
+        sha = hashlib.sha256
+        out: list[bytes] = []
+        append = out.append
+        message = self._message
+        if mm_keys is None:
+            # Hot loop: TokenIds blocks hash their packed bytes directly.
+            for b in blocks:
+                if type(b) is TokenIds:
+                    msg = b._raw
+                    if not msg:
+                        raise HashingError(f"blocks[{len(out)}]: a block needs at least one token")
+                else:
+                    msg = message(b, None, None, len(out))
+                key = sha(key + msg).digest()
+                append(key)
+        else:
+            for i, b in enumerate(blocks):
+                key = sha(key + message(b, mm_keys[i], None, i)).digest()
+                append(key)
+        if self.width == 8:
+            return [k[:8] for k in out]
+        return out
