@@ -1,0 +1,451 @@
+"""Codec benchmark: kvstream's Avro codec against naive fastavro and vLLM's msgspec wire format.
+
+A realistic batch: ``--events`` stored events x ``--blocks`` blocks x ``--tokens`` tokens
+(8-byte hashes, token ids from a 128k vocabulary: uniform, or Zipf-like with frequent ids
+small as in BPE vocabularies) plus one removed event (4 hashes) per 8 stored events.
+
+Formats, each encoding the same information:
+
+(a) kvstream ``AvroCodec`` (single-object encoding, schema v2) from ``EventBatch`` models;
+    decode back to validated models (and, for reference, the fastavro stage alone).
+(b) fastavro ``schemaless_writer`` of pre-built plain dicts in a naive row-wise layout (one
+    record per block, ``array<long>`` of token ids), decode to dicts.
+(c) msgspec msgpack of vLLM >= 0.24 events (``KVEventBatch`` array-like ``[ts, events, rank]``,
+    ``BlockStored``/``BlockRemoved`` tagged maps; see reference/peers.md section 1.2) from
+    pre-built structs, decode to structs.
+
+Timing: rounds interleave the formats; each figure is the best round, measured as thread CPU
+time (robust on a shared machine) with the GC paused like ``timeit`` (``--gc`` leaves it
+on). Targets: kvstream encode blocks/s >= msgspec's, and kvstream bytes/block <= 0.6x
+msgspec's.
+
+Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstream._types import TokenIds
+from kvstream.codec import AvroCodec
+from kvstream.codec.decoder import read_record
+from kvstream.codec.framing import split_single_object
+from kvstream.events.model import (
+    EventBatch,
+    KVCacheEvent,
+    Removed,
+    SourceId,
+    Stored,
+    StoredBlock,
+)
+
+VOCAB = 128_000
+
+
+# ------------------------------------------------------------------------ vLLM (msgspec)
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """vLLM >= 0.24 ``BlockStored`` (field order of peers.md 1.2, up to the fields vLLM
+    0.33 sets for a plain full-attention request)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved]
+    data_parallel_rank: int | None = None
+
+
+# The map-era test vector of peers.md 1.2, to check the struct definitions above.
+_VLLM_VECTOR = (
+    "93cb0000000000000000918aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf"
+    "84b146b151d55111b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa62"
+    "6c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a96772"
+    "6f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e00"
+)
+
+
+def check_vllm_vector() -> None:
+    batch = KVEventBatch(
+        ts=0.0,
+        events=[
+            BlockStored(
+                block_hashes=[9561501211280363793],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        ],
+        data_parallel_rank=0,
+    )
+    got = msgspec.msgpack.encode(batch).hex()
+    if got != _VLLM_VECTOR:
+        raise SystemExit(f"vLLM struct definitions do not reproduce peers.md 1.2:\n{got}")
+
+
+# ------------------------------------------------------------------------ naive fastavro
+
+NAIVE_SCHEMA = fastavro.parse_schema(
+    {
+        "type": "record",
+        "name": "NaiveBatch",
+        "fields": [
+            {"name": "instance_id", "type": "string"},
+            {"name": "ts_ns", "type": "long"},
+            {
+                "name": "events",
+                "type": {
+                    "type": "array",
+                    "items": {
+                        "type": "record",
+                        "name": "NaiveEvent",
+                        "fields": [
+                            {"name": "event_id", "type": "long"},
+                            {"name": "kind", "type": "string"},
+                            {"name": "window_size", "type": "long"},
+                            {"name": "hash_algo", "type": "string"},
+                            {"name": "layer_group_id", "type": "int"},
+                            {"name": "parent_hash", "type": ["null", "bytes"]},
+                            {
+                                "name": "blocks",
+                                "type": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "record",
+                                        "name": "NaiveBlock",
+                                        "fields": [
+                                            {"name": "block_hash", "type": "bytes"},
+                                            {
+                                                "name": "token_ids",
+                                                "type": {"type": "array", "items": "long"},
+                                            },
+                                            {"name": "cache_level", "type": "int"},
+                                            {"name": "priority", "type": "int"},
+                                            {"name": "lora_id", "type": ["null", "long"]},
+                                        ],
+                                    },
+                                },
+                            },
+                            {"name": "removed_hashes", "type": {"type": "array", "items": "bytes"}},
+                        ],
+                    },
+                },
+            },
+        ],
+    }
+)
+
+
+# ------------------------------------------------------------------------ the workload
+
+
+@dataclass
+class Workload:
+    name: str
+    blocks: int
+    batch: EventBatch
+    naive: dict[str, Any]
+    vllm: KVEventBatch
+
+
+def token_ids(rng: np.random.Generator, n: int, dist: str) -> np.ndarray:
+    if dist == "uniform":
+        return rng.integers(0, VOCAB, n, dtype=np.uint32)
+    out = np.empty(0, dtype=np.uint32)
+    while len(out) < n:  # Zipf ranks (a=1.2) truncated to the vocabulary, rank 1 = id 0
+        ranks = rng.zipf(1.2, 2 * n)
+        out = np.concatenate([out, (ranks[ranks <= VOCAB] - 1).astype(np.uint32)])
+    return out[:n]
+
+
+def build(dist: str, n_events: int, n_blocks: int, n_tokens: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    events: list[KVCacheEvent] = []
+    naive_events: list[dict[str, Any]] = []
+    vllm_events: list[BlockStored | BlockRemoved] = []
+    event_id = 0
+    for e in range(n_events):
+        ids = token_ids(rng, n_blocks * n_tokens, dist)
+        hashes = [rng.bytes(8) for _ in range(n_blocks)]
+        parent = rng.bytes(8)
+        chunks = [ids[i * n_tokens : (i + 1) * n_tokens] for i in range(n_blocks)]
+        events.append(
+            KVCacheEvent(
+                event_id=event_id,
+                window_size=4096,
+                data=Stored(
+                    parent_hash=parent,
+                    blocks=tuple(
+                        StoredBlock(block_hash=h, token_ids=TokenIds.from_bytes(c.tobytes()))
+                        for h, c in zip(hashes, chunks, strict=True)
+                    ),
+                ),
+            )
+        )
+        naive_events.append(
+            {
+                "event_id": event_id,
+                "kind": "stored",
+                "window_size": 4096,
+                "hash_algo": "v1_block_key",
+                "layer_group_id": 0,
+                "parent_hash": parent,
+                "blocks": [
+                    {
+                        "block_hash": h,
+                        "token_ids": c.tolist(),
+                        "cache_level": 0,
+                        "priority": 35,
+                        "lora_id": None,
+                    }
+                    for h, c in zip(hashes, chunks, strict=True)
+                ],
+                "removed_hashes": [],
+            }
+        )
+        vllm_events.append(
+            BlockStored(
+                block_hashes=[int.from_bytes(h, "big") for h in hashes],
+                parent_block_hash=int.from_bytes(parent, "big"),
+                token_ids=ids.tolist(),
+                block_size=n_tokens,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
+        event_id += 1
+        if e % 8 == 7:
+            gone = [rng.bytes(8) for _ in range(4)]
+            events.append(
+                KVCacheEvent(
+                    event_id=event_id, window_size=4096, data=Removed(block_hashes=tuple(gone))
+                )
+            )
+            naive_events.append(
+                {
+                    "event_id": event_id,
+                    "kind": "removed",
+                    "window_size": 4096,
+                    "hash_algo": "v1_block_key",
+                    "layer_group_id": 0,
+                    "parent_hash": None,
+                    "blocks": [],
+                    "removed_hashes": gone,
+                }
+            )
+            vllm_events.append(
+                BlockRemoved(
+                    block_hashes=[int.from_bytes(h, "big") for h in gone],
+                    medium="GPU",
+                    group_idx=0,
+                )
+            )
+            event_id += 1
+    ts = 1_700_000_000_000_000_000
+    return Workload(
+        name=dist,
+        blocks=n_events * n_blocks,
+        batch=EventBatch(
+            source=SourceId(instance_id="worker-0", attention_dp_rank=0),
+            ts_ns=ts,
+            events=tuple(events),
+        ),
+        naive={"instance_id": "worker-0", "ts_ns": ts, "events": naive_events},
+        vllm=KVEventBatch(ts=ts / 1e9, events=vllm_events, data_parallel_rank=0),
+    )
+
+
+# ------------------------------------------------------------------------ measuring
+
+
+KEEP_GC = False
+
+
+def best_time(fns: dict[str, Callable[[], object]], rounds: int, number: int) -> dict[str, float]:
+    """Best per-call thread CPU time (seconds) of each function; rounds interleave them."""
+    best = dict.fromkeys(fns, float("inf"))
+    gc_was_enabled = gc.isenabled()
+    if not KEEP_GC:
+        gc.disable()
+    try:
+        for fn in fns.values():
+            fn()  # warm caches
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.thread_time_ns()
+                for _ in range(number):
+                    fn()
+                best[name] = min(best[name], (time.thread_time_ns() - t0) / number / 1e9)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return best
+
+
+def naive_encode(record: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, NAIVE_SCHEMA, record)
+    return buf.getvalue()
+
+
+def naive_decode(data: bytes) -> object:
+    return fastavro.schemaless_reader(io.BytesIO(data), NAIVE_SCHEMA, None)
+
+
+def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
+    codec = AvroCodec()
+    enc_msgspec = msgspec.msgpack.Encoder()
+    dec_msgspec = msgspec.msgpack.Decoder(KVEventBatch)
+    data_kv = codec.encode(w.batch)
+    if codec.decode(data_kv) != w.batch:
+        raise SystemExit("kvstream round trip failed")
+    data_naive = naive_encode(w.naive)
+    data_ms = enc_msgspec.encode(w.vllm)
+    if dec_msgspec.decode(data_ms) != w.vllm:
+        raise SystemExit("msgspec round trip failed")
+    writer = codec.registry.get(2)
+    body = split_single_object(data_kv)[1]
+    enc = best_time(
+        {
+            "kvstream": lambda: codec.encode(w.batch),
+            "fastavro": lambda: naive_encode(w.naive),
+            "msgspec": lambda: enc_msgspec.encode(w.vllm),
+        },
+        rounds,
+        number,
+    )
+    dec = best_time(
+        {
+            "kvstream": lambda: codec.decode(data_kv),
+            "kvstream_records": lambda: read_record(body, writer, writer),
+            "fastavro": lambda: naive_decode(data_naive),
+            "msgspec": lambda: dec_msgspec.decode(data_ms),
+        },
+        max(3, rounds // 3),
+        max(1, number // 2),
+    )
+    sizes = {"kvstream": len(data_kv), "fastavro": len(data_naive), "msgspec": len(data_ms)}
+    return {"encode": enc, "decode": dec, "size": {k: float(v) for k, v in sizes.items()}}
+
+
+def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float]:
+    b = w.blocks
+    print(f"\n== {w.name} token ids: {b} blocks/batch, {len(w.batch.events)} events ==")
+    print(f"{'format':34s} {'encode blocks/s':>16s} {'decode blocks/s':>16s} {'bytes/block':>12s}")
+    rows = [
+        ("kvstream AvroCodec v2 (models)", "kvstream"),
+        ("fastavro naive row-wise (dicts)", "fastavro"),
+        ("msgspec vLLM>=0.24 (structs)", "msgspec"),
+    ]
+    for label, key in rows:
+        print(
+            f"{label:34s} {b / r['encode'][key]:16,.0f} {b / r['decode'][key]:16,.0f} "
+            f"{r['size'][key] / b:12.1f}"
+        )
+    print(
+        f"{'  kvstream decode, fastavro stage':34s} {'':16s} "
+        f"{b / r['decode']['kvstream_records']:16,.0f}"
+    )
+    enc_ratio = r["encode"]["msgspec"] / r["encode"]["kvstream"]
+    size_ratio = r["size"]["kvstream"] / r["size"]["msgspec"]
+    print(
+        f"kvstream/msgspec: encode speed {enc_ratio:.2f}x (target >= 1.00), "
+        f"bytes {size_ratio:.2f}x (target <= 0.60), "
+        f"decode speed {r['decode']['msgspec'] / r['decode']['kvstream']:.2f}x"
+    )
+    print(
+        f"kvstream/naive fastavro: encode speed "
+        f"{r['encode']['fastavro'] / r['encode']['kvstream']:.2f}x, "
+        f"bytes {r['size']['kvstream'] / r['size']['fastavro']:.2f}x"
+    )
+    return enc_ratio, size_ratio
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--events", type=int, default=64, help="stored events per batch")
+    p.add_argument("--blocks", type=int, default=16, help="blocks per stored event")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per block")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    p.add_argument("--number", type=int, default=10, help="calls per round")
+    p.add_argument("--dist", choices=["uniform", "zipf", "both"], default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="cProfile kvstream encode and decode")
+    p.add_argument("--gc", action="store_true", help="leave the garbage collector on while timing")
+    args = p.parse_args()
+    global KEEP_GC  # noqa: PLW0603 - a script-level switch
+    KEEP_GC = args.gc
+    check_vllm_vector()
+    dists = ["uniform", "zipf"] if args.dist == "both" else [args.dist]
+    verdicts = []
+    for dist in dists:
+        w = build(dist, args.events, args.blocks, args.tokens, args.seed)
+        enc_ratio, size_ratio = report(w, run(w, args.rounds, args.number))
+        verdicts.append((dist, enc_ratio >= 1.0, size_ratio <= 0.6))
+        if args.profile:
+            codec = AvroCodec()
+            data = codec.encode(w.batch)
+            for label, stmt in (
+                ("encode", "codec.encode(batch)"),
+                ("decode", "codec.decode(data)"),
+            ):
+                prof = cProfile.Profile()
+                prof.runctx(
+                    f"for _ in range(20): {stmt}",
+                    {},
+                    {"codec": codec, "batch": w.batch, "data": data},
+                )
+                print(f"\n-- cProfile kvstream {label} ({dist}) --")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+    print()
+    for dist, speed_ok, size_ok in verdicts:
+        print(
+            f"{dist}: encode target {'met' if speed_ok else 'MISSED'}, "
+            f"size target {'met' if size_ok else 'MISSED'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

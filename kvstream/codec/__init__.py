@@ -1,0 +1,59 @@
+"""Avro encoding of event batches: versioned schemas, framings, container files, compatibility.
+
+The only kvstream package that touches fastavro, Apache avro (lazily, in :mod:`.compat`) and
+the ``schemas/`` files. Main entry points::
+
+    codec = AvroCodec()                      # writes the current schema version
+    data = codec.encode(batch)               # Avro single-object encoding
+    batch = codec.decode(data)               # any known version, resolved into the model
+    codec.encode_confluent(batch, schema_id) / codec.decode_confluent(data, {id: version})
+    write_container(path, batches); read_container(path, tolerate_torn_tail=True)
+    check_compatibility().ok                 # every version reads every other one
+
+Schema layout (``schemas/kv_event_batch.v<N>.avsc``, record ``io.kvstream.EventBatch``): one
+record per batch; the token ids of all its stored events in one packed ``TokenPack`` (a low
+16-bit plane plus high bit planes: 17 bits per id for a 128k vocabulary); events carry an enum
+``kind`` with default ``UNKNOWN`` (so older readers skip kinds added later) and one nullable
+payload record per kind; stored payloads are columnar: hashes concatenated in one ``bytes``,
+block sizes and per-block attributes stored once when uniform, per-block arrays only when they
+differ, multimodal keys and extra token ids as sparse arrays. Encoding writes Avro binary
+directly (byte-identical to fastavro, several times faster); decoding uses fastavro's schema
+resolution, then validates every length and count and the event model.
+"""
+
+from kvstream.codec.codec import AvroCodec, SchemaIdResolver
+from kvstream.codec.compat import CompatIssue, CompatReport, check_compatibility
+from kvstream.codec.container import (
+    ContainerReader,
+    ContainerWriter,
+    read_container,
+    write_container,
+)
+from kvstream.codec.decoder import DecodeResult
+from kvstream.codec.records import SkippedEvent
+from kvstream.codec.schemas import (
+    CURRENT_VERSION,
+    SchemaInfo,
+    SchemaRegistry,
+    load_schema_dir,
+    schema_registry,
+)
+
+__all__ = [
+    "CURRENT_VERSION",
+    "AvroCodec",
+    "CompatIssue",
+    "CompatReport",
+    "ContainerReader",
+    "ContainerWriter",
+    "DecodeResult",
+    "SchemaIdResolver",
+    "SchemaInfo",
+    "SchemaRegistry",
+    "SkippedEvent",
+    "check_compatibility",
+    "load_schema_dir",
+    "read_container",
+    "schema_registry",
+    "write_container",
+]
