@@ -44,7 +44,9 @@ def _block(h: bytes = H8, **kw: object) -> StoredBlock:
 
 
 def _batch(*events: KVCacheEvent) -> EventBatch:
-    return EventBatch(source=SourceId(instance_id="w0", attention_dp_rank=1), ts_ns=5, events=events)
+    return EventBatch(
+        source=SourceId(instance_id="w0", attention_dp_rank=1), ts_ns=5, events=events
+    )
 
 
 class TestHashHelpers:
@@ -63,21 +65,26 @@ class TestHashHelpers:
 
     def test_hex(self) -> None:
         assert hash_from_hex(hash_to_hex(H32)) == H32
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="non-hexadecimal"):
             hash_from_hex("zz")
 
     @given(st.integers(0, 2**64 - 1))
     def test_int_bytes_property(self, v: int) -> None:
         b = hash_from_int(v)
-        assert len(b) == 8 and hash_to_int(b) == v
+        assert len(b) == 8
+        assert hash_to_int(b) == v
 
 
 class TestTokenIds:
     def test_behaves_like_a_tuple(self) -> None:
         t = TokenIds([5, 6, 7, 8])
-        assert len(t) == 4 and t[0] == 5 and t[-1] == 8
-        assert t == [5, 6, 7, 8] and t == (5, 6, 7, 8)
-        assert t[1:3] == TokenIds([6, 7]) and t[::2] == [5, 7]
+        assert len(t) == 4
+        assert t[0] == 5
+        assert t[-1] == 8
+        assert t == [5, 6, 7, 8]
+        assert t == (5, 6, 7, 8)
+        assert t[1:3] == TokenIds([6, 7])
+        assert t[::2] == [5, 7]
         assert list(t) == [5, 6, 7, 8]
         assert t + TokenIds([9]) == [5, 6, 7, 8, 9]
         assert hash(t) == hash(TokenIds((5, 6, 7, 8)))
@@ -111,7 +118,8 @@ class TestValidationNamesTheField:
     def test_is_a_kvstream_error_and_value_error(self) -> None:
         with pytest.raises(EventValidationError) as ei:
             KVCacheEvent(event_id=-1, window_size=4, data=Cleared())
-        assert isinstance(ei.value, KVStreamError) and isinstance(ei.value, ValueError)
+        assert isinstance(ei.value, KVStreamError)
+        assert isinstance(ei.value, ValueError)
         assert "event_id" in str(ei.value)
         assert ei.value.errors[0]["loc"] == "event_id"
 
@@ -242,7 +250,8 @@ class TestShapes:
         assert EventBatch.model_validate_json(batch.model_dump_json()) == batch
         assert EventBatch.model_validate(batch.model_dump()) == batch
         keys = list(batch.event_keys())
-        assert keys[0] == ("w0", 1, 0, 0) and keys[-1] == ("w0", 1, 0, 5)
+        assert keys[0] == ("w0", 1, 0, 0)
+        assert keys[-1] == ("w0", 1, 0, 5)
 
     def test_json_hashes_are_hex(self) -> None:
         ev = KVCacheEvent(event_id=0, window_size=4, data=Removed(block_hashes=(H8,)))
@@ -250,7 +259,10 @@ class TestShapes:
 
     def test_defaults(self) -> None:
         ev = KVCacheEvent(event_id=0, window_size=4, data=Cleared())
-        assert ev.hash_algo == "v1_block_key" and ev.layer_group_id == 0
+        assert ev.hash_algo == "v1_block_key"
+        assert ev.layer_group_id == 0
         b = _block()
-        assert b.priority == 35 and b.cache_level == 0 and b.mm_keys == ()
+        assert b.priority == 35
+        assert b.cache_level == 0
+        assert b.mm_keys == ()
         assert SourceId(instance_id="x").key == ("x", None)

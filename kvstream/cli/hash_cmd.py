@@ -14,7 +14,8 @@ from kvstream.errors import KVStreamError
 def hash_tokens(
     tokens: Annotated[list[int], typer.Argument(help="Token ids, e.g. 1 2 3 4 5 6.")],
     algo: Annotated[
-        str, typer.Option("--algo", "-a", help="Hash algorithm; an unknown name lists the known ones.")
+        str,
+        typer.Option("--algo", "-a", help="Hash algorithm; an unknown name lists the known ones."),
     ] = "v2_sha256",
     block_size: Annotated[
         int, typer.Option("--block-size", "-b", min=1, help="Tokens per block.")
