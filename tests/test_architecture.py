@@ -19,6 +19,7 @@ LAYERS = {
     "config": 0,
     "events": 1,
     "hashing": 1,
+    "workloads": 1,
     "codec": 2,
     "sink": 2,
     "sinks": 2,  # adapters: L0-L2 only, never L3+

@@ -1,0 +1,734 @@
+"""The instrumented paged KV-cache manager.
+
+:class:`KVCacheManager` is what an inference engine embeds: per layer group a block pool
+(optionally backed by a torch tensor), requests that match their longest cached prefix,
+append tokens and commit full blocks, and every cache change recorded as a KV-cache event.
+
+Lifecycle of a block (per layer group): allocated to a request -> committed once full (its
+chained hash registered, a ``stored`` event) -> released when no request holds it (kept as an
+evictable cached block) -> reused by a later prefix hit, or evicted least recently freed
+first when a pool runs out (a ``removed`` event; the emitter batches them).
+
+Rules worth knowing:
+
+- **Commit timing.** A full block is committed as soon as its tokens are known (the prompt's
+  at :meth:`~KVCacheManager.add_request`, later ones at
+  :meth:`~KVCacheManager.append_tokens`); the engine writes its K/V in the same iteration.
+- **Duplicates.** A block whose hash another block already carries is not committed twice:
+  the request keeps writing its own (uncommitted) block and, in a full-attention group, also
+  holds the committed one, so every committed block's parent stays committed.
+- **Leaf-first eviction.** Requests release their blocks last position first and hold their
+  whole chain in full-attention groups, so the LRU order always evicts descendants before
+  ancestors; the prefix tree checks it.
+- **Sliding windows.** At each :meth:`~KVCacheManager.append_tokens` a sliding-window group
+  releases the request's blocks that lie entirely before the window of the next token. They
+  stay cached and evictable (their ``removed`` event comes when they are evicted), so later
+  requests can still reuse them. Each group has its own reuse boundary (see
+  :class:`~kvstream.cache.request.PrefixMatch`).
+- **All or nothing.** Every operation checks that every pool can serve it before changing
+  anything; :class:`~kvstream.cache.errors.CacheFullError` leaves the manager as it was.
+  Operations never touch blocks held by other requests beyond sharing committed ones.
+- **Events off.** With a recorder whose ``enabled`` is False nothing event-related is built.
+
+Not thread-safe: call it from the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstream._types import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, TokenIds
+from kvstream.cache.block import Block
+from kvstream.cache.block_pool import BlockPool
+from kvstream.cache.config import CacheConfig
+from kvstream.cache.errors import (
+    CacheFullError,
+    CacheInvariantError,
+    DuplicateRequestError,
+    KVAccessError,
+    RequestError,
+    UnknownRequestError,
+)
+from kvstream.cache.plan import Plan, plan_append, plan_prompt
+from kvstream.cache.request import (
+    GroupMatch,
+    GroupState,
+    MmItem,
+    PrefixMatch,
+    RequestState,
+    block_mm_keys,
+    normalize_mm_items,
+)
+from kvstream.cache.stats import CacheStats, GroupStats
+from kvstream.cache.storage import KVStorage, resolve_device
+from kvstream.cache.windows import first_needed_block
+from kvstream.clock import SYSTEM_CLOCK, Clock
+from kvstream.errors import HashingError
+from kvstream.events.emitter import NULL_RECORDER, EventEmitter, EventRecorder
+from kvstream.events.model import EventBatch, MmKey, SourceId
+from kvstream.hashing import ChainState
+from kvstream.hashing.blocks import coerce_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVCacheManager"]
+
+
+class KVCacheManager:
+    """A paged KV cache over the layer groups of ``config`` that records KV-cache events.
+
+    ``recorder`` overrides the event recorder; by default it is an
+    :class:`~kvstream.events.emitter.EventEmitter` for ``source`` (default: instance
+    ``"kvstream-cache"``, incarnation = the clock's time in ns) when ``config.events`` is
+    true, else a null recorder. The constructor records one ``created`` event per group.
+    Request ids are strings.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        recorder: EventRecorder | None = None,
+        source: SourceId | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self._hasher = config.make_hasher()
+        self._tpb = config.tokens_per_block
+        if recorder is None:
+            if config.events:
+                if source is None:
+                    source = SourceId(instance_id="kvstream-cache", incarnation=clock.time_ns())
+                recorder = EventEmitter(
+                    source, hash_algo=self._hasher.name, capacity=config.event_capacity, clock=clock
+                )
+            else:
+                recorder = NULL_RECORDER
+        self._recorder: EventRecorder = recorder
+        self._windows = [g.window_size for g in config.groups]
+        self._swa = [i for i, w in enumerate(self._windows) if w is not None]
+        self._pools = [
+            BlockPool(i, g.num_blocks, recorder, linked=g.window_size is None)
+            for i, g in enumerate(config.groups)
+        ]
+        self._layers: list[tuple[int, int]] = [
+            (gid, local) for gid, g in enumerate(config.groups) for local in range(g.num_layers)
+        ]
+        self._storage: KVStorage | None = None
+        self.device: torch.device | None = None
+        if not config.metadata_only:
+            self.device = resolve_device(config.device)
+            self._storage = KVStorage(config, self.device)
+        self._requests: dict[str, RequestState] = {}
+        self._added = 0
+        self._rejected = 0
+        self._prompt_tokens = 0
+        self._reusable_tokens = 0
+        self._hit_blocks = [0] * len(self._pools)
+        self._queried_blocks = [0] * len(self._pools)
+        self._announce_created()
+
+    def _announce_created(self) -> None:
+        for gid, spec in enumerate(self.config.groups):
+            self._recorder.created(
+                gid,
+                window_size=self.config.window_of(gid),
+                num_blocks_per_cache_level=[spec.num_blocks],
+                tokens_per_block=self._tpb,
+                attention_kind=spec.attention_kind,
+            )
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def recorder(self) -> EventRecorder:
+        """The event recorder (an EventEmitter, a null recorder, or the one passed in)."""
+        return self._recorder
+
+    @property
+    def num_groups(self) -> int:
+        """Number of layer groups."""
+        return len(self._pools)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the running requests, in the order they were added."""
+        return list(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens of a running request (prompt plus appended)."""
+        return self._get(request_id).num_tokens
+
+    def block_hashes(self, request_id: str) -> list[bytes]:
+        """Published hashes of a running request's full blocks, in order."""
+        return list(self._get(request_id).hashes)
+
+    def block_ids(self, request_id: str, layer_group_id: int) -> list[int | None]:
+        """Physical block ids of a request in one group (None: released or never held)."""
+        gs = self._get(request_id).groups[self._gid(layer_group_id)]
+        return [None if b is None else b.block_id for b in gs.blocks]
+
+    def num_free_blocks(self, layer_group_id: int) -> int:
+        """Free blocks of a group (uncached free plus evictable cached)."""
+        return self._pools[self._gid(layer_group_id)].num_free
+
+    def cached_hashes(self, layer_group_id: int) -> set[bytes]:
+        """Hashes of every committed block of a group (held or evictable)."""
+        return set(self._pools[self._gid(layer_group_id)].tree.hashes())
+
+    def kv_tensor(self, layer_group_id: int) -> torch.Tensor | None:
+        """A group's K/V tensor (``[blocks, layers, 2, tokens_per_block, heads, head_dim]``),
+        None in metadata-only mode."""
+        gid = self._gid(layer_group_id)
+        return None if self._storage is None else self._storage.tensors[gid]
+
+    def layer_location(self, layer: int) -> tuple[int, int]:
+        """``(layer_group_id, index within the group)`` of a global layer id."""
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < len(self._layers)
+        ):
+            raise KVAccessError(
+                f"layer must be an int in 0..{len(self._layers) - 1}, got {layer!r}"
+            )
+        return self._layers[layer]
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters and gauges."""
+        groups = tuple(
+            GroupStats(
+                layer_group_id=gid,
+                window_size=self._windows[gid],
+                num_blocks=p.num_blocks,
+                free_blocks=p.num_free,
+                evictable_blocks=p.num_evictable,
+                cached_blocks=p.num_cached,
+                used_blocks=p.num_blocks - p.num_free,
+                evictions=p.evictions,
+                hit_blocks=self._hit_blocks[gid],
+                queried_blocks=self._queried_blocks[gid],
+            )
+            for gid, p in enumerate(self._pools)
+        )
+        return CacheStats(
+            running_requests=len(self._requests),
+            requests_added=self._added,
+            requests_rejected=self._rejected,
+            prompt_tokens=self._prompt_tokens,
+            reusable_tokens=self._reusable_tokens,
+            groups=groups,
+        )
+
+    def match_prefix(
+        self,
+        prompt_tokens: Any,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Iterable[MmItem | tuple[bytes, int, int]] = (),
+    ) -> PrefixMatch:
+        """What :meth:`add_request` would reuse for this prompt, without changing anything."""
+        raw, items = self._check_prompt(prompt_tokens, mm_items)
+        root = self._root(lora_id, lora_name, cache_salt)
+        hashes, _, _ = self._hash_blocks(root, raw, 0, items, keep_blocks=False)
+        n = len(raw) >> 2
+        plans = [
+            plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
+            for pool, w in zip(self._pools, self._windows, strict=True)
+        ]
+        return self._match_of(n, plans)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_tokens: Any,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Iterable[MmItem | tuple[bytes, int, int]] = (),
+        priority: int = PRIORITY_DEFAULT,
+    ) -> PrefixMatch:
+        """Start a request: reuse its longest cached prefix per group, allocate the rest,
+        commit its full prompt blocks.
+
+        ``prompt_tokens``: any token container (list, ``TokenIds``, numpy array, ...), at
+        least one token. ``lora_id``/``lora_name`` (the adapter), ``cache_salt`` (the tenant)
+        and ``mm_items`` (multimodal items: :class:`MmItem` or ``(content bytes, offset,
+        length)``) all enter the block hashes, so different adapters, tenants and item
+        contents never share blocks. ``priority`` (0..100) is published with the blocks.
+
+        At least the last prompt token is never reused (the engine needs its logits), so a
+        boundary is at most ``(len(prompt) - 1) // tokens_per_block`` blocks.
+        Returns the per-group :class:`PrefixMatch`. Raises DuplicateRequestError,
+        RequestError/HashingError for bad arguments and CacheFullError when a pool cannot
+        hold the request even after evicting every evictable block; on error nothing changed.
+        """
+        if not isinstance(request_id, str):
+            raise RequestError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not (PRIORITY_MIN <= priority <= PRIORITY_MAX)
+        ):
+            raise RequestError(f"priority must be an int in {PRIORITY_MIN}..{PRIORITY_MAX}")
+        raw, items = self._check_prompt(prompt_tokens, mm_items)
+        root = self._root(lora_id, lora_name, cache_salt)
+        enabled = self._recorder.enabled
+        hashes, blocks, chain = self._hash_blocks(root, raw, 0, items, keep_blocks=enabled)
+        n = len(raw) >> 2
+        plans = [
+            plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
+            for pool, w in zip(self._pools, self._windows, strict=True)
+        ]
+        for gid, plan in enumerate(plans):
+            if plan.cost > self._pools[gid].num_free:
+                self._rejected += 1
+                raise CacheFullError(request_id, gid, plan.cost, self._pools[gid].num_free)
+
+        req = RequestState(
+            request_id,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_items=items,
+            priority=priority,
+        )
+        if enabled:
+            extra: dict[str, Any] = {
+                "lora_id": lora_id,
+                "lora_name": lora_name,
+                "cache_salt": cache_salt,
+                "priority": None if priority == PRIORITY_DEFAULT else priority,
+            }
+            req.event_extra = {k: v for k, v in extra.items() if v is not None}
+        tpb = self._tpb
+        nb = -(-n // tpb)
+        for gid, plan in enumerate(plans):
+            pool = self._pools[gid]
+            for b in plan.hits:
+                pool.touch(b)
+            for b in plan.pins.values():
+                pool.touch(b)
+            table: list[Block | None] = [None] * plan.first
+            table += plan.hits
+            table += [pool.allocate() for _ in range(nb - plan.k)]
+            req.groups.append(GroupState(table, plan.k * tpb, plan.first, plan.pins))
+            self._commit(
+                req=req,
+                gid=gid,
+                table=table,
+                hashes=hashes,
+                blocks=blocks,
+                lo=plan.k,
+                hi=len(hashes),
+                blocks_base=0,
+            )
+        req.num_tokens = n
+        req.tail = raw[len(hashes) * tpb * 4 :]
+        req.chain = chain
+        req.hashes = hashes
+        self._requests[request_id] = req
+        match = self._match_of(n, plans)
+        self._added += 1
+        self._prompt_tokens += n
+        self._reusable_tokens += match.reusable_tokens
+        for gid, plan in enumerate(plans):
+            self._hit_blocks[gid] += plan.k
+            self._queried_blocks[gid] += len(hashes)
+        return match
+
+    def append_tokens(self, request_id: str, tokens: Any) -> int:
+        """Append generated tokens to a running request; returns how many blocks filled.
+
+        First, each sliding-window group releases the request's blocks that the next token's
+        window no longer covers (the K/V of every token so far is taken to be computed). Then
+        blocks are allocated as needed and every block that became full is committed
+        (``stored`` events). CacheFullError (nothing changed) when a pool cannot serve it.
+        """
+        req = self._get(request_id)
+        try:
+            raw = coerce_tokens(tokens, "tokens")
+        except HashingError as exc:
+            raise RequestError(str(exc)) from None
+        m = len(raw) >> 2
+        if not m:
+            return 0
+        tpb = self._tpb
+        s = req.num_tokens
+        total = s + m
+        swa = self._swa
+        if s % tpb > 0 and s % tpb + m < tpb:  # fast path: stays inside the tail block
+            windows = self._windows
+            groups = req.groups
+            if not any(first_needed_block(s, windows[g], tpb) > groups[g].released for g in swa):
+                req.tail += raw
+                req.num_tokens = total
+                return 0
+
+        enabled = self._recorder.enabled
+        done = len(req.hashes)
+        pending = req.tail + raw
+        assert req.chain is not None
+        hashes, blocks, chain = self._hash_blocks(
+            req.chain, pending, done, req.mm_items, keep_blocks=enabled
+        )
+        nb_before = -(-s // tpb)
+        new_blocks = -(-total // tpb) - nb_before
+        plans: list[Plan] = []
+        for gid, pool in enumerate(self._pools):
+            plan = plan_append(
+                pool,
+                self._windows[gid],
+                tokens_per_block=tpb,
+                gs=req.groups[gid],
+                num_tokens=s,
+                hashes=hashes,
+                new_blocks=new_blocks,
+            )
+            if plan.cost > pool.num_free + plan.frees:
+                self._rejected += 1
+                raise CacheFullError(request_id, gid, plan.cost, pool.num_free + plan.frees)
+            plans.append(plan)
+
+        filled = len(hashes)
+        all_hashes = req.hashes
+        all_hashes += hashes
+        for gid, plan in enumerate(plans):
+            pool = self._pools[gid]
+            gs = req.groups[gid]
+            if plan.release_to > gs.released:
+                for i in range(plan.release_to - 1, gs.released - 1, -1):
+                    b = gs.blocks[i]
+                    if b is not None:
+                        pool.release(b)
+                        gs.blocks[i] = None
+                gs.released = plan.release_to
+            for b in plan.pins.values():
+                pool.touch(b)
+            if plan.pins:
+                gs.pins.update(plan.pins)
+            gs.blocks += [pool.allocate() for _ in range(new_blocks)]
+            self._commit(
+                req=req,
+                gid=gid,
+                table=gs.blocks,
+                hashes=all_hashes,
+                blocks=blocks,
+                lo=done,
+                hi=done + filled,
+                blocks_base=done,
+            )
+        req.num_tokens = total
+        req.tail = pending[filled * tpb * 4 :]
+        req.chain = chain
+        return filled
+
+    def free_request(self, request_id: str) -> None:
+        """Finish a request: release its blocks, last position first (so descendants become
+        evictable before their ancestors). Committed blocks stay cached until evicted."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        for gid, gs in enumerate(req.groups):
+            pool = self._pools[gid]
+            pins = gs.pins
+            blocks = gs.blocks
+            for i in range(len(blocks) - 1, gs.released - 1, -1):
+                b = blocks[i]
+                if b is not None:
+                    pool.release(b)
+                if pins:
+                    p = pins.get(i)
+                    if p is not None:
+                        pool.release(p)
+
+    def reset(self) -> None:
+        """Drop every request and every cached block; records ``cleared`` for every group.
+
+        Cumulative counters (stats) are kept; K/V tensor contents are left as they are.
+        """
+        self._requests.clear()
+        for pool in self._pools:
+            pool.clear()
+        # One call for every group, so the clear subsumes every group's pending removals.
+        self._recorder.cleared(None)
+
+    # ------------------------------------------------------------------ events
+
+    def take_events(self) -> EventBatch | None:
+        """The events materialised so far (pending removals stay pending), or None."""
+        return self._recorder.take()
+
+    def flush_events(self) -> EventBatch | None:
+        """End of an engine iteration: materialise pending removals and hand every event
+        over as one batch (None when there is none)."""
+        return self._recorder.flush()
+
+    # ------------------------------------------------------------------ K/V
+
+    def write_kv(
+        self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, *, start: int = 0
+    ) -> None:
+        """Store the K and V (``[n, num_kv_heads, head_dim]`` each) of global layer ``layer``
+        for the request's positions ``[start, start + n)``.
+
+        The positions must be appended already, at or after the group's reuse boundary (the
+        reused prefix is shared and read-only) and not released by a sliding window.
+        Tensors are converted to the pool's dtype and device. KVAccessError otherwise.
+        """
+        storage = self._need_storage()
+        req = self._get(request_id)
+        gid, local = self.layer_location(layer)
+        spec = self.config.groups[gid]
+        gs = req.groups[gid]
+        shape = (spec.num_kv_heads, spec.head_dim)
+        if k.dim() != 3 or tuple(k.shape[1:]) != shape or k.shape != v.shape:
+            raise KVAccessError(
+                f"k and v must both be [n, {shape[0]}, {shape[1]}], got {tuple(k.shape)} and "
+                f"{tuple(v.shape)}"
+            )
+        n = int(k.shape[0])
+        self._check_range(req, gid, start, start + n)
+        if start < gs.boundary:
+            raise KVAccessError(
+                f"positions [{start}, {min(start + n, gs.boundary)}) of layer group {gid} are "
+                "reused from the cache and read-only"
+            )
+        if n:
+            storage.write(
+                gid,
+                self._ids(gs, start, start + n),
+                layer=local,
+                offset=start % self._tpb,
+                k=k,
+                v=v,
+            )
+
+    def read_kv(
+        self, request_id: str, layer: int, *, start: int | None = None, end: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V (``[end - start, num_kv_heads, head_dim]``) of global layer
+        ``layer`` for the request's positions ``[start, end)``.
+
+        Defaults: ``end`` = the request's token count; ``start`` = its first held position
+        (0, or for a sliding-window group the first position it has not released).
+        """
+        storage = self._need_storage()
+        req = self._get(request_id)
+        gid, local = self.layer_location(layer)
+        gs = req.groups[gid]
+        lo = gs.released * self._tpb if start is None else start
+        hi = req.num_tokens if end is None else end
+        self._check_range(req, gid, lo, hi)
+        if hi == lo:
+            spec = self.config.groups[gid]
+            t = storage.tensors[gid]
+            empty = t.new_empty((0, spec.num_kv_heads, spec.head_dim))
+            return empty, empty.clone()
+        return storage.read(
+            gid, self._ids(gs, lo, hi), layer=local, offset=lo % self._tpb, n=hi - lo
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Verify every internal invariant (for tests and debugging); CacheInvariantError.
+
+        Reference counts equal the holdings of running requests; each pool's free count,
+        LRU membership and prefix-tree links are consistent; no block is held twice by one
+        request position.
+        """
+        for gid, pool in enumerate(self._pools):
+            holdings: Counter[int] = Counter()
+            blocks: dict[int, Block] = {}
+            for req in self._requests.values():
+                gs = req.groups[gid]
+                for i, b in enumerate(gs.blocks):
+                    if (b is None) != (i < gs.released):
+                        raise CacheInvariantError(
+                            f"request {req.request_id!r} group {gid}: position {i} is "
+                            f"{'empty' if b is None else 'held'} with released={gs.released}"
+                        )
+                    if b is not None:
+                        holdings[b.block_id] += 1
+                        blocks[b.block_id] = b
+                for p in gs.pins.values():
+                    holdings[p.block_id] += 1
+                    blocks[p.block_id] = p
+            pool.check(holdings, blocks)
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, request_id: str) -> RequestState:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        return req
+
+    def _gid(self, layer_group_id: int) -> int:
+        if (
+            isinstance(layer_group_id, bool)
+            or not isinstance(layer_group_id, int)
+            or not 0 <= layer_group_id < len(self._pools)
+        ):
+            raise KVAccessError(
+                f"layer_group_id must be in 0..{len(self._pools) - 1}, got {layer_group_id!r}"
+            )
+        return layer_group_id
+
+    def _need_storage(self) -> KVStorage:
+        if self._storage is None:
+            raise KVAccessError("this manager is metadata-only: it holds no K/V tensors")
+        return self._storage
+
+    def _check_range(self, req: RequestState, gid: int, lo: int, hi: int) -> None:
+        for name, v in (("start", lo), ("end", hi)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise KVAccessError(f"{name} must be an int, got {v!r}")
+        if not 0 <= lo <= hi <= req.num_tokens:
+            raise KVAccessError(
+                f"positions [{lo}, {hi}) are outside request {req.request_id!r}'s "
+                f"{req.num_tokens} tokens"
+            )
+        released = req.groups[gid].released * self._tpb
+        if lo < released and hi > lo:
+            raise KVAccessError(
+                f"positions before {released} of request {req.request_id!r} left layer group "
+                f"{gid}'s sliding window and were released"
+            )
+
+    def _ids(self, gs: GroupState, lo: int, hi: int) -> list[int]:
+        tpb = self._tpb
+        out: list[int] = []
+        for b in gs.blocks[lo // tpb : (hi - 1) // tpb + 1]:
+            if b is None:  # excluded by _check_range
+                raise CacheInvariantError("a held position has no block")
+            out.append(b.block_id)
+        return out
+
+    def _check_prompt(
+        self, prompt_tokens: Any, mm_items: Iterable[Any]
+    ) -> tuple[bytes, tuple[MmItem, ...]]:
+        try:
+            raw = coerce_tokens(prompt_tokens, "prompt_tokens")
+        except HashingError as exc:
+            raise RequestError(str(exc)) from None
+        if not raw:
+            raise RequestError("a request needs at least one prompt token")
+        return raw, normalize_mm_items(mm_items, len(raw) >> 2) if mm_items else ()
+
+    def _root(
+        self, lora_id: int | None, lora_name: str | None, cache_salt: str | None
+    ) -> ChainState:
+        return self._hasher.root(lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name)
+
+    def _hash_blocks(
+        self,
+        chain: ChainState,
+        raw: bytes,
+        first_index: int,
+        items: tuple[MmItem, ...],
+        *,
+        keep_blocks: bool,
+    ) -> tuple[list[bytes], list[TokenIds], ChainState]:
+        # Hash the full blocks of `raw` (whose first block is the request's block
+        # `first_index`); returns their hashes, their tokens when asked, and the new state.
+        step = 4 * self._tpb
+        extend = self._hasher.extend
+        hashes: list[bytes] = []
+        blocks: list[TokenIds] = []
+        for j in range(len(raw) // step):
+            blk = TokenIds.from_bytes(raw[j * step : (j + 1) * step])
+            if items:
+                keys = block_mm_keys(items, first_index + j, self._tpb)
+                h, chain = extend(chain, blk, [(m.digest, off) for m, off in keys])
+            else:
+                h, chain = extend(chain, blk)
+            hashes.append(h)
+            if keep_blocks:
+                blocks.append(blk)
+        return hashes, blocks, chain
+
+    def _match_of(self, n: int, plans: Sequence[Plan]) -> PrefixMatch:
+        tpb = self._tpb
+        return PrefixMatch(
+            n,
+            tuple(GroupMatch(gid, p.k * tpb, len(p.hits)) for gid, p in enumerate(plans)),
+        )
+
+    def _commit(
+        self,
+        *,
+        req: RequestState,
+        gid: int,
+        table: list[Block | None],
+        hashes: list[bytes],
+        blocks: list[TokenIds],
+        lo: int,
+        hi: int,
+        blocks_base: int,
+    ) -> None:
+        # Commit the request's full positions [lo, hi) of group `gid`: hashes[i] is position
+        # i's hash, blocks[i - blocks_base] its tokens (when events are on). A hash already
+        # committed is a duplicate: pinned (full attention) or left uncommitted.
+        pool = self._pools[gid]
+        by_hash = pool.tree
+        commit = pool.commit
+        rec = self._recorder
+        if not rec.enabled:
+            for i in range(lo, hi):
+                h = hashes[i]
+                if h not in by_hash:
+                    commit(self._held(table, i, gid), h, hashes[i - 1] if i else None)
+            return
+        stored = rec.stored
+        extra = req.event_extra
+        items = req.mm_items
+        for i in range(lo, hi):
+            h = hashes[i]
+            if h in by_hash:
+                continue
+            parent = hashes[i - 1] if i else None
+            commit(self._held(table, i, gid), h, parent)
+            if items:
+                mm_keys = tuple(
+                    MmKey(hash=m.digest, start_offset=off, uuid=m.uuid)
+                    for m, off in block_mm_keys(items, i, self._tpb)
+                )
+                stored(
+                    gid,
+                    parent_hash=parent,
+                    block_hash=h,
+                    token_ids=blocks[i - blocks_base],
+                    mm_keys=mm_keys,
+                    **extra,
+                )
+            else:
+                stored(
+                    gid,
+                    parent_hash=parent,
+                    block_hash=h,
+                    token_ids=blocks[i - blocks_base],
+                    **extra,
+                )
+
+    @staticmethod
+    def _held(table: list[Block | None], i: int, gid: int) -> Block:
+        b = table[i]
+        if b is None:
+            raise CacheInvariantError(f"position {i} of group {gid} has no block to commit")
+        return b
