@@ -1,0 +1,223 @@
+"""``kvstream demo``: a KV cache on a realistic workload, streamed, read back, summarised.
+
+Register with ``app.command("demo")(demo_cmd.demo)``. Exit codes: 0 every sink got every
+event back identical; 1 something was lost or differs (or a sink failed at run time);
+2 bad arguments (unknown trace, malformed sink URL, missing trace data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstream.cli.demo_run import TRACES, DemoOptions, DemoResult, run_demo
+from kvstream.errors import ConfigError, KVStreamError
+
+__all__ = ["demo"]
+
+_KIND_HELP = {
+    "created": "a layer group's block pools came up",
+    "stored": "blocks entered the cache (new KV computed)",
+    "removed": "blocks were evicted",
+    "updated": "blocks moved between tiers",
+    "cleared": "the cache was reset",
+    "lost": "events dropped before delivery",
+}
+
+
+def demo(
+    sink: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sink",
+            "-s",
+            help=(
+                "Where events go; repeat for several: memory, file:///DIR[?format=jsonl], "
+                "kafka://HOST:PORT/TOPIC[?partitions=N]. Default: Avro files in a temp dir."
+            ),
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Directory for the default file sink.")
+    ] = None,
+    trace: Annotated[
+        str,
+        typer.Option(
+            "--trace",
+            "-t",
+            help=f"Workload: {', '.join(TRACES)} (Mooncake traces come from shared/data).",
+        ),
+    ] = "chat",
+    requests: Annotated[
+        int | None, typer.Option("--requests", "-n", min=1, help="Run at most N requests.")
+    ] = None,
+    conversations: Annotated[
+        int, typer.Option(min=1, help="Conversations of the chat workload.")
+    ] = 48,
+    ranks: Annotated[
+        int, typer.Option(min=1, max=64, help="Attention-DP ranks (one event source each).")
+    ] = 2,
+    block_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tokens per KV block [default: 16 chat, 64 Mooncake]."),
+    ] = None,
+    gpu_blocks: Annotated[
+        int | None,
+        typer.Option(
+            min=8,
+            help="GPU blocks of the full-attention group per rank [default: 2048 / 4096].",
+        ),
+    ] = None,
+    hash_algo: Annotated[str, typer.Option(help="Block hash algorithm.")] = "v2_sha256_64",
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run a paged KV cache on multi-turn chats, stream its events, read them back.
+
+    The cache manager serves the workload with continuous batching on every rank; each
+    engine iteration's events go through the async pipeline to every sink; afterwards every
+    sink is read back and checked against what the cache emitted (per source: event ids
+    0..N-1, identical payloads).
+    """
+    opts = DemoOptions(
+        sinks=tuple(sink or ()),
+        out_dir=out,
+        trace=trace,
+        requests=requests,
+        conversations=conversations,
+        ranks=ranks,
+        tokens_per_block=block_size,
+        gpu_blocks=gpu_blocks,
+        hash_algo=hash_algo,
+        seed=seed,
+    )
+    err = Console(stderr=True)
+    try:
+        result = asyncio.run(run_demo(opts)) if as_json else _run_with_progress(opts, err)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except (KVStreamError, OSError, TimeoutError) as exc:
+        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(result.as_dict(), default=str))
+    else:
+        _print_summary(result, Console())
+    if not result.ok:
+        bad = [s for s in result.sinks if not s.ok]
+        for s in bad:
+            err.print(f"[red]{s.url}: {s.problem or 'incomplete'}[/red]", highlight=False)
+        raise typer.Exit(1)
+
+
+def _run_with_progress(opts: DemoOptions, console: Console) -> DemoResult:
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task_id = progress.add_task("starting", total=None)
+
+    def on_start(label: str, total: int | None) -> None:
+        progress.update(task_id, description="serving requests", total=total)
+
+    def advance() -> None:
+        progress.advance(task_id)
+
+    with progress:
+        return asyncio.run(run_demo(opts, on_start=on_start, advance=advance))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover
+
+
+def _print_summary(r: DemoResult, out: Console) -> None:
+    o = r.options
+    out.print(f"[bold]kvstream demo[/bold] - {r.workload}")
+    out.print(
+        f"{o.ranks} attention-DP rank(s), each a KV cache of {len(r.groups)} layer groups "
+        f"({', '.join(r.groups)}), {o.tokens_per_block} tokens/block, "
+        f"{o.gpu_blocks} GPU blocks, hashes {o.hash_algo}\n"
+    )
+    work = Table(title="Workload", show_header=False, title_justify="left")
+    work.add_column(style="bold")
+    work.add_column(justify="right")
+    work.add_column(style="dim")
+    work.add_row("requests served", f"{r.requests:,}", f"{r.rejected} rejected (cache full)")
+    work.add_row("prompt tokens", f"{r.prompt_tokens:,}", "")
+    work.add_row(
+        "prefix hit rate",
+        f"{r.hit_rate:.1%}",
+        f"{r.reused_tokens:,} prompt tokens already cached: no prefill needed",
+    )
+    work.add_row("generated tokens", f"{r.generated_tokens:,}", f"{r.iterations:,} iterations")
+    work.add_row("evicted blocks", f"{r.evictions:,}", "least recently used first")
+    out.print(work)
+
+    ev = Table(title="Events the cache emitted", title_justify="left")
+    ev.add_column("kind", style="bold")
+    ev.add_column("events", justify="right")
+    ev.add_column("meaning", style="dim")
+    for kind in ("created", "stored", "removed", "updated", "cleared", "lost"):
+        n = r.events_by_kind.get(kind, 0)
+        if n or kind in ("stored", "removed"):
+            extra = ""
+            if kind == "stored":
+                extra = f" ({r.blocks_stored:,} blocks)"
+            elif kind == "removed":
+                extra = f" ({r.blocks_removed:,} blocks)"
+            ev.add_row(kind, f"{n:,}", _KIND_HELP[kind] + extra)
+    ev.add_row("total", f"{r.events:,}", f"in {r.batches:,} batches (one per rank per iteration)")
+    out.print(ev)
+
+    rate = r.events / r.engine_s if r.engine_s else 0.0
+    per_event = r.encoded_bytes / r.events if r.events else 0.0
+    out.print(
+        f"Encoded as Avro: {_size(r.encoded_bytes)} ({per_event:.0f} B/event). "
+        f"Throughput: {rate:,.0f} events/s, cache and pipeline together "
+        f"({r.engine_s:.2f} s; {r.total_s:.2f} s with the read-back).\n"
+    )
+    sinks = Table(title="Read back from every sink", title_justify="left")
+    sinks.add_column("sink", style="bold")
+    sinks.add_column("where", overflow="fold")
+    sinks.add_column("events", justify="right")
+    sinks.add_column("size", justify="right")
+    sinks.add_column("check")
+    for s in r.sinks:
+        size = _size(s.bytes) if s.bytes is not None else "-"
+        if s.files is not None:
+            size += f" in {s.files} file(s)"
+        verdict = (
+            "[green]identical: ids 0..N-1 per source[/green]"
+            if s.ok
+            else f"[red]{s.problem or 'incomplete'}[/red]"
+        )
+        if s.lost_ids:
+            verdict += f" ({s.lost_ids} ids lost, marked)"
+        sinks.add_row(s.name, s.location, f"{s.events:,}", size, verdict)
+    out.print(sinks)
+    if r.close is not None and r.close.undelivered_events:
+        out.print(f"[red]{r.close.undelivered_events} events were not delivered[/red]")
+    files = [s for s in r.sinks if s.files and s.avro_files]
+    if files:
+        out.print(
+            f"\nThe files are Avro object containers; read them with any Avro tool, or "
+            f"kvstream.sinks.file.read_dir('{files[0].location}')."
+        )

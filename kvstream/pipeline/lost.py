@@ -1,0 +1,188 @@
+"""The loss ledger: which event ids a sink's stream is missing, and the ``lost`` markers for them.
+
+When a batch is dropped for a sink, the ids it covered are recorded here per source (the full
+:class:`SourceId`, so incarnations stay apart). Before that sink next delivers a batch of the
+same source, a marker batch is put in front of it covering every recorded id below the batch's
+first id; a source with nothing else queued gets a standalone marker batch.
+
+Marker id rule (shared with the emitter): a marker covers the contiguous id range
+``[first_event_id, first_event_id + count)`` and its own ``event_id`` is the *last* id of the
+range, so the ids a consumer sees stay contiguous (each id once, as an event or inside a
+marker's range). Adjacent or overlapping ranges of one source merge, and a dropped batch that
+itself carried markers re-enters the ledger as the ranges those markers covered.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvstream.events.model import EventBatch, KVCacheEvent, Lost, SourceId
+
+__all__ = ["Gap", "LossLedger", "batch_first_id", "event_span", "make_marker_batch"]
+
+_MAX_REASON = 1024
+
+
+def event_span(event: KVCacheEvent) -> tuple[int, int]:
+    """The inclusive id range an event stands for: its own id, or a marker's whole range."""
+    data = event.data
+    if isinstance(data, Lost):
+        first = min(data.first_event_id, event.event_id)
+        return first, max(data.first_event_id + data.count - 1, event.event_id)
+    return event.event_id, event.event_id
+
+
+def batch_first_id(batch: EventBatch) -> int | None:
+    """The lowest id a batch covers (None for an empty batch)."""
+    if not batch.events:
+        return None
+    return event_span(batch.events[0])[0]
+
+
+@dataclass(slots=True)
+class Gap:
+    """A contiguous run ``first..last`` (inclusive) of ids missing from one source's stream."""
+
+    first: int
+    last: int
+    reasons: list[str]
+    hash_algo: str
+    layer_group_id: int
+    window_size: int
+    schema_version: int
+
+    @property
+    def count(self) -> int:
+        """How many ids the gap covers."""
+        return self.last - self.first + 1
+
+    def absorb(self, other: Gap) -> None:
+        """Merge an adjacent or overlapping gap into this one. The marker's group fields are
+        those of the last dropped event (as the emitter's)."""
+        if other.last > self.last:
+            self.hash_algo = other.hash_algo
+            self.layer_group_id = other.layer_group_id
+            self.window_size = other.window_size
+        self.first = min(self.first, other.first)
+        self.last = max(self.last, other.last)
+        for r in other.reasons:
+            if r not in self.reasons:
+                self.reasons.append(r)
+
+    def to_event(self) -> KVCacheEvent:
+        """The ``lost`` marker event for this gap (its id is the gap's last id)."""
+        reason = ",".join(self.reasons)[:_MAX_REASON] or "dropped"
+        return KVCacheEvent(
+            event_id=self.last,
+            hash_algo=self.hash_algo,
+            layer_group_id=self.layer_group_id,
+            window_size=self.window_size,
+            data=Lost(first_event_id=self.first, count=self.count, reason=reason),
+        )
+
+
+def _runs(batch: EventBatch, reason: str) -> Iterator[Gap]:
+    """The batch's events as maximal contiguous id runs."""
+    cur: Gap | None = None
+    for ev in batch.events:
+        lo, hi = event_span(ev)
+        if cur is not None and cur.last + 1 >= lo and hi >= cur.first:
+            if hi > cur.last:
+                cur.hash_algo, cur.layer_group_id = ev.hash_algo, ev.layer_group_id
+                cur.window_size = ev.window_size
+            cur.first = min(cur.first, lo)
+            cur.last = max(cur.last, hi)
+            continue
+        if cur is not None:
+            yield cur
+        cur = Gap(
+            first=lo,
+            last=hi,
+            reasons=[reason],
+            hash_algo=ev.hash_algo,
+            layer_group_id=ev.layer_group_id,
+            window_size=ev.window_size,
+            schema_version=batch.schema_version,
+        )
+    if cur is not None:
+        yield cur
+
+
+@dataclass(slots=True)
+class LossLedger:
+    """Missing id ranges per source, kept sorted and merged. Not thread-safe by itself."""
+
+    _gaps: dict[SourceId, list[Gap]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self._gaps)
+
+    def record(self, batch: EventBatch, reason: str) -> None:
+        """Record every id ``batch`` covers as missing, for ``reason``."""
+        for gap in _runs(batch, reason):
+            self._insert(batch.source, gap)
+
+    def _insert(self, source: SourceId, gap: Gap) -> None:
+        gaps = self._gaps.setdefault(source, [])
+        if gaps and gaps[-1].last + 1 >= gap.first and gap.last + 1 >= gaps[-1].first:
+            gaps[-1].absorb(gap)  # the common case: the run right after the previous drop
+            self._merge_back(gaps, len(gaps) - 1)
+            return
+        i = bisect.bisect_left([g.first for g in gaps], gap.first)
+        gaps.insert(i, gap)
+        if i > 0 and gaps[i - 1].last + 1 >= gap.first:
+            gaps[i - 1].absorb(gap)
+            del gaps[i]
+            i -= 1
+        while i + 1 < len(gaps) and gaps[i].last + 1 >= gaps[i + 1].first:
+            gaps[i].absorb(gaps.pop(i + 1))
+
+    @staticmethod
+    def _merge_back(gaps: list[Gap], i: int) -> None:
+        while i > 0 and gaps[i - 1].last + 1 >= gaps[i].first:
+            gaps[i - 1].absorb(gaps.pop(i))
+            i -= 1
+
+    def sources(self) -> list[SourceId]:
+        """Sources with missing ids."""
+        return list(self._gaps)
+
+    def take_before(self, source: SourceId, first_id: int) -> list[Gap]:
+        """Remove and return ``source``'s gaps that end before ``first_id``."""
+        gaps = self._gaps.get(source)
+        if not gaps or gaps[0].last >= first_id:
+            return []
+        n = 0
+        while n < len(gaps) and gaps[n].last < first_id:
+            n += 1
+        taken, rest = gaps[:n], gaps[n:]
+        if rest:
+            self._gaps[source] = rest
+        else:
+            del self._gaps[source]
+        return taken
+
+    def take_all(self, source: SourceId) -> list[Gap]:
+        """Remove and return every gap of ``source``."""
+        return self._gaps.pop(source, [])
+
+    def pending_ids(self) -> int:
+        """How many ids the ledger holds for all sources together."""
+        return sum(g.count for gaps in self._gaps.values() for g in gaps)
+
+    def gaps(self) -> dict[SourceId, list[Gap]]:
+        """A copy of the ledger (for reports and tests)."""
+        return {s: list(g) for s, g in self._gaps.items()}
+
+
+def make_marker_batch(source: SourceId, gaps: Iterable[Gap], ts_ns: int) -> EventBatch:
+    """A batch of ``lost`` markers, one per gap, in id order."""
+    gap_list = list(gaps)
+    return EventBatch(
+        source=source,
+        ts_ns=ts_ns,
+        schema_version=gap_list[0].schema_version,
+        events=tuple(g.to_event() for g in gap_list),
+    )

@@ -1,0 +1,427 @@
+"""One sink's bounded, thread-safe queue: the hand-off point between producers and the sink task.
+
+Producers (the engine thread, any thread, or coroutines on the loop) :meth:`~SinkQueue.put`
+batches; the sink's task takes export chunks with :meth:`~SinkQueue.get_chunk`. Everything is
+guarded by one ``threading.Lock`` held for a few dictionary/deque operations, so a put costs
+about a microsecond and never waits on the sink unless the overflow policy is ``block``.
+
+The queue also owns the sink's :class:`~kvstream.pipeline.lost.LossLedger` and its counters,
+so a drop (by a producer or by the sink task) and the marker that replaces it are recorded
+under the same lock as the queue contents they refer to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstream.clock import Clock
+from kvstream.events.model import EventBatch
+
+from .config import OverflowPolicy, SinkPolicy
+from .lost import LossLedger, batch_first_id, make_marker_batch
+
+__all__ = ["Chunk", "DropReason", "QueueCounters", "SinkQueue"]
+
+
+class DropReason:
+    """Why events were dropped (the ``reason`` label of the dropped-events metric)."""
+
+    QUEUE_FULL = "queue_full"  # drop_oldest evicted, or drop_newest rejected
+    BLOCK_TIMEOUT = "block_timeout"  # block: no room before the deadline
+    RETRY_EXHAUSTED = "retry_exhausted"  # retriable failures until the retry deadline
+    PERMANENT_ERROR = "permanent_error"  # the sink said retrying cannot help
+    SHUTDOWN = "shutdown"  # still queued or in flight when close's deadline passed
+    CLOSED = "closed"  # submitted after close (no marker: the stream has ended)
+
+
+@dataclass(slots=True)
+class QueueCounters:
+    """Plain counters, read by the metrics collector at scrape time (no hot-path cost)."""
+
+    batches_in: int = 0
+    events_in: int = 0
+    batches_out: int = 0
+    events_out: int = 0
+    markers_out: int = 0
+    retries: int = 0
+    failures_retriable: int = 0
+    failures_permanent: int = 0
+    settled_batches: int = 0  # accepted batches that were delivered or dropped
+    dropped: dict[str, int] = field(default_factory=dict)
+    dropped_batches: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """What one export call delivers: data batches in order, with marker batches in front of
+    the batches whose ids follow a gap (and standalone markers at the end)."""
+
+    batches: Sequence[EventBatch]
+    data_batches: int
+    data_events: int
+    marker_events: int
+
+
+class SinkQueue:
+    """A bounded queue of batches for one sink, with the policy's overflow rule."""
+
+    def __init__(self, policy: SinkPolicy, clock: Clock) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._not_full = threading.Condition(self._lock)
+        self._items: deque[EventBatch] = deque()
+        self._events = 0
+        self._max_batches = policy.max_queue_batches
+        self._max_events = policy.max_queue_events
+        self._closed = False
+        self._blocked_out = False  # a block wait timed out; no more waiting until progress
+        self._thread_waiters = 0
+        self.ledger = LossLedger()
+        self.counters = QueueCounters()
+        # consumer wake-up (bound to the loop by attach())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._space: asyncio.Event | None = None
+        self._consumer_waiting = False
+        self._want_batches = 1
+        self._want_events = 1
+        self._urgent = 0
+        self._marker_not_before = 0.0
+
+    # ---------------------------------------------------------------------- loop binding
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to the loop the sink task runs on (called from that loop)."""
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._wakeup = asyncio.Event()
+        self._space = asyncio.Event()
+
+    def on_loop_thread(self) -> bool:
+        """True when called from the thread running the sink task's loop."""
+        return self._loop_thread == threading.get_ident()
+
+    def _signal(self) -> None:
+        # lock held; wake the consumer. From another thread this goes through the loop's
+        # self-pipe (a few microseconds), so it happens only when the consumer is waiting.
+        self._consumer_waiting = False
+        wakeup, loop = self._wakeup, self._loop
+        if wakeup is None or loop is None:
+            return
+        if self._loop_thread == threading.get_ident():
+            wakeup.set()
+        else:
+            try:  # noqa: SIM105 - cheaper than contextlib.suppress on the hot path
+                loop.call_soon_threadsafe(wakeup.set)
+            except RuntimeError:  # loop closed: nobody left to wake
+                pass
+
+    def _space_freed(self) -> None:
+        # lock held, on the loop thread
+        self._blocked_out = False
+        if self._thread_waiters:
+            self._not_full.notify_all()
+        if self._space is not None:
+            self._space.set()
+
+    # ------------------------------------------------------------------------- producers
+
+    def _fits(self, n: int) -> bool:
+        return not self._items or (
+            len(self._items) < self._max_batches and self._events + n <= self._max_events
+        )
+
+    def _accept(self, batch: EventBatch, n: int) -> None:
+        self._items.append(batch)
+        self._events += n
+        c = self.counters
+        c.batches_in += 1
+        c.events_in += n
+        if self._consumer_waiting and (
+            len(self._items) >= self._want_batches or self._events >= self._want_events
+        ):
+            self._signal()
+
+    def _drop(self, batch: EventBatch, n: int, reason: str, *, marker: bool = True) -> None:
+        c = self.counters
+        c.dropped[reason] = c.dropped.get(reason, 0) + n
+        c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + 1
+        if marker and batch.events:
+            self.ledger.record(batch, reason)
+            if self._consumer_waiting:
+                self._signal()
+
+    def _offer(self, batch: EventBatch, n: int) -> bool | None:
+        """Lock held. True/False when decided (accepted/dropped), None when ``block`` must wait."""
+        if self._closed:
+            self._drop(batch, n, DropReason.CLOSED, marker=False)
+            return False
+        if self._fits(n):
+            self._accept(batch, n)
+            return True
+        policy = self.policy.overflow
+        if policy is OverflowPolicy.DROP_OLDEST:
+            while not self._fits(n):
+                old = self._items.popleft()
+                k = len(old.events)
+                self._events -= k
+                self.counters.settled_batches += 1
+                self._drop(old, k, DropReason.QUEUE_FULL)
+            self._accept(batch, n)
+            return True
+        if policy is OverflowPolicy.DROP_NEWEST:
+            self._drop(batch, n, DropReason.QUEUE_FULL)
+            return False
+        return None
+
+    def put(self, batch: EventBatch, deadline: float | None = None) -> bool:
+        """Enqueue from any thread; True when accepted.
+
+        ``deadline`` (a ``time.monotonic()`` value) bounds a ``block`` wait together with the
+        policy's ``block_timeout_s``; None or a past deadline never waits. Never call with a
+        deadline from the loop thread (it would wait on the task that makes room): use
+        :meth:`put_async` there.
+        """
+        n = len(batch.events)
+        with self._lock:
+            items = self._items
+            if not self._closed and (
+                not items
+                or (len(items) < self._max_batches and self._events + n <= self._max_events)
+            ):  # the common case, inlined: room in the queue
+                items.append(batch)
+                self._events += n
+                c = self.counters
+                c.batches_in += 1
+                c.events_in += n
+                if self._consumer_waiting and (
+                    len(items) >= self._want_batches or self._events >= self._want_events
+                ):
+                    self._signal()
+                return True
+            decided = self._offer(batch, n)
+            if decided is not None:
+                return decided
+            if deadline is not None and not self._blocked_out:
+                now = time.monotonic()
+                until = min(deadline, now + self.policy.block_timeout_s)
+                self._thread_waiters += 1
+                try:
+                    while not self._closed and not self._fits(n) and now < until:
+                        self._not_full.wait(until - now)
+                        now = time.monotonic()
+                finally:
+                    self._thread_waiters -= 1
+                decided = self._offer(batch, n)
+                if decided is not None:
+                    return decided
+                self._blocked_out = True  # waited in vain: do not wait again until progress
+            self._drop(batch, n, DropReason.BLOCK_TIMEOUT)
+            return False
+
+    async def put_async(self, batch: EventBatch, timeout_s: float | None = None) -> bool:
+        """Enqueue from a coroutine on the sink task's loop; ``block`` waits without blocking
+        the loop, up to ``min(timeout_s, block_timeout_s)``."""
+        n = len(batch.events)
+        wait = (
+            self.policy.block_timeout_s
+            if timeout_s is None
+            else min(timeout_s, self.policy.block_timeout_s)
+        )
+        until = time.monotonic() + wait
+        while True:
+            with self._lock:
+                decided = self._offer(batch, n)
+                if decided is not None:
+                    return decided
+                remaining = until - time.monotonic()
+                if remaining <= 0 or self._blocked_out or self._space is None:
+                    self._blocked_out = self._blocked_out or wait > 0
+                    self._drop(batch, n, DropReason.BLOCK_TIMEOUT)
+                    return False
+                space = self._space
+                space.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(space.wait(), remaining)
+
+    # -------------------------------------------------------------------------- consumer
+
+    def set_urgent(self, delta: int) -> None:
+        """Flush/close in progress (> 0): take chunks without lingering."""
+        with self._lock:
+            self._urgent += delta
+            if self._urgent > 0 and self._consumer_waiting:
+                self._signal()
+
+    def close(self) -> None:
+        """Stop accepting batches; waiting producers give up and the consumer drains."""
+        with self._lock:
+            self._closed = True
+            self._urgent += 1
+            self._not_full.notify_all()
+            if self._space is not None and self.on_loop_thread():
+                self._space.set()
+            self._signal()
+
+    def _ready(self, now: float) -> bool:
+        return bool(self._items) or (bool(self.ledger) and now >= self._marker_not_before)
+
+    async def get_chunk(self) -> Chunk | None:
+        """Wait for work and take the next chunk; None once closed and nothing is left.
+
+        Lingers up to ``linger_s`` for a full chunk unless a flush or close is in progress.
+        """
+        assert self._wakeup is not None, "attach() first"
+        wakeup = self._wakeup
+        pol = self.policy
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                if self._ready(now):
+                    break
+                if self._closed and not self._items and not self.ledger:
+                    return None
+                self._want_batches = self._want_events = 1
+                self._consumer_waiting = True
+                wakeup.clear()
+                timeout = (self._marker_not_before - now) if self.ledger else None
+            if timeout is None:
+                await wakeup.wait()
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wakeup.wait(), max(timeout, 0.0))
+        if pol.linger_s > 0:
+            until = time.monotonic() + pol.linger_s
+            while True:
+                with self._lock:
+                    remaining = until - time.monotonic()
+                    if (
+                        remaining <= 0
+                        or self._urgent
+                        or len(self._items) >= pol.max_export_batches
+                        or self._events >= pol.max_export_events
+                    ):
+                        break
+                    self._want_batches = pol.max_export_batches
+                    self._want_events = pol.max_export_events
+                    self._consumer_waiting = True
+                    wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wakeup.wait(), remaining)
+        return self._take()
+
+    def _take(self) -> Chunk:
+        pol = self.policy
+        max_batches, max_events = pol.max_export_batches, pol.max_export_events
+        out: list[EventBatch] = []
+        data_batches = data_events = marker_events = 0
+        with self._lock:
+            self._consumer_waiting = False
+            items, ledger = self._items, self.ledger
+            gaps_pending = bool(ledger)
+            now_ns = self._clock.time_ns() if gaps_pending else 0
+            popleft, append = items.popleft, out.append
+            while items and data_batches < max_batches:
+                b = items[0]
+                n = len(b.events)
+                if data_batches and data_events + n > max_events:
+                    break
+                popleft()
+                if gaps_pending:
+                    first = batch_first_id(b)
+                    if first is not None:
+                        gaps = ledger.take_before(b.source, first)
+                        if gaps:
+                            append(make_marker_batch(b.source, gaps, now_ns))
+                            marker_events += len(gaps)
+                append(b)
+                data_batches += 1
+                data_events += n
+            self._events -= data_events
+            if gaps_pending and ledger and time.monotonic() >= self._marker_not_before:
+                waiting = {b.source for b in items}
+                for source in ledger.sources():
+                    if source not in waiting:
+                        gaps = ledger.take_all(source)
+                        append(make_marker_batch(source, gaps, now_ns))
+                        marker_events += len(gaps)
+            if data_batches:
+                self._space_freed()
+        return Chunk(out, data_batches, data_events, marker_events)
+
+    # ------------------------------------------------------------------- sink task results
+
+    def delivered(self, chunk: Chunk) -> None:
+        """The sink accepted ``chunk``."""
+        with self._lock:
+            c = self.counters
+            c.batches_out += chunk.data_batches
+            c.events_out += chunk.data_events
+            c.markers_out += chunk.marker_events
+            c.settled_batches += chunk.data_batches
+            self._marker_not_before = 0.0
+
+    def failed(self, chunk: Chunk, reason: str, marker_backoff_s: float) -> None:
+        """``chunk`` is given up for ``reason``: count it and put its ids in the ledger.
+
+        Markers for it are not retried alone before ``marker_backoff_s`` has passed, so a
+        sink that fails everything is not hammered with marker-only exports.
+        """
+        with self._lock:
+            c = self.counters
+            c.dropped[reason] = c.dropped.get(reason, 0) + chunk.data_events
+            c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + chunk.data_batches
+            c.settled_batches += chunk.data_batches
+            for b in chunk.batches:
+                if b.events:
+                    self.ledger.record(b, reason)
+            self._marker_not_before = time.monotonic() + marker_backoff_s
+
+    def drain_remaining(self, reason: str) -> tuple[int, int]:
+        """Drop everything still queued (close's deadline passed); returns (batches, events)."""
+        with self._lock:
+            batches, events = len(self._items), self._events
+            while self._items:
+                b = self._items.popleft()
+                self.counters.settled_batches += 1
+                self._drop(b, len(b.events), reason)
+            self._events = 0
+            return batches, events
+
+    # ------------------------------------------------------------------------ inspection
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def depth(self) -> tuple[int, int]:
+        """(batches, events) queued now."""
+        return len(self._items), self._events
+
+    def idle(self) -> bool:
+        """Nothing queued and no markers pending."""
+        with self._lock:
+            return not self._items and not self.ledger
+
+    def flushed(self, target: int) -> bool:
+        """Every batch accepted before ``counters.batches_in`` was ``target`` is settled, and
+        lost markers are out, or will go out in front of batches still queued (so a flush
+        under continuous load does not wait for later batches)."""
+        with self._lock:
+            return self.counters.settled_batches >= target and (
+                not self.ledger or bool(self._items)
+            )
+
+    def pending_lost_ids(self) -> int:
+        """Ids recorded as lost whose markers are not delivered yet."""
+        with self._lock:
+            return self.ledger.pending_ids()

@@ -1,0 +1,21 @@
+# Sourced by scripts/test and scripts/demo: make ./.venv with kvstream installed (idempotent).
+# Usage: . scripts/_bootstrap.sh EXTRAS    (e.g. "dev" or "all")
+set -euo pipefail
+_extras=${1:-all}
+PY=${PYTHON:-python3}
+VENV=${KVSTREAM_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+# torch first, pinned to the CPU build these machines carry, so the project's torch range is
+# already satisfied and pip does not pull a multi-GB CUDA build.
+if ! python -c "import torch" 2>/dev/null; then
+  echo "== installing torch (CPU)"
+  python -m pip install -q "torch==${KVSTREAM_TORCH_VERSION:-2.13.0}"
+fi
+echo "== installing kvstream[$_extras]"
+python -m pip install -q -e ".[$_extras]"

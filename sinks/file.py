@@ -1,0 +1,442 @@
+"""The file sink: event batches in Avro object container files (or JSON Lines), rotated.
+
+* One record per batch; every export becomes one container block written with a single
+  ``write`` and flushed to the OS, so an export that returned success survives a process
+  crash. :meth:`FileSink.force_flush` and :meth:`FileSink.shutdown` also ``fsync`` the file
+  and its directory (durable against power loss).
+* Files rotate by size (``rotate_bytes``) and age (``rotate_s``); names sort by creation
+  time: ``{prefix}-{YYYYmmddTHHMMSS.ffffff}Z-{pid}-{seq}.avro`` (``.jsonl`` for JSON Lines).
+* The files are plain Avro containers (any Avro tool reads them); the writer schema and its
+  version are in the header.
+* :func:`read_dir` reads a directory back in file-name order and, by default, recovers every
+  complete block of a file torn by a crash mid-write (the torn tail is skipped).
+* A failed write truncates the file back to its last complete block and the next export
+  starts a new file, so a torn block never hides later data.
+
+Disk I/O and encoding run in a worker thread, so a slow disk does not stall the event loop
+(and with it other sinks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final, Literal
+
+from kvstream.clock import SYSTEM_CLOCK, Clock
+from kvstream.codec import ContainerWriter, read_container
+from kvstream.errors import (
+    CodecError,
+    ConfigError,
+    DecodeError,
+    EventValidationError,
+    PermanentSinkError,
+    RetriableSinkError,
+)
+from kvstream.events.model import EventBatch
+from kvstream.sink import ExportResult, Sink, SinkURL
+
+__all__ = ["FileSink", "FileStats", "ReadReport", "list_files", "read_dir", "read_file"]
+
+FileFormat = Literal["avro", "jsonl"]
+_SUFFIX: Final[dict[str, str]] = {"avro": ".avro", "jsonl": ".jsonl"}
+#: errno values retrying cannot fix.
+_PERMANENT_ERRNOS: Final = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.ENAMETOOLONG,
+    errno.EINVAL,
+}
+
+
+@dataclass(slots=True)
+class FileStats:
+    """What the sink wrote: files opened, batches, events, bytes, fsyncs."""
+
+    files: int = 0
+    batches: int = 0
+    events: int = 0
+    bytes: int = 0
+    fsyncs: int = 0
+
+
+class _OpenFile:
+    """One output file: raw handle, the container writer (avro), size and age."""
+
+    def __init__(self, path: Path, fmt: FileFormat, codec: str, schema_version: int | None):
+        self.path = path
+        self.fo: IO[bytes] = open(path, "xb")  # noqa: SIM115 - closed by close()
+        self.opened = time.monotonic()
+        self.writer: ContainerWriter | None = None
+        try:
+            if fmt == "avro":
+                self.writer = ContainerWriter(
+                    self.fo,
+                    schema_version=schema_version,
+                    codec=codec,
+                    sync_interval=1 << 62,  # blocks are cut by export, not by size
+                    append=False,
+                )
+            self.fo.flush()
+        except BaseException:
+            self.fo.close()
+            raise
+        self.size = self.fo.tell()
+
+    def close(self, fsync: bool) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.flush(fsync=False)
+            self.fo.flush()
+            if fsync:
+                os.fsync(self.fo.fileno())
+        finally:
+            self.fo.close()
+
+
+class FileSink(Sink):
+    """Writes batches to rotating files in ``directory`` (created if missing).
+
+    ``format``: ``avro`` (container files, default) or ``jsonl`` (one JSON batch per line,
+    for humans). ``codec``: the container compression (``null``, ``deflate``, ``bzip2``,
+    ``xz``). ``rotate_bytes``/``rotate_s``: start a new file once the current one is that big
+    or that old (None: never). ``fsync_every_export``: fsync after each export, not only on
+    flush/close (slower, durable per export).
+    """
+
+    scheme = "file"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        format: FileFormat = "avro",
+        codec: str = "null",
+        schema_version: int | None = None,
+        rotate_bytes: int | None = 256 * 1024 * 1024,
+        rotate_s: float | None = 3600.0,
+        prefix: str = "kvstream",
+        fsync_every_export: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if format not in _SUFFIX:
+            raise ConfigError(f"file sink format must be avro or jsonl, got {format!r}")
+        if format == "jsonl" and codec != "null":
+            raise ConfigError("a codec applies to avro files only")
+        if rotate_bytes is not None and rotate_bytes < 1:
+            raise ConfigError(f"rotate_bytes must be >= 1, got {rotate_bytes}")
+        if rotate_s is not None and rotate_s <= 0:
+            raise ConfigError(f"rotate_s must be > 0, got {rotate_s}")
+        if not prefix or "/" in prefix or prefix.startswith("."):
+            raise ConfigError(f"bad file prefix {prefix!r}")
+        self.directory = Path(directory)
+        self.format: FileFormat = format
+        self.codec = codec
+        self.schema_version = schema_version
+        self.rotate_bytes = rotate_bytes
+        self.rotate_s = rotate_s
+        self.prefix = prefix
+        self.fsync_every_export = fsync_every_export
+        self._clock = clock
+        self._lock = threading.Lock()  # the writer is used from worker threads
+        self._file: _OpenFile | None = None
+        self._seq = 0
+        self._closed = False
+        self._dir_dirty = False
+        self.stats = FileStats()
+        self.paths: list[Path] = []
+
+    @classmethod
+    def from_url(cls, url: SinkURL) -> FileSink:
+        """``file:///abs/dir?format=avro|jsonl&rotate_bytes=64MiB&rotate_s=600&codec=deflate``.
+
+        Also ``prefix``, ``schema_version``, ``fsync`` (``export`` to fsync every export),
+        ``name``. ``rotate_bytes=0``/``rotate_s=0`` disable that rotation.
+        """
+        url.check_keys(
+            [
+                "format",
+                "rotate_bytes",
+                "rotate_s",
+                "codec",
+                "prefix",
+                "schema_version",
+                "fsync",
+                "name",
+            ]
+        )
+        if url.netloc not in ("", "localhost"):
+            raise ConfigError(f"file URLs name a local directory (file:///dir), got {url.raw!r}")
+        if not url.path:
+            raise ConfigError(f"file sink URL {url.raw!r} has no directory")
+        fmt = url.get("format", "avro")
+        if fmt not in _SUFFIX:
+            raise ConfigError(f"format must be avro or jsonl in {url.raw!r}, got {fmt!r}")
+        fsync = url.get("fsync", "flush")
+        if fsync not in ("flush", "export"):
+            raise ConfigError(f"fsync must be flush or export in {url.raw!r}, got {fsync!r}")
+        rotate_bytes = url.get_int("rotate_bytes", 256 * 1024 * 1024)
+        rotate_s = url.get_float("rotate_s", 3600.0)
+        return cls(
+            url.path,
+            format=fmt,  # type: ignore[arg-type]
+            codec=url.get("codec", "null") or "null",
+            schema_version=url.get_int("schema_version"),
+            rotate_bytes=rotate_bytes or None,
+            rotate_s=rotate_s or None,
+            prefix=url.get("prefix", "kvstream") or "kvstream",
+            fsync_every_export=fsync == "export",
+            name=url.get("name"),
+        )
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Create the directory."""
+        try:
+            await asyncio.to_thread(self.directory.mkdir, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _classify_os_error(exc, f"cannot create {self.directory}") from exc
+
+    async def export(self, batches: Sequence[EventBatch]) -> ExportResult:
+        """Append ``batches`` as one block (one line each for JSON Lines) and flush it."""
+        if self._closed:
+            return ExportResult.permanent("the file sink is shut down")
+        if not batches:
+            return ExportResult.success()
+        try:
+            await asyncio.to_thread(self._write, batches)
+        except OSError as exc:
+            return ExportResult.from_exception(_classify_os_error(exc, "write failed"))
+        except (CodecError, EventValidationError) as exc:
+            return ExportResult.permanent(f"cannot encode a batch: {exc}", exc)
+        return ExportResult.success()
+
+    async def force_flush(self, timeout_s: float | None = None) -> bool:
+        """fsync the current file and the directory."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._fsync), timeout_s)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """Flush, fsync and close the current file; later exports fail permanently."""
+        self._closed = True
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(self._close_file), timeout_s)
+
+    async def position(self) -> int:
+        """How many files this sink has opened (see :meth:`read_back`)."""
+        return len(self.paths)
+
+    async def read_back(self, since: object = None) -> list[EventBatch]:
+        """The batches in the files this sink opened after ``since`` (a :meth:`position`;
+        None: all of this sink's files), torn tails tolerated."""
+        start = since if isinstance(since, int) else 0
+        paths = self.paths[start:]
+
+        def read() -> list[EventBatch]:
+            return [b for p in paths for b in read_file(p)]
+
+        return await asyncio.to_thread(read)
+
+    # ------------------------------------------------------------------ worker-thread I/O
+
+    def _new_path(self) -> Path:
+        now = _dt.datetime.fromtimestamp(self._clock.time_ns() / 1e9, tz=_dt.timezone.utc)
+        self._seq += 1
+        stamp = now.strftime("%Y%m%dT%H%M%S.%f")
+        name = f"{self.prefix}-{stamp}Z-{os.getpid()}-{self._seq:06d}{_SUFFIX[self.format]}"
+        return self.directory / name
+
+    def _current(self) -> _OpenFile:
+        f = self._file
+        if f is not None:
+            too_big = self.rotate_bytes is not None and f.size >= self.rotate_bytes
+            too_old = self.rotate_s is not None and time.monotonic() - f.opened >= self.rotate_s
+            if not (too_big or too_old):
+                return f
+            self._file = None
+            f.close(fsync=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        f = _OpenFile(self._new_path(), self.format, self.codec, self.schema_version)
+        self._file = f
+        self._dir_dirty = True
+        self.paths.append(f.path)
+        self.stats.files += 1
+        self.stats.bytes += f.size
+        return f
+
+    def _write(self, batches: Sequence[EventBatch]) -> None:
+        with self._lock:
+            f = self._current()
+            good = f.size
+            try:
+                if f.writer is not None:
+                    for b in batches:
+                        f.writer.write(b)
+                    f.writer.flush(fsync=self.fsync_every_export)
+                else:
+                    data = b"".join(b.model_dump_json().encode() + b"\n" for b in batches)
+                    f.fo.write(data)
+                    f.fo.flush()
+                    if self.fsync_every_export:
+                        os.fsync(f.fo.fileno())
+                f.size = f.fo.tell()
+            except BaseException:
+                self._abandon(f, good)
+                raise
+            if self.fsync_every_export:
+                self._fsync_dir()
+            self.stats.batches += len(batches)
+            self.stats.events += sum(len(b.events) for b in batches)
+            self.stats.bytes += f.size - good
+
+    def _abandon(self, f: _OpenFile, good: int) -> None:
+        # cut the file back to its last complete block and start a new one next time
+        self._file = None
+        with contextlib.suppress(OSError, ValueError):
+            f.fo.truncate(good)
+        with contextlib.suppress(OSError):
+            f.fo.close()
+
+    def _fsync(self) -> None:
+        with self._lock:
+            f = self._file
+            if f is not None:
+                f.fo.flush()
+                os.fsync(f.fo.fileno())
+            self._fsync_dir()
+            self.stats.fsyncs += 1
+
+    def _fsync_dir(self) -> None:
+        if not self._dir_dirty:
+            return
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dir_dirty = False
+
+    def _close_file(self) -> None:
+        with self._lock:
+            f, self._file = self._file, None
+            if f is not None:
+                f.close(fsync=True)
+                self.stats.fsyncs += 1
+            self._fsync_dir()
+
+
+def _classify_os_error(exc: OSError, what: str) -> RetriableSinkError | PermanentSinkError:
+    message = f"{what}: {exc}"
+    if exc.errno in _PERMANENT_ERRNOS:
+        return PermanentSinkError(message)
+    return RetriableSinkError(message)
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+@dataclass(slots=True)
+class ReadReport:
+    """What :func:`read_dir` found: files read, batches, and torn files with skipped bytes."""
+
+    files: int = 0
+    batches: int = 0
+    torn: dict[str, int] | None = None  # file name -> ignored bytes
+
+    def note_torn(self, path: Path, ignored: int) -> None:
+        """Record a torn file."""
+        if self.torn is None:
+            self.torn = {}
+        self.torn[path.name] = ignored
+
+
+def list_files(directory: str | os.PathLike[str], prefix: str = "kvstream") -> list[Path]:
+    """The sink's files in ``directory``, oldest first (names sort by creation time)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(
+        p
+        for p in d.iterdir()
+        if p.name.startswith(prefix + "-") and p.suffix in (".avro", ".jsonl") and p.is_file()
+    )
+
+
+def read_file(
+    path: str | os.PathLike[str],
+    *,
+    tolerate_torn_tail: bool = True,
+    report: ReadReport | None = None,
+) -> Iterator[EventBatch]:
+    """The batches of one file (Avro container or JSON Lines).
+
+    With ``tolerate_torn_tail`` (default) a file cut short by a crash yields every complete
+    block (or line) and stops; otherwise a torn file raises :class:`DecodeError`.
+    """
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        yield from _read_jsonl(p, tolerate_torn_tail, report)
+        return
+    reader = read_container(p, tolerate_torn_tail=tolerate_torn_tail)
+    with reader:
+        yield from reader
+    if reader.torn_reason is not None and report is not None:
+        report.note_torn(p, reader.ignored_bytes)
+
+
+def _read_jsonl(p: Path, tolerant: bool, report: ReadReport | None) -> Iterator[EventBatch]:
+    with open(p, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]
+    for i, line in enumerate(complete):
+        if not line.strip():
+            continue
+        try:  # a complete (newline-terminated) line that does not parse is corruption
+            batch = EventBatch.model_validate_json(line)
+        except EventValidationError as exc:
+            raise DecodeError(f"{p.name} line {i + 1} is not a batch: {exc}") from exc
+        yield batch
+    if tail:
+        if not tolerant:
+            raise DecodeError(f"{p.name} ends in a partial line ({len(tail)} bytes)")
+        if report is not None:
+            report.note_torn(p, len(tail))
+
+
+def read_dir(
+    directory: str | os.PathLike[str],
+    *,
+    prefix: str = "kvstream",
+    tolerate_torn_tail: bool = True,
+    report: ReadReport | None = None,
+) -> Iterator[EventBatch]:
+    """Every batch the file sink wrote to ``directory``, in write order.
+
+    A torn file (crash mid-write) yields all its complete blocks; pass a :class:`ReadReport`
+    to learn which files were torn and how many bytes were skipped.
+    """
+    for path in list_files(directory, prefix):
+        if report is not None:
+            report.files += 1
+        for batch in read_file(path, tolerate_torn_tail=tolerate_torn_tail, report=report):
+            if report is not None:
+                report.batches += 1
+            yield batch

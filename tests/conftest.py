@@ -1,0 +1,3 @@
+"""Shared test configuration. Fixtures live in their own modules, registered here."""
+
+pytest_plugins = ["conftest_kafka"]
