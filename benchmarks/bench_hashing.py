@@ -11,13 +11,17 @@ over the same per-block byte strings the algorithm hashes, precomputed:
 - ``vllm_sha256_cbor*``: ``hashlib.sha256(canonical_cbor((parent, tokens, None)))`` per block;
 - ``blake3*``: ``blake3(parent_key || tokens_le)`` per block;
 - ``v1_block_key``: no byte-string primitive exists (a 64-bit integer mix); the baseline is
-  ``hashlib.sha256(parent_8_bytes || tokens_le)`` per block, for scale only.
+  ``hashlib.sha256(parent_8_bytes || tokens_le)`` per block, for scale only. It is reported
+  twice: ``[native]`` (the C extension ``kvstream.hashing._v1native``, the default when built)
+  and ``[python]`` (the pure-Python reference, ``V1BlockKeyHasher(native=False)``), followed by a
+  summary line with the native/pure-Python speed-up and both ratios to SHA-256.
 
 ``ratio`` = primitive time / chain time (1.0 = as fast as hashing pre-built messages; the
 target is >= 0.7). ``list`` repeats the chain with blocks as lists of ints (conversion
 included); ``extend`` drives ``root``/``extend`` one block at a time. Best of R runs each.
 Runs alternate between the four measurements so that machine noise hits them alike.
-``--profile ALGO`` prints a cProfile of that algorithm's chain instead.
+``--profile ALGO`` prints a cProfile of that algorithm's chain instead (a row label such as
+``v1_block_key[python]`` is accepted too).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from blake3 import blake3
 from kvstream._types import TokenIds
 from kvstream.hashing import BlockHasher, available_hashers, get_hasher
 from kvstream.hashing.cbor import dumps as cbor_dumps
+from kvstream.hashing.trtllm import V1BlockKeyHasher
 
 
 def _best_interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
@@ -84,6 +89,20 @@ def _messages(h: BlockHasher, blocks: list[TokenIds]) -> tuple[list[bytes], Call
     return [p + b.raw for p, b in zip(parents, blocks, strict=True)], hashlib.sha256
 
 
+def _rows() -> list[tuple[str, BlockHasher]]:
+    """(label, hasher) of every registered algorithm; v1_block_key native and pure Python."""
+    rows: list[tuple[str, BlockHasher]] = []
+    for name in available_hashers():
+        h = get_hasher(name)
+        if isinstance(h, V1BlockKeyHasher):
+            rows.append((f"{name}[{'native' if h.native else 'python'}]", h))
+            if h.native:
+                rows.append((f"{name}[python]", V1BlockKeyHasher(native=False)))
+        else:
+            rows.append((name, h))
+    return rows
+
+
 def _primitive(msgs: list[bytes], prim: Callable[[bytes], Any]) -> None:
     for m in msgs:
         prim(m).digest()
@@ -122,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     mb = n * tpb * 4 / 1e6
 
     if args.profile:
-        h = get_hasher(args.profile)
+        labels = dict(_rows())
+        h = labels[args.profile] if args.profile in labels else get_hasher(args.profile)
         prof = cProfile.Profile()
         prof.enable()
         h.chain_bytes(blocks)
@@ -137,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"# python {sys.version.split()[0]}")
     header = (
-        f"{'algorithm':<20} {'chain blk/s':>12} {'MB/s':>7} {'prim blk/s':>11} {'ratio':>6} "
+        f"{'algorithm':<22} {'chain blk/s':>12} {'MB/s':>7} {'prim blk/s':>11} {'ratio':>6} "
         f"{'list':>6} {'extend':>7}  primitive"
     )
     print(header)
     print("-" * len(header))
-    for name in available_hashers():
-        h = get_hasher(name)
+    v1: dict[str, tuple[float, float]] = {}  # label -> (chain time, primitive time)
+    for name, h in _rows():
         msgs, prim = _messages(h, blocks)
         assert h.chain_bytes(blocks) == h.chain_bytes(lists)
         t_chain, t_list, t_ext, t_prim = _best_interleaved(
@@ -156,11 +176,23 @@ def main(argv: list[str] | None = None) -> int:
             args.repeat,
         )
         prim_name = "blake3" if prim is blake3 else "sha256"
+        if isinstance(h, V1BlockKeyHasher):
+            v1[name] = (t_chain, t_prim)
         print(
-            f"{name:<20} {n / t_chain:>12,.0f} {mb / t_chain:>7.1f} {n / t_prim:>11,.0f} "
+            f"{name:<22} {n / t_chain:>12,.0f} {mb / t_chain:>7.1f} {n / t_prim:>11,.0f} "
             f"{t_prim / t_chain:>5.2f}x {t_prim / t_list:>5.2f}x {t_prim / t_ext:>6.2f}x  "
             f"{prim_name}"
         )
+    nat, py = v1.get("v1_block_key[native]"), v1.get("v1_block_key[python]")
+    if nat and py:
+        print(
+            f"# v1_block_key: native {n / nat[0]:,.0f} blk/s, pure Python {n / py[0]:,.0f} blk/s, "
+            f"sha256 {n / nat[1]:,.0f} blk/s -> native/python {py[0] / nat[0]:.1f}x, "
+            f"native/sha256 {nat[1] / nat[0]:.2f}x, python/sha256 {py[1] / py[0]:.2f}x "
+            "(target >= 0.7x)"
+        )
+    elif py:
+        print("# v1_block_key: C extension not loaded (not built or KVSTREAM_NO_NATIVE set)")
     return 0
 
 

@@ -21,11 +21,17 @@ id only, so a ``lora_name`` without a ``lora_id`` raises HashingError.
                          then s = mix64(start_offset, s)          (V1 C++ only)
         return s
 
-Every ``mix`` returns ``s ^ (w + (s<<6) + (s>>2))`` with a *seed-independent* ``w``; the
-``w`` of a request's tokens come from a lookup table (single blocks) or one numpy pass (long
-requests), so only the seed recurrence runs per token in Python (~150 ns/token: expect ~10x
-less throughput than the SHA-256 algorithms). Published: the unsigned value, 8 bytes
-big-endian.
+Published: the unsigned value, 8 bytes big-endian.
+
+Two implementations give identical values. **Native** (the default when available): the C
+extension :mod:`kvstream.hashing._v1native` (built by ``pip install`` when a C compiler is
+present; optional) hashes a whole request in one call, faster than SHA-256 over the same bytes.
+**Pure Python** (the reference, and the fallback when the extension is missing): every ``mix``
+returns ``s ^ (w + (s<<6) + (s>>2))`` with a *seed-independent* ``w``; the ``w`` of a request's
+tokens come from a lookup table (single blocks) or one numpy pass (long requests), so only the
+seed recurrence runs per token in Python (~150 ns/token: ~10x less throughput than SHA-256).
+Set the environment variable ``KVSTREAM_NO_NATIVE=1`` (any value but empty or ``0``) before
+import to force the pure-Python path; ``V1BlockKeyHasher(native=False)`` picks it per hasher.
 
 ``v2_sha256`` (V2 radix key; 256-bit)::
 
@@ -46,15 +52,17 @@ each as ``digest (32 bytes) || start_offset as 4 bytes little-endian``.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, id_scope, scope_bytes
+from kvstream.hashing.base import BlockHasher, ChainState, id_scope, per_block_args, scope_bytes
 from kvstream.hashing.blocks import (
     MixedBlock,
     Where,
@@ -66,7 +74,21 @@ from kvstream.hashing.blocks import (
 )
 from kvstream.hashing.multimodal import digest32, normalize_mm_keys
 
-__all__ = ["V1BlockKeyHasher", "V2Sha256Hasher"]
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.hashing import _v1native
+    except ImportError:  # built without a C compiler: the pure-Python path
+        _v1native = None  # type: ignore[assignment]
+else:
+    _v1native = None  # type: ignore[assignment]
+
+__all__ = ["NATIVE_AVAILABLE", "V1BlockKeyHasher", "V2Sha256Hasher"]
+
+#: Whether the v1_block_key C extension is loaded (``V1BlockKeyHasher``'s default path).
+NATIVE_AVAILABLE: Final[bool] = _v1native is not None
+_LITTLE: Final = sys.byteorder == "little"
+#: Per-block optional buffers (extra ids, mm records) passed to the C extension.
+_PerBlock: TypeAlias = list[bytes | None]
 
 _M32: Final = 0xFFFFFFFF
 _M64: Final = 0xFFFFFFFFFFFFFFFF
@@ -153,6 +175,23 @@ def _w64_all(values: list[int]) -> list[int]:
     return out
 
 
+def _u64_bytes(values: list[int]) -> bytes:
+    """Validated uint64 values as little-endian bytes (the C extension's extra-id buffer)."""
+    arr = array("Q", values)
+    if not _LITTLE:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _mm_records(mm_keys: Iterable[Any] | None) -> bytes | None:
+    """A block's mm keys as the C extension's records: digest (32) || start_offset (u32 LE)."""
+    parts: list[bytes] = []
+    for i, (h, off) in enumerate(normalize_mm_keys(mm_keys)):
+        parts.append(digest32(h, f"mm_keys[{i}]"))
+        parts.append(off.to_bytes(4, "little"))
+    return b"".join(parts) if parts else None
+
+
 def _mm_terms(mm_keys: Iterable[Any] | None) -> list[int]:
     terms: list[int] = []
     for i, (h, off) in enumerate(normalize_mm_keys(mm_keys)):
@@ -166,11 +205,23 @@ class V1BlockKeyHasher(BlockHasher):
     """``v1_block_key``: TensorRT-LLM V1 ``BlockKeyHasher`` (64-bit; see module docstring).
 
     Supports salt, LoRA id, per-token extra ids and multimodal keys. Chain values are the
-    unsigned 64-bit ints TensorRT-LLM publishes in JSON.
+    unsigned 64-bit ints TensorRT-LLM publishes in JSON. ``native`` picks the implementation:
+    None (default) the C extension when :data:`NATIVE_AVAILABLE`, False the pure-Python
+    reference, True the C extension (HashingError when it is not available).
     """
 
     name = "v1_block_key"
     width = 8
+
+    def __init__(self, *, native: bool | None = None) -> None:
+        if native is None:
+            native = NATIVE_AVAILABLE
+        elif native and not NATIVE_AVAILABLE:
+            raise HashingError(
+                "the v1_block_key C extension is not available (not built, or "
+                "KVSTREAM_NO_NATIVE is set)"
+            )
+        self.native: bool = bool(native)
 
     def root(
         self,
@@ -181,20 +232,29 @@ class V1BlockKeyHasher(BlockHasher):
         *,
         lora_path: str | None = None,
     ) -> ChainState:
-        """Root state; the parent of the first block is 0."""
+        """Root state; the parent of the first block is 0.
+
+        The scope is ``(salt term, lora term, salt_id, lora_id)`` (terms for the Python path,
+        ids for the C one); either implementation extends the other's states.
+        """
         lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
         return ChainState(
             self.name,
             0,
             0,
-            (None if salt is None else _w64(salt), None if lora is None else _w64(lora)),
+            (
+                None if salt is None else _w64(salt),
+                None if lora is None else _w64(lora),
+                salt,
+                lora,
+            ),
         )
 
     @staticmethod
     def _hash(
         parent: int, n: int, terms: list[int], scope: tuple[Any, ...], tail: list[int]
     ) -> int:
-        salt_w, lora_w = scope
+        salt_w, lora_w = scope[0], scope[1]
         s = (n ^ (parent * _SM1)) & _M64
         if parent == 0 and salt_w is not None:
             s = (s ^ (salt_w + (s << 6) + (s >> 2))) & _M64
@@ -219,6 +279,58 @@ class V1BlockKeyHasher(BlockHasher):
             terms = [w for pair in zip(terms, extra, strict=True) for w in pair]
         return self._hash(state.key, n, terms, state.scope, _mm_terms(mm_keys))
 
+    @staticmethod
+    def _extend_native(
+        state: ChainState, block_tokens: Any, mm_keys: Any, token_extra_ids: Any
+    ) -> int:
+        raw = block_tokens._raw if type(block_tokens) is TokenIds else coerce_tokens(block_tokens)
+        if not raw:
+            raise HashingError("a block needs at least one token")
+        scope = state.scope
+        if not mm_keys and token_extra_ids is None:
+            return _v1native.block_key(raw, state.key, scope[2], scope[3])
+        extra = None
+        if token_extra_ids is not None:
+            extra = _u64_bytes(extra_ids_list(token_extra_ids, len(raw) >> 2))
+        return _v1native.block_key(raw, state.key, scope[2], scope[3], extra, _mm_records(mm_keys))
+
+    def _native_args(
+        self,
+        blocks: list[Any],
+        *,
+        lora_id: Any,
+        cache_salt: Any,
+        salt_id: Any,
+        lora_name: Any,
+        mm_keys: Any,
+        token_extra_ids: Any,
+    ) -> tuple[list[bytes], int | None, int | None, _PerBlock | None, _PerBlock | None]:
+        """(per-block token bytes, salt_id, lora_id, extra-id buffers, mm records) of a chain."""
+        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
+        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        raws = coerce_many(blocks)
+        if mm is None and extra is None:
+            return raws, salt, lora, None, None
+        extra_bufs: _PerBlock = []
+        mm_bufs: _PerBlock = []
+        for i, raw in enumerate(raws):
+            if not raw:
+                raise HashingError(f"blocks[{i}]: a block needs at least one token")
+            if extra is not None:
+                e = extra[i]
+                extra_bufs.append(
+                    None if e is None else _u64_bytes(extra_ids_list(e, len(raw) >> 2))
+                )
+            if mm is not None:
+                mm_bufs.append(_mm_records(mm[i]))
+        return (
+            raws,
+            salt,
+            lora,
+            None if extra is None else extra_bufs,
+            None if mm is None else mm_bufs,
+        )
+
     def extend(
         self,
         state: ChainState,
@@ -229,7 +341,19 @@ class V1BlockKeyHasher(BlockHasher):
         """Hash one block; the published hash is the 64-bit value, 8 bytes big-endian."""
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
-        key = self._extend_int(state, block_tokens, mm_keys, token_extra_ids)
+        if self.native:
+            if (
+                type(block_tokens) is TokenIds
+                and block_tokens._raw
+                and not mm_keys
+                and token_extra_ids is None
+            ):  # the hot case, inlined
+                scope = state.scope
+                key = _v1native.block_key(block_tokens._raw, state.key, scope[2], scope[3])
+            else:
+                key = self._extend_native(state, block_tokens, mm_keys, token_extra_ids)
+        else:
+            key = self._extend_int(state, block_tokens, mm_keys, token_extra_ids)
         return key.to_bytes(8, "big"), _tuple_new(
             ChainState, (self.name, key, state.depth + 1, state.scope)
         )
@@ -248,6 +372,17 @@ class V1BlockKeyHasher(BlockHasher):
     ) -> list[int]:
         """The chain as unsigned 64-bit ints (the JSON form). See :meth:`BlockHasher.chain`."""
         blocks = list(blocks)
+        if self.native:
+            raws, salt, lora, extra, mm = self._native_args(
+                blocks,
+                lora_id=lora_id,
+                cache_salt=cache_salt,
+                salt_id=salt_id,
+                lora_name=lora_name,
+                mm_keys=mm_keys,
+                token_extra_ids=token_extra_ids,
+            )
+            return _v1native.chain(raws, None, 0, salt, lora, extra, mm)
         state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
         out: list[int] = []
         if mm_keys is not None or token_extra_ids is not None:
@@ -292,6 +427,17 @@ class V1BlockKeyHasher(BlockHasher):
         token_extra_ids: Sequence[Any] | None = None,
     ) -> list[bytes]:
         """The chain as 8-byte big-endian values. See :meth:`BlockHasher.chain_bytes`."""
+        if self.native:
+            raws, salt, lora, extra, mm = self._native_args(
+                list(blocks),
+                lora_id=lora_id,
+                cache_salt=cache_salt,
+                salt_id=salt_id,
+                lora_name=lora_name,
+                mm_keys=mm_keys,
+                token_extra_ids=token_extra_ids,
+            )
+            return _v1native.chain_bytes(raws, None, 0, salt, lora, extra, mm)
         ints = self.chain(
             blocks,
             lora_id,
