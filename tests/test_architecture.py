@@ -34,7 +34,7 @@ L3_SIBLINGS = {"cache", "pipeline", "index"}
 # third-party module -> the only kvstream areas allowed to import it
 CONFINED = {
     "torch": {"cache"},
-    "aiokafka": {"sinks"},
+    "aiokafka": {"sinks", "index"},
     "fastavro": {"codec"},
     "avro": {"codec"},
 }

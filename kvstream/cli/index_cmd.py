@@ -1,0 +1,277 @@
+"""``kvstream index``: build a prefix index from an event stream and answer queries.
+
+Register with ``app.command("index")(index_cmd.index)``. Exit codes: 0 done; 1 the stream
+could not be read; 2 bad arguments (unreadable query file, hash configuration mismatch,
+unreadable snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstream.errors import ConfigError, KVStreamError
+from kvstream.index import (
+    EventSource,
+    HashConfigMismatchError,
+    HashRequest,
+    IndexConsumer,
+    MatchResult,
+    PrefixIndex,
+    SnapshotError,
+    open_source,
+)
+
+__all__ = ["index"]
+
+
+@dataclass(frozen=True)
+class _Query:
+    tokens: list[int]
+    request: HashRequest
+
+
+def _parse_tokens(text: str) -> list[int]:
+    parts = [p for p in re.split(r"[\s,]+", text.strip()) if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(
+            f"a query is token ids separated by spaces or commas, got {text!r}"
+        ) from None
+
+
+def _load_queries(path: Path) -> list[_Query]:
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read queries from {path}: {exc}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{n}: not JSON ({exc})") from None
+        if isinstance(obj, list):
+            obj = {"tokens": obj}
+        toks = obj.get("tokens") if isinstance(obj, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise ConfigError(f'{path}:{n}: expected a list of token ids or {{"tokens": [...]}}')
+        req = HashRequest(
+            lora_id=obj.get("lora_id"),
+            lora_name=obj.get("lora_name"),
+            cache_salt=obj.get("cache_salt"),
+            drop_last_token=bool(obj.get("drop_last_token", True)),
+        )
+        out.append(_Query(toks, req))
+    return out
+
+
+def index(
+    stream: Annotated[
+        str,
+        typer.Argument(help="A file sink directory or file, or kafka://HOST:PORT/TOPIC."),
+    ],
+    query: Annotated[
+        list[str] | None,
+        typer.Option("--query", "-q", help='Token ids to match, e.g. "1 2 3 4" (repeatable).'),
+    ] = None,
+    queries: Annotated[
+        Path | None,
+        typer.Option(help='JSONL file: one query per line, [ids...] or {"tokens": [...]}.'),
+    ] = None,
+    layer_group: Annotated[int, typer.Option(min=0, help="Layer group to match.")] = 0,
+    block_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Block size of workers that advertise none (schema-v1 data); a worker "
+            "advertising another one is an error.",
+        ),
+    ] = None,
+    hash_algo: Annotated[
+        str | None,
+        typer.Option(help="Expected hash algorithm; a worker publishing another is an error."),
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option(help="Keep reading new data until --idle-timeout passes without any.")
+    ] = False,
+    idle_timeout: Annotated[float, typer.Option(min=0.0, help="Seconds (with --follow).")] = 2.0,
+    group_id: Annotated[
+        str | None, typer.Option(help="Kafka consumer group (offsets committed after snapshots).")
+    ] = None,
+    snapshot: Annotated[
+        Path | None,
+        typer.Option(help="Snapshot file: resume from it when it exists, write it at the end."),
+    ] = None,
+    snapshot_every: Annotated[
+        int | None, typer.Option(min=1, help="Also snapshot every N batches.")
+    ] = None,
+    max_batches: Annotated[int | None, typer.Option(min=1, help="Stop after N batches.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Build a prefix index from a KV-event stream, then print per-worker matches for the
+    queries (and the state of every worker)."""
+    err = Console(stderr=True)
+    try:
+        qs = [_Query(_parse_tokens(q), HashRequest()) for q in query or []]
+        if queries is not None:
+            qs += _load_queries(queries)
+        consumer = _consumer(stream, follow, idle_timeout, group_id, snapshot, block_size)
+        asyncio.run(_build(consumer, max_batches, snapshot_every))
+        results = [
+            consumer.index.match(
+                q.tokens,
+                layer_group_id=layer_group,
+                request=q.request,
+                hash_algo=hash_algo,
+                tokens_per_block=block_size,
+            )
+            for q in qs
+        ]
+    except (ConfigError, SnapshotError, HashConfigMismatchError, FileNotFoundError) as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except (KVStreamError, OSError, TimeoutError) as exc:
+        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(_as_json(stream, consumer, qs, results)))
+    else:
+        _print(stream, consumer, qs, results, Console())
+
+
+def _consumer(
+    stream: str,
+    follow: bool,
+    idle_timeout: float,
+    group_id: str | None,
+    snapshot: Path | None,
+    block_size: int | None,
+) -> IndexConsumer:
+    def make(ckpt: dict[str, Any] | None) -> EventSource:
+        kw: dict[str, Any] = {}
+        if stream.startswith("kafka://"):
+            if group_id:
+                kw["group_id"] = group_id
+        elif follow:
+            kw["idle_timeout_s"] = idle_timeout
+        return open_source(stream, resume_from=ckpt, follow=follow, **kw)
+
+    def fresh() -> PrefixIndex:
+        return PrefixIndex(default_tokens_per_block=block_size)
+
+    if snapshot is not None:
+        consumer = IndexConsumer.resume(snapshot, make, index_factory=fresh)
+        if block_size is not None:
+            consumer.index.default_tokens_per_block = block_size
+        return consumer
+    return IndexConsumer(make(None), fresh())
+
+
+async def _build(consumer: IndexConsumer, max_batches: int | None, every: int | None) -> None:
+    async with consumer.source:
+        await consumer.run(max_batches=max_batches, snapshot_every_batches=every)
+
+
+def _as_json(
+    stream: str, consumer: IndexConsumer, qs: list[_Query], results: list[MatchResult]
+) -> dict[str, Any]:
+    idx = consumer.index
+    workers = []
+    for w in idx.workers():
+        info = idx.info(w)
+        workers.append(
+            {
+                "worker": str(w),
+                "incarnation": info.incarnation,
+                "stale": info.stale,
+                "stale_reason": info.stale_reason,
+                "groups": [
+                    {
+                        "layer_group_id": g.layer_group_id,
+                        "hash_algo": g.hash_algo,
+                        "tokens_per_block": g.tokens_per_block,
+                        "blocks": g.blocks,
+                        "rooted_blocks": g.rooted_blocks,
+                    }
+                    for g in info.groups
+                ],
+                "stats": info.stats.as_dict(),
+            }
+        )
+    return {
+        "stream": stream,
+        "batches": consumer.batches,
+        "snapshots": consumer.snapshots,
+        "source": consumer.source.stats.as_dict(),
+        "malformed": [
+            {"where": m.where, "error": m.error} for m in consumer.source.recent_malformed
+        ],
+        "index": idx.stats().as_dict(),
+        "workers": workers,
+        "queries": [
+            {"tokens": len(q.tokens), "matches": r.as_list()}
+            for q, r in zip(qs, results, strict=True)
+        ],
+    }
+
+
+def _print(
+    stream: str,
+    consumer: IndexConsumer,
+    qs: list[_Query],
+    results: list[MatchResult],
+    out: Console,
+) -> None:
+    idx = consumer.index
+    st = idx.stats()
+    src = consumer.source.stats
+    out.print(
+        f"[bold]kvstream index[/bold] {stream}: {consumer.batches:,} batches applied, "
+        f"{st.workers} workers ({st.stale_workers} stale), {st.blocks:,} cached blocks, "
+        f"{src.malformed} malformed inputs skipped"
+    )
+    for bad in consumer.source.recent_malformed:
+        out.print(f"  [yellow]skipped[/yellow] {bad.where}: {bad.error}", highlight=False)
+    t = Table(title="Workers", title_justify="left")
+    for col in ("worker", "state", "hashing", "blocks", "events", "repairs"):
+        t.add_column(col)
+    for w in idx.workers():
+        info = idx.info(w)
+        s = info.stats
+        state = f"[red]stale[/red]: {info.stale_reason}" if info.stale else "[green]ok[/green]"
+        hashing = ", ".join(
+            f"g{g.layer_group_id}: {g.hash_algo} x {g.tokens_per_block or '?'}" for g in info.groups
+        )
+        blocks = sum(g.blocks for g in info.groups)
+        repairs = (
+            f"dup {s.duplicate_events + s.duplicate_stores}, unknown "
+            f"{s.unknown_removes + s.unknown_parent_stores}, gaps {s.gaps}, lost {s.lost_events}"
+        )
+        t.add_row(str(w), state, hashing, f"{blocks:,}", f"{s.events:,}", repairs)
+    out.print(t)
+    for i, (q, r) in enumerate(zip(qs, results, strict=True), 1):
+        qt = Table(title=f"Query {i}: {len(q.tokens)} tokens", title_justify="left")
+        for col in ("worker", "matched blocks", "matched tokens", "weighted", "of", "note"):
+            qt.add_column(col, justify="left" if col in ("worker", "note") else "right")
+        for m in sorted(r, key=lambda m: (-m.usable_blocks, str(m.worker))):
+            qt.add_row(
+                str(m.worker),
+                str(m.matched_blocks),
+                str(m.matched_tokens),
+                f"{m.weighted_blocks:g}",
+                str(m.request_blocks),
+                m.note,
+            )
+        out.print(qt)

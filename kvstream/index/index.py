@@ -1,0 +1,788 @@
+"""The prefix index: every worker's cached blocks, built from KV-cache event batches.
+
+::
+
+    index = PrefixIndex()
+    for batch in batches:                   # from a source: Kafka, files, memory
+        index.apply(batch)
+    result = index.match(tokens)            # per-worker cached prefix of a request
+
+State per worker (an event source: instance and attention-DP rank) and layer group: a
+:class:`~kvstream.index.table.GroupTable` of blocks, and the group's advertised hash algorithm
+(from every event's ``hash_algo``) and block size (from its ``created`` event). Groups with
+the same algorithm, block size and group id share a :class:`~kvstream.index.domain.HashDomain`
+that answers matches for all their workers at once.
+
+Rules (DESIGN §7), per worker:
+
+- **Sequencing.** Event ids must follow one another. An id already applied is a duplicate
+  (at-least-once delivery) and is skipped. A jump (ids missing) or a ``lost`` marker makes the
+  worker *stale*: its state may be wrong, so matches report it untrusted and routers ignore
+  its overlap. Ids the decoder could not represent (``skipped_ids``) are not gaps. The first
+  event of an incarnation must be id 0, else the index joined mid-stream: stale.
+- **Resync.** A stale worker is trusted again after a new incarnation, a ``cleared`` of every
+  group it has (each clear empties its group, so the state is exact again), or an explicit
+  :meth:`PrefixIndex.resync`.
+- **Purges.** A new (higher) incarnation forgets the worker's state; batches of an older
+  incarnation are ignored. ``cleared`` empties its group. A change of a group's hash
+  algorithm or block size empties the group (its hashes mean something else now).
+- **Capacity.** A group holding more blocks than its ``created`` event advertised (all tiers
+  together) has missed removals: the worker becomes stale.
+- **Blocks.** Duplicate stores and removals are reference counted per tier; a store whose
+  parent is unknown keeps its blocks unmatchable until the parent appears; a removal or
+  update of an unknown block is counted and ignored (see :mod:`kvstream.index.table`).
+
+Every rule is counted in :class:`~kvstream.index.stats.SourceStats`. Not thread-safe: feed
+it from one task or thread (the consumer's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstream.events.model import (
+    Cleared,
+    Created,
+    EventBatch,
+    KVCacheEvent,
+    Lost,
+    Removed,
+    Stored,
+    Updated,
+)
+from kvstream.index.domain import HashDomain, expand_depths
+from kvstream.index.errors import HashConfigMismatchError
+from kvstream.index.matching import HashRequest, MatchResult, RequestHasher, WorkerMatch
+from kvstream.index.stats import IndexStats, SourceStats
+from kvstream.index.table import GroupTable
+from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
+
+__all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
+
+
+class _Group:
+    """One layer group of one worker: advertised metadata and its block table."""
+
+    __slots__ = (
+        "attention_kind",
+        "capacity",
+        "domain",
+        "gid",
+        "hash_algo",
+        "limit",
+        "max_block_tokens",
+        "table",
+        "tokens_per_block",
+        "window_size",
+    )
+
+    def __init__(self, gid: int, bit: int) -> None:
+        self.gid = gid
+        self.hash_algo: str | None = None
+        self.tokens_per_block: int | None = None
+        self.window_size: int | None = None
+        self.attention_kind: str | None = None
+        self.capacity: tuple[int, ...] = ()
+        #: blocks the group can hold (all tiers); more cached blocks mean missed removals
+        self.limit = 1 << 62
+        self.max_block_tokens = 0
+        self.table = GroupTable(bit)
+        self.domain: HashDomain | None = None
+
+
+class _Source:
+    """Sequencing state and groups of one worker."""
+
+    __slots__ = (
+        "bit",
+        "groups",
+        "incarnation",
+        "key",
+        "next_id",
+        "pending_clear",
+        "slot",
+        "stale",
+        "stale_reason",
+        "stats",
+    )
+
+    def __init__(self, key: WorkerKey, slot: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.bit = 1 << slot
+        self.incarnation: int | None = None
+        #: The id the next event must have; None: accept any (after an explicit resync).
+        self.next_id: int | None = 0
+        self.stale = False
+        self.stale_reason = ""
+        self.pending_clear: set[int] = set()
+        self.groups: dict[int, _Group] = {}
+        self.stats = SourceStats()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """What a worker advertised for one layer group, and its block counts."""
+
+    layer_group_id: int
+    hash_algo: str | None
+    tokens_per_block: int | None
+    window_size: int | None
+    attention_kind: str | None
+    num_blocks_per_cache_level: tuple[int, ...]
+    max_block_tokens: int
+    blocks: int
+    ghost_blocks: int
+    rooted_blocks: int
+    domain: DomainKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A read-only view of one worker's state in the index."""
+
+    worker: WorkerKey
+    incarnation: int | None
+    next_event_id: int | None
+    stale: bool
+    stale_reason: str
+    groups: tuple[GroupInfo, ...]
+    stats: SourceStats
+
+    @property
+    def trusted(self) -> bool:
+        """True unless stale."""
+        return not self.stale
+
+
+class PrefixIndex:
+    """Every worker's cached blocks; see the module docstring for the rules.
+
+    ``default_tokens_per_block``: the block size of groups that never advertised one (e.g.
+    schema-v1 data, whose ``created`` events carry none); None leaves them unmatchable.
+    ``hasher_params``: algorithm-level hasher parameters for matching (events do not carry
+    them), e.g. ``{"vllm_sha256_cbor": {"seed": "..."}}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        default_tokens_per_block: int | None = None,
+        hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        if default_tokens_per_block is not None and default_tokens_per_block < 1:
+            raise ValueError(
+                f"default_tokens_per_block must be >= 1, got {default_tokens_per_block}"
+            )
+        self.default_tokens_per_block = default_tokens_per_block
+        self.hasher = RequestHasher(hasher_params)
+        self._sources: dict[tuple[str, int | None], _Source] = {}
+        self._slots: list[WorkerKey] = []
+        self._domains: dict[DomainKey, HashDomain] = {}
+        self._trusted = 0
+        self._expansions: dict[int, list[WorkerKey]] = {}  # worker mask -> keys (matching)
+
+    # ------------------------------------------------------------------ ingest
+
+    def apply(self, batch: EventBatch, skipped_ids: Iterable[int] = ()) -> None:
+        """Apply one batch. ``skipped_ids``: ids of events the decoder left out of this batch
+        (kinds it cannot represent); they are accounted for, not treated as a gap."""
+        src = batch.source
+        key = (src.instance_id, src.attention_dp_rank)
+        s = self._sources.get(key)
+        if s is None:
+            s = self._add_source(WorkerKey(*key))
+        st = s.stats
+        st.batches += 1
+        inc = src.incarnation
+        if inc != s.incarnation:
+            if s.incarnation is not None and inc < s.incarnation:
+                st.old_incarnation_batches += 1
+                return
+            self._new_incarnation(s, inc)
+        skipped = set(skipped_ids) if skipped_ids else None
+        groups = s.groups
+        for ev in batch.events:
+            data = ev.data
+            eid = ev.event_id
+            if isinstance(data, Lost):
+                self._on_lost(s, ev, data)
+                continue
+            if eid != s.next_id and not self._out_of_order(s, ev, skipped):
+                continue
+            s.next_id = eid + 1
+            st.events += 1
+            g = groups.get(ev.layer_group_id)
+            if g is None:
+                g = self._add_group(s, ev.layer_group_id)
+            if ev.hash_algo != g.hash_algo:
+                self._set_algo(s, g, ev.hash_algo)
+            if isinstance(data, Stored):
+                blocks = data.blocks
+                st.stored_events += 1
+                st.stored_blocks += len(blocks)
+                nt = len(blocks[0].token_ids)
+                if nt > g.max_block_tokens:  # noqa: PLR1730 - no call on the hot path
+                    g.max_block_tokens = nt
+                g.table.store(data.parent_hash, blocks, st)
+                if g.table.present > g.limit:
+                    self._over_capacity(s, g)
+            elif isinstance(data, Removed):
+                hashes = data.block_hashes
+                st.removed_events += 1
+                st.removed_blocks += len(hashes)
+                g.table.remove(hashes, data.cache_level, st)
+            elif isinstance(data, Updated):
+                st.updated_events += 1
+                lv = data.cache_level
+                if lv is not None:
+                    g.table.update(data.block_hash, lv.old_value, lv.new_value, st)
+                if data.priority is not None:
+                    st.priority_updates += 1
+            elif isinstance(data, Cleared):
+                self._on_cleared(s, g)
+            elif isinstance(data, Created):
+                self._on_created(s, g, data, ev.window_size)
+        if skipped and s.next_id is not None:
+            nxt = s.next_id
+            while nxt in skipped:
+                nxt += 1
+                st.skipped_events += 1
+            s.next_id = nxt
+
+    def apply_many(self, batches: Iterable[EventBatch]) -> int:
+        """Apply batches in order; returns how many."""
+        n = 0
+        for b in batches:
+            self.apply(b)
+            n += 1
+        return n
+
+    def _add_source(self, key: WorkerKey) -> _Source:
+        s = _Source(key, len(self._slots))
+        self._slots.append(key)
+        self._sources[(key.instance_id, key.dp_rank)] = s
+        self._trusted |= s.bit
+        return s
+
+    def _add_group(self, s: _Source, gid: int) -> _Group:
+        g = _Group(gid, s.bit)
+        s.groups[gid] = g
+        if s.stale:
+            s.pending_clear.add(gid)
+        return g
+
+    def _new_incarnation(self, s: _Source, inc: int) -> None:
+        if s.incarnation is not None:
+            s.stats.incarnation_changes += 1
+            self._purge(s, drop_groups=True)
+            if s.stale:
+                s.stats.resyncs += 1
+        self._set_trusted(s, True, "")
+        s.incarnation = inc
+        s.next_id = 0
+
+    def _out_of_order(self, s: _Source, ev: KVCacheEvent, skipped: set[int] | None) -> bool:
+        """Decide on an event whose id is not the expected one: True to apply it."""
+        eid = ev.event_id
+        nxt = s.next_id
+        st = s.stats
+        if nxt is None:  # explicit resync: any id is the new baseline
+            return True
+        if skipped:
+            while nxt < eid and nxt in skipped:
+                nxt += 1
+                st.skipped_events += 1
+            s.next_id = nxt
+            if eid == nxt:
+                return True
+        if eid < nxt:
+            st.duplicate_events += 1
+            return False
+        st.gaps += 1
+        st.gap_events += eid - nxt
+        what = "joined mid-stream" if nxt == 0 else "event id gap"
+        self._go_stale(s, f"{what}: expected event {nxt}, got {eid}", ev.layer_group_id)
+        return True
+
+    def _on_lost(self, s: _Source, ev: KVCacheEvent, data: Lost) -> None:
+        st = s.stats
+        eid = ev.event_id
+        first = min(data.first_event_id, eid)
+        last = max(data.first_event_id + data.count - 1, eid)
+        nxt = s.next_id if s.next_id is not None else first
+        if last < nxt:
+            st.duplicate_events += 1
+            return
+        if first > nxt:
+            st.gaps += 1
+            st.gap_events += first - nxt
+        st.lost_markers += 1
+        st.lost_events += last - max(first, nxt) + 1
+        s.next_id = last + 1
+        self._go_stale(s, f"lost {data.count} events ({data.reason})", ev.layer_group_id)
+
+    def _go_stale(self, s: _Source, reason: str, gid: int) -> None:
+        if not s.stale:
+            s.stats.stale_transitions += 1
+            self._set_trusted(s, False, reason)
+        s.pending_clear.update(s.groups)
+        s.pending_clear.add(gid)
+
+    def _set_trusted(self, s: _Source, trusted: bool, reason: str) -> None:
+        s.stale = not trusted
+        s.stale_reason = reason
+        if trusted:
+            self._trusted |= s.bit
+            s.pending_clear.clear()
+        else:
+            self._trusted &= ~s.bit
+
+    def _on_cleared(self, s: _Source, g: _Group) -> None:
+        s.stats.cleared_events += 1
+        g.table.clear()
+        self._bind(s, g)
+        if s.stale:
+            s.pending_clear.discard(g.gid)
+            if not s.pending_clear:
+                s.stats.resyncs += 1
+                self._set_trusted(s, True, "")
+
+    def _on_created(self, s: _Source, g: _Group, data: Created, window: int) -> None:
+        s.stats.created_events += 1
+        g.window_size = window
+        g.attention_kind = data.attention_kind.value
+        g.capacity = tuple(data.num_blocks_per_cache_level)
+        g.limit = sum(g.capacity) or 1 << 62
+        tpb = data.tokens_per_block
+        if g.tokens_per_block != tpb:
+            if g.tokens_per_block is not None:
+                s.stats.block_size_changes += 1
+                if len(g.table):
+                    s.stats.purges += 1
+                    g.table.clear()
+            g.tokens_per_block = tpb
+            self._bind(s, g)
+
+    def _over_capacity(self, s: _Source, g: _Group) -> None:
+        s.stats.capacity_overflows += 1
+        self._go_stale(
+            s,
+            f"layer group {g.gid} holds {g.table.present} blocks but advertised room for "
+            f"{g.limit}: removals were missed",
+            g.gid,
+        )
+
+    def _set_algo(self, s: _Source, g: _Group, algo: str) -> None:
+        if g.hash_algo is not None:
+            s.stats.hash_algo_changes += 1
+            if len(g.table):
+                s.stats.purges += 1
+                g.table.clear()
+        g.hash_algo = algo
+        self._bind(s, g)
+
+    def _domain_key(self, g: _Group) -> DomainKey | None:
+        tpb = g.tokens_per_block or self.default_tokens_per_block
+        if g.hash_algo is None or tpb is None:
+            return None
+        return DomainKey(g.hash_algo, tpb, g.gid)
+
+    def _bind(self, s: _Source, g: _Group) -> None:
+        """Attach the group's table to the domain its metadata names (or detach it)."""
+        key = self._domain_key(g)
+        old = g.domain
+        if old is not None and old.key == key:
+            g.table.attach(old.masks)
+            return
+        if old is not None:
+            g.table.detach()
+            old.members &= ~s.bit
+            g.domain = None
+        if key is None:
+            return
+        dom = self._domains.get(key)
+        if dom is None:
+            dom = self._domains[key] = HashDomain(key)
+        g.domain = dom
+        dom.members |= s.bit
+        g.table.attach(dom.masks)
+
+    def _purge(self, s: _Source, *, drop_groups: bool) -> None:
+        s.stats.purges += 1
+        for g in s.groups.values():
+            g.table.clear()
+            if drop_groups and g.domain is not None:
+                g.domain.members &= ~s.bit
+                g.domain = None
+        if drop_groups:
+            s.groups = {}
+
+    # ------------------------------------------------------------------ control
+
+    def _source(self, worker: WorkerKey | tuple[str, int | None]) -> _Source:
+        s = self._sources.get((worker[0], worker[1]))
+        if s is None:
+            raise KeyError(f"unknown worker {worker!r}")
+        return s
+
+    def resync(self, worker: WorkerKey | tuple[str, int | None], *, purge: bool = True) -> None:
+        """Trust ``worker`` again from its next event on, whatever its id (an operator's or
+        a full-state dump's say-so). With ``purge`` its blocks are forgotten first."""
+        s = self._source(worker)
+        if purge:
+            self._purge(s, drop_groups=False)
+            for g in s.groups.values():
+                self._bind(s, g)
+        if s.stale:
+            s.stats.resyncs += 1
+        self._set_trusted(s, True, "")
+        s.next_id = None
+
+    def mark_stale(self, worker: WorkerKey | tuple[str, int | None], reason: str) -> None:
+        """Stop trusting ``worker`` until it resyncs (e.g. its health check failed)."""
+        s = self._source(worker)
+        if not s.stale:
+            s.stats.stale_transitions += 1
+            self._set_trusted(s, False, reason)
+        s.pending_clear.update(s.groups)
+
+    def forget(self, worker: WorkerKey | tuple[str, int | None]) -> None:
+        """Remove ``worker`` entirely (it left the fleet); its slot is not reused."""
+        s = self._source(worker)
+        self._purge(s, drop_groups=True)
+        self._trusted &= ~s.bit
+        del self._sources[(s.key.instance_id, s.key.dp_rank)]
+
+    # ------------------------------------------------------------------ queries
+
+    def workers(self) -> list[WorkerKey]:
+        """Known workers, in the order they were first seen."""
+        return [s.key for s in self._sources.values()]
+
+    def __contains__(self, worker: object) -> bool:
+        if not isinstance(worker, tuple) or len(worker) != 2:
+            return False
+        return (worker[0], worker[1]) in self._sources
+
+    def is_trusted(self, worker: WorkerKey | tuple[str, int | None]) -> bool:
+        """False while ``worker`` is stale (or unknown)."""
+        s = self._sources.get((worker[0], worker[1]))
+        return s is not None and not s.stale
+
+    def info(self, worker: WorkerKey | tuple[str, int | None]) -> WorkerInfo:
+        """A read-only view of ``worker`` (KeyError when unknown)."""
+        s = self._source(worker)
+        stats = SourceStats()
+        stats.add(s.stats)
+        return WorkerInfo(
+            worker=s.key,
+            incarnation=s.incarnation,
+            next_event_id=s.next_id,
+            stale=s.stale,
+            stale_reason=s.stale_reason,
+            groups=tuple(self._group_info(g) for _, g in sorted(s.groups.items())),
+            stats=stats,
+        )
+
+    @staticmethod
+    def _group_info(g: _Group) -> GroupInfo:
+        t = g.table
+        return GroupInfo(
+            layer_group_id=g.gid,
+            hash_algo=g.hash_algo,
+            tokens_per_block=g.tokens_per_block,
+            window_size=g.window_size,
+            attention_kind=g.attention_kind,
+            num_blocks_per_cache_level=g.capacity,
+            max_block_tokens=g.max_block_tokens,
+            blocks=t.present,
+            ghost_blocks=t.ghosts,
+            rooted_blocks=t.rooted_count,
+            domain=None if g.domain is None else g.domain.key,
+        )
+
+    def table(
+        self, worker: WorkerKey | tuple[str, int | None], layer_group_id: int = 0
+    ) -> GroupTable | None:
+        """The block table of a worker's group (None when it has none)."""
+        s = self._sources.get((worker[0], worker[1]))
+        g = None if s is None else s.groups.get(layer_group_id)
+        return None if g is None else g.table
+
+    def domain_of(
+        self, worker: WorkerKey | tuple[str, int | None], layer_group_id: int = 0
+    ) -> DomainKey | None:
+        """How requests must be hashed to match ``worker``'s group (None: unknown)."""
+        s = self._sources.get((worker[0], worker[1]))
+        g = None if s is None else s.groups.get(layer_group_id)
+        return None if g is None or g.domain is None else g.domain.key
+
+    def domains(self) -> list[DomainKey]:
+        """Domains with at least one member."""
+        return [k for k, d in self._domains.items() if d.members]
+
+    def stats(self) -> IndexStats:
+        """Gauges and the sum of every worker's counters."""
+        total = SourceStats()
+        blocks = ghosts = unrooted = stale = 0
+        for s in self._sources.values():
+            total.add(s.stats)
+            stale += s.stale
+            for g in s.groups.values():
+                t = g.table
+                blocks += t.present
+                ghosts += t.ghosts
+                unrooted += t.present - t.rooted_count
+        return IndexStats(
+            workers=len(self._sources),
+            stale_workers=stale,
+            blocks=blocks,
+            ghost_blocks=ghosts,
+            unrooted_blocks=unrooted,
+            domains=len(self.domains()),
+            counters=total,
+        )
+
+    # ------------------------------------------------------------------ matching
+
+    def match_hashes(
+        self, domain: DomainKey, hashes: Sequence[bytes], *, include_stale: bool = False
+    ) -> dict[WorkerKey, int]:
+        """Matched blocks per worker of ``domain`` for already-hashed request blocks (only
+        workers holding at least one block; stale ones only with ``include_stale``)."""
+        dom = self._domains.get(domain)
+        if dom is None:
+            return {}
+        allowed = -1 if include_stale else self._trusted
+        return expand_depths(dom.depths(hashes, allowed), self._slots, self._expansions)
+
+    def match(
+        self,
+        tokens: Any,
+        *,
+        layer_group_id: int = 0,
+        workers: Sequence[WorkerKey | tuple[str, int | None]] | None = None,
+        request: HashRequest | None = None,
+        tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
+        hash_algo: str | None = None,
+        tokens_per_block: int | None = None,
+    ) -> MatchResult:
+        """How much of ``tokens`` each candidate worker holds in ``layer_group_id``.
+
+        Candidates are ``workers`` (default: every known worker), reported in that order.
+        The request is hashed once per domain with the algorithm and block size the workers
+        advertised. ``hash_algo``/``tokens_per_block``, when given, are what the caller
+        expects every candidate to use: a candidate advertising something else raises
+        HashConfigMismatchError rather than being matched with the wrong hashes. Stale
+        workers are matched too but flagged untrusted.
+        """
+        req = request or HashRequest()
+        weights = tuple(tier_weights)
+        if workers is None:
+            cands = [s.key for s in self._sources.values()]
+        else:
+            cands = [WorkerKey(w[0], w[1]) for w in workers]
+        by_domain: dict[DomainKey, int] = {}
+        groups: list[_Group | None] = []
+        for w in cands:
+            s = self._sources.get((w.instance_id, w.dp_rank))
+            g = None if s is None else s.groups.get(layer_group_id)
+            groups.append(g)
+            if g is None or s is None:
+                continue
+            if hash_algo is not None and g.hash_algo is not None and g.hash_algo != hash_algo:
+                raise HashConfigMismatchError(
+                    f"worker {w} publishes {g.hash_algo} hashes for layer group "
+                    f"{layer_group_id}, but the router is configured for {hash_algo}"
+                )
+            if (
+                tokens_per_block is not None
+                and g.tokens_per_block is not None
+                and g.tokens_per_block != tokens_per_block
+            ):
+                raise HashConfigMismatchError(
+                    f"worker {w} uses {g.tokens_per_block}-token blocks in layer group "
+                    f"{layer_group_id}, but the router is configured for {tokens_per_block}"
+                )
+            if g.domain is not None:
+                k = g.domain.key
+                by_domain[k] = by_domain.get(k, 0) | s.bit
+        hashes_of: dict[DomainKey, list[bytes]] = {}
+        depth: dict[int, int] = {}
+        slots = range(len(self._slots))
+        for k, allowed in by_domain.items():
+            hs = hashes_of[k] = self.hasher.hashes(tokens, k.hash_algo, k.tokens_per_block, req)
+            depth.update(expand_depths(self._domains[k].depths(hs, allowed), slots))
+        n_tokens = _count_tokens(tokens)
+        out: list[WorkerMatch] = []
+        for w, g in zip(cands, groups, strict=True):
+            s = self._sources.get((w.instance_id, w.dp_rank))
+            if s is None or g is None:
+                note = "unknown worker" if s is None else f"no layer group {layer_group_id}"
+                out.append(WorkerMatch(w, 0, 0.0, 0, None, None, False, note))
+                continue
+            note = f"stale: {s.stale_reason}" if s.stale else ""
+            if g.domain is None:
+                why = (
+                    "hash algorithm unknown" if g.hash_algo is None else "block size not advertised"
+                )
+                out.append(WorkerMatch(w, 0, 0.0, 0, g.tokens_per_block, g.hash_algo, False, why))
+                continue
+            k = g.domain.key
+            hs = hashes_of[k]
+            d = depth.get(s.slot, 0)
+            out.append(
+                WorkerMatch(
+                    w,
+                    d,
+                    g.table.weighted(hs, d, weights) if d else 0.0,
+                    len(hs),
+                    k.tokens_per_block,
+                    k.hash_algo,
+                    not s.stale,
+                    note,
+                )
+            )
+        return MatchResult(tuple(out), n_tokens)
+
+    # ------------------------------------------------------------------ state
+
+    def canonical_state(self) -> dict[str, Any]:
+        """Everything that defines the index's behaviour, in a comparable form (two indexes
+        with equal canonical states answer every query and every future event alike)."""
+        out: dict[str, Any] = {}
+        for s in self._sources.values():
+            groups = {}
+            for gid, g in sorted(s.groups.items()):
+                groups[gid] = {
+                    "hash_algo": g.hash_algo,
+                    "tokens_per_block": g.tokens_per_block,
+                    "window_size": g.window_size,
+                    "attention_kind": g.attention_kind,
+                    "capacity": g.capacity,
+                    "max_block_tokens": g.max_block_tokens,
+                    "domain": None if g.domain is None else tuple(g.domain.key),
+                    "nodes": g.table.nodes(),
+                }
+            out[str(s.key)] = {
+                "incarnation": s.incarnation,
+                "next_id": s.next_id,
+                "stale": s.stale,
+                "stale_reason": s.stale_reason,
+                "pending_clear": sorted(s.pending_clear),
+                "groups": groups,
+                "stats": s.stats.as_dict(),
+            }
+        return out
+
+    def export_state(self) -> dict[str, Any]:
+        """Metadata of every worker (JSON-able) for snapshots; tables via :meth:`tables`."""
+        workers = []
+        for s in self._sources.values():
+            workers.append(
+                {
+                    "instance_id": s.key.instance_id,
+                    "dp_rank": s.key.dp_rank,
+                    "slot": s.slot,
+                    "incarnation": s.incarnation,
+                    "next_id": s.next_id,
+                    "stale": s.stale,
+                    "stale_reason": s.stale_reason,
+                    "pending_clear": sorted(s.pending_clear),
+                    "stats": s.stats.as_dict(),
+                    "groups": [
+                        {
+                            "layer_group_id": g.gid,
+                            "hash_algo": g.hash_algo,
+                            "tokens_per_block": g.tokens_per_block,
+                            "window_size": g.window_size,
+                            "attention_kind": g.attention_kind,
+                            "capacity": list(g.capacity),
+                            "max_block_tokens": g.max_block_tokens,
+                        }
+                        for g in s.groups.values()
+                    ],
+                }
+            )
+        return {
+            "default_tokens_per_block": self.default_tokens_per_block,
+            "slots": [[k.instance_id, k.dp_rank] for k in self._slots],
+            "workers": workers,
+        }
+
+    def tables(self) -> list[tuple[WorkerKey, int, GroupTable]]:
+        """Every (worker, layer group id, table), in :meth:`export_state` order."""
+        return [(s.key, g.gid, g.table) for s in self._sources.values() for g in s.groups.values()]
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Mapping[str, Any],
+        tables: Mapping[tuple[WorkerKey, int], tuple[list[bytes], list[int], list[int]]],
+        *,
+        hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> PrefixIndex:
+        """Rebuild an index from :meth:`export_state` and per-table node dumps
+        (``GroupTable.dump_nodes`` output keyed by worker and group id)."""
+        idx = cls(
+            default_tokens_per_block=state.get("default_tokens_per_block"),
+            hasher_params=hasher_params,
+        )
+        for inst, rank in state["slots"]:
+            idx._slots.append(WorkerKey(inst, rank))
+        for w in state["workers"]:
+            key = WorkerKey(w["instance_id"], w["dp_rank"])
+            s = _Source(key, int(w["slot"]))
+            if idx._slots[s.slot] != key:
+                raise ValueError(f"slot {s.slot} does not belong to {key}")
+            s.incarnation = w["incarnation"]
+            s.next_id = w["next_id"]
+            s.stale = bool(w["stale"])
+            s.stale_reason = str(w["stale_reason"])
+            s.pending_clear = set(w["pending_clear"])
+            s.stats.load(w["stats"])
+            idx._sources[(key.instance_id, key.dp_rank)] = s
+            if not s.stale:
+                idx._trusted |= s.bit
+            for gd in w["groups"]:
+                g = _Group(int(gd["layer_group_id"]), s.bit)
+                g.hash_algo = gd["hash_algo"]
+                g.tokens_per_block = gd["tokens_per_block"]
+                g.window_size = gd["window_size"]
+                g.attention_kind = gd["attention_kind"]
+                g.capacity = tuple(gd["capacity"])
+                g.limit = sum(g.capacity) or 1 << 62
+                g.max_block_tokens = int(gd["max_block_tokens"])
+                s.groups[g.gid] = g
+                dump = tables.get((key, g.gid))
+                if dump is not None:
+                    hs, ps, rs = dump
+                    g.table.load_nodes(list(zip(hs, ps, rs, strict=True)))
+                idx._bind(s, g)
+        return idx
+
+    def check(self) -> None:
+        """Verify internal invariants (tests): every table, and the domain masks equal the
+        union of the attached tables' rooted blocks."""
+        expect: dict[DomainKey, dict[bytes, int]] = {k: {} for k in self._domains}
+        for s in self._sources.values():
+            for g in s.groups.values():
+                g.table.check()
+                if g.domain is not None:
+                    m = expect[g.domain.key]
+                    t = g.table
+                    for h, n in t.ids.items():
+                        if t.rooted[n]:
+                            m[h] = m.get(h, 0) | s.bit
+        for k, d in self._domains.items():
+            assert d.masks == expect[k], f"domain {k} masks differ from its tables"
+
+
+def _count_tokens(tokens: Any) -> int:
+    try:
+        return len(tokens)
+    except TypeError:
+        return 0

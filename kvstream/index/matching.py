@@ -1,0 +1,167 @@
+"""Request hashing for matching, and the per-worker match results.
+
+A request is hashed once per hash domain (algorithm, block size) with the hasher the workers
+advertise, never with one the caller picks: :class:`RequestHasher` builds hashers by the name
+found in the events (plus algorithm-level parameters such as vLLM's seed, which events do not
+carry) and caches the request's chain per domain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstream.hashing import BlockHasher, get_hasher, split_blocks
+from kvstream.index.types import WorkerKey
+
+__all__ = ["HashRequest", "MatchResult", "RequestHasher", "WorkerMatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class HashRequest:
+    """What enters a request's block hashes besides its tokens (see ``BlockHasher.root``).
+
+    ``drop_last_token`` (default True) hashes ``tokens[:-1]``: the last prompt token is never
+    reused (the engine needs its logits), so the match counts exactly the blocks an engine
+    can skip. ``mm_keys``: per full block, its multimodal keys (None or empty for none).
+    """
+
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    salt_id: int | None = None
+    drop_last_token: bool = True
+    mm_keys: tuple[Any, ...] | None = None
+
+
+class RequestHasher:
+    """Hashers by algorithm name, with per-algorithm parameters (``{"vllm_sha256_cbor":
+    {"seed": "..."}}``); unknown names raise UnknownHashAlgorithmError."""
+
+    def __init__(self, params: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self._params = {k: dict(v) for k, v in (params or {}).items()}
+        self._hashers: dict[str, BlockHasher] = {}
+
+    def hasher(self, hash_algo: str) -> BlockHasher:
+        """The (cached) hasher for ``hash_algo``."""
+        h = self._hashers.get(hash_algo)
+        if h is None:
+            h = self._hashers[hash_algo] = get_hasher(hash_algo, **self._params.get(hash_algo, {}))
+        return h
+
+    def hashes(
+        self, tokens: Any, hash_algo: str, tokens_per_block: int, req: HashRequest
+    ) -> list[bytes]:
+        """The published hashes of the request's full blocks (of ``tokens[:-1]`` when
+        ``req.drop_last_token``), as a worker with this algorithm and block size has them."""
+        blocks = split_blocks(tokens, tokens_per_block, drop_last_token=req.drop_last_token)
+        mm = None
+        if req.mm_keys is not None:
+            mm = list(req.mm_keys[: len(blocks)])
+            mm += [None] * (len(blocks) - len(mm))
+        return self.hasher(hash_algo).chain_bytes(
+            blocks,
+            req.lora_id,
+            req.cache_salt,
+            req.salt_id,
+            lora_name=req.lora_name,
+            mm_keys=mm,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    """How much of a request one worker holds, and whether the index trusts it.
+
+    ``matched_blocks``: leading request blocks the worker holds with their whole chain;
+    ``weighted_blocks``: the same, each block weighted by the best tier holding it;
+    ``request_blocks``: full blocks of the request at this worker's block size;
+    ``trusted``: False while the worker is stale (the router then counts no overlap);
+    ``note``: why the worker could not be matched or is not trusted (empty otherwise).
+    """
+
+    worker: WorkerKey
+    matched_blocks: int
+    weighted_blocks: float
+    request_blocks: int
+    tokens_per_block: int | None
+    hash_algo: str | None
+    trusted: bool
+    note: str = ""
+
+    @property
+    def matched_tokens(self) -> int:
+        """``matched_blocks`` in tokens."""
+        return self.matched_blocks * (self.tokens_per_block or 0)
+
+    @property
+    def usable_blocks(self) -> int:
+        """``matched_blocks`` when trusted, else 0 (what a router may count on)."""
+        return self.matched_blocks if self.trusted else 0
+
+    @property
+    def usable_weighted(self) -> float:
+        """``weighted_blocks`` when trusted, else 0."""
+        return self.weighted_blocks if self.trusted else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "worker": str(self.worker),
+            "matched_blocks": self.matched_blocks,
+            "matched_tokens": self.matched_tokens,
+            "weighted_blocks": round(self.weighted_blocks, 6),
+            "request_blocks": self.request_blocks,
+            "tokens_per_block": self.tokens_per_block,
+            "hash_algo": self.hash_algo,
+            "trusted": self.trusted,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Per-worker matches of one request (candidate order), see :class:`WorkerMatch`."""
+
+    matches: tuple[WorkerMatch, ...]
+    num_tokens: int
+
+    def __iter__(self) -> Iterator[WorkerMatch]:
+        return iter(self.matches)
+
+    def __len__(self) -> int:
+        return len(self.matches)
+
+    def get(self, worker: WorkerKey | tuple[str, int | None]) -> WorkerMatch | None:
+        """The match of ``worker`` (None when it was not a candidate)."""
+        for m in self.matches:
+            if m.worker == worker:
+                return m
+        return None
+
+    def best(self) -> WorkerMatch | None:
+        """The trusted worker with the longest match (first in candidate order on ties)."""
+        best: WorkerMatch | None = None
+        for m in self.matches:
+            if (
+                m.trusted
+                and m.matched_blocks
+                and (best is None or m.matched_blocks > best.matched_blocks)
+            ):
+                best = m
+        return best
+
+    def as_list(self) -> list[dict[str, Any]]:
+        """JSON-able form."""
+        return [m.as_dict() for m in self.matches]
+
+
+def weights_tuple(weights: Sequence[float]) -> tuple[float, ...]:
+    """Validate tier weights (non-empty, each in 0..1e6)."""
+    out = tuple(float(w) for w in weights)
+    if not out or any(not 0.0 <= w <= 1e6 for w in out):
+        raise ValueError(
+            f"tier weights must be a non-empty sequence of values >= 0, got {weights!r}"
+        )
+    return out

@@ -1,0 +1,277 @@
+"""A KV-aware router over a :class:`~kvstream.index.index.PrefixIndex`, and baselines.
+
+::
+
+    router = Router(index, workers, RouterConfig(policy="kv", overlap_weight=1.0))
+    decision = router.route(tokens)             # RouteDecision: worker + per-worker scores
+    router.load.start(request_id, decision.worker, blocks)
+    ...
+    router.load.finish(request_id)
+
+Policies:
+
+- ``kv`` (Dynamo-style cost): for each worker, ``prefill_blocks`` = the request's blocks
+  minus the tier-weighted cached prefix the worker holds (GPU 1.0, host 0.8, disk 0.5 by
+  default; a stale worker counts none), and ``cost = overlap_weight * prefill_blocks +
+  active_blocks``. The lowest cost wins. Pure prefix affinity would send every request that
+  shares a first block to one worker; the load term spreads them.
+- ``round-robin``, ``random`` (seeded), ``least-loaded`` (fewest active blocks, then
+  requests): baselines that ignore the cache.
+
+Ties go to the worker with the least load, then rotate deterministically (the k-th decision
+starts its tie order at worker k mod N), so equal workers share the work and runs repeat.
+
+Hashing is never configured by hand: the index hashes each request with the algorithm and
+block size each worker advertises. ``RouterConfig.hash_algo``/``tokens_per_block``, when set,
+state what the caller expects; a worker advertising anything else raises
+:class:`~kvstream.index.errors.HashConfigMismatchError` instead of being silently missed.
+
+Every policy reports the per-worker match (unless ``explain=False`` for the baselines), so a
+caller can see why a worker was chosen and what the index predicted it holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstream.errors import ConfigError
+from kvstream.index.index import PrefixIndex
+from kvstream.index.load import LoadTracker
+from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch, weights_tuple
+from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
+
+__all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
+
+
+class RoutingPolicy(str, enum.Enum):
+    """How a worker is picked."""
+
+    KV = "kv"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings; see the module docstring.
+
+    ``overlap_weight`` weighs prefill work against active load in the ``kv`` cost (higher:
+    more cache affinity); ``tier_weights`` per cache level; ``layer_group_id`` the group
+    whose blocks are matched; ``hash_algo``/``tokens_per_block`` optional expectations
+    checked against every worker; ``seed`` for ``random``; ``explain`` computes the
+    per-worker match for the baselines too.
+    """
+
+    policy: RoutingPolicy | str = RoutingPolicy.KV
+    overlap_weight: float = 1.0
+    tier_weights: tuple[float, ...] = DEFAULT_TIER_WEIGHTS
+    layer_group_id: int = 0
+    hash_algo: str | None = None
+    tokens_per_block: int | None = None
+    seed: int = 0
+    explain: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        except ValueError:
+            names = ", ".join(p.value for p in RoutingPolicy)
+            raise ConfigError(
+                f"unknown routing policy {self.policy!r}; use one of {names}"
+            ) from None
+        if not 0.0 <= self.overlap_weight <= 1e6:
+            raise ConfigError(f"overlap_weight must be >= 0, got {self.overlap_weight}")
+        try:
+            object.__setattr__(self, "tier_weights", weights_tuple(self.tier_weights))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.tokens_per_block is not None and self.tokens_per_block < 1:
+            raise ConfigError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    """One worker's side of a decision: its match, load, and (``kv``) the cost terms."""
+
+    match: WorkerMatch
+    active_requests: int
+    active_blocks: int
+    prefill_blocks: float
+    cost: float
+
+    @property
+    def worker(self) -> WorkerKey:
+        """The worker."""
+        return self.match.worker
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        d = self.match.as_dict()
+        d.update(
+            active_requests=self.active_requests,
+            active_blocks=self.active_blocks,
+            prefill_blocks=round(self.prefill_blocks, 6),
+            cost=round(self.cost, 6),
+        )
+        return d
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen worker and every candidate's score (candidate order)."""
+
+    worker: WorkerKey
+    policy: RoutingPolicy
+    num_tokens: int
+    scores: tuple[WorkerScore, ...] = field(default=())
+
+    @property
+    def chosen(self) -> WorkerScore | None:
+        """The chosen worker's score (None when matches were not computed)."""
+        for s in self.scores:
+            if s.worker == self.worker:
+                return s
+        return None
+
+    @property
+    def predicted_blocks(self) -> int:
+        """Blocks the index says the chosen worker can reuse (0 when stale or unknown)."""
+        c = self.chosen
+        return 0 if c is None else c.match.usable_blocks
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "worker": str(self.worker),
+            "policy": self.policy.value,
+            "num_tokens": self.num_tokens,
+            "scores": [s.as_dict() for s in self.scores],
+        }
+
+
+class Router:
+    """Picks a worker per request; see the module docstring.
+
+    ``workers``: the candidates (default: every worker the index knows at routing time).
+    ``load``: the tracker whose active load the ``kv`` and ``least-loaded`` policies use
+    (a new one by default; the caller starts and finishes requests on it).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        workers: Sequence[WorkerKey | tuple[str, int | None]] | None = None,
+        config: RouterConfig | None = None,
+        *,
+        load: LoadTracker | None = None,
+    ) -> None:
+        self.index = index
+        self.config = config or RouterConfig()
+        self.load = load if load is not None else LoadTracker()
+        self._workers = None if workers is None else [WorkerKey(w[0], w[1]) for w in workers]
+        if self._workers is not None and not self._workers:
+            raise ConfigError("a router needs at least one worker")
+        self._rng = random.Random(self.config.seed)
+        self._turn = 0
+        self.decisions = 0
+
+    @property
+    def workers(self) -> list[WorkerKey]:
+        """The current candidates."""
+        return list(self._workers) if self._workers is not None else self.index.workers()
+
+    def check(self) -> None:
+        """Raise HashConfigMismatchError now if a worker advertises another hash algorithm
+        or block size than the configured ones (routing would raise it later)."""
+        self.index.match(
+            [],
+            layer_group_id=self.config.layer_group_id,
+            workers=self.workers,
+            hash_algo=self.config.hash_algo,
+            tokens_per_block=self.config.tokens_per_block,
+        )
+
+    def match(self, tokens: Any, request: HashRequest | None = None) -> MatchResult:
+        """Every candidate's match for ``tokens`` (what :meth:`route` scores)."""
+        cfg = self.config
+        return self.index.match(
+            tokens,
+            layer_group_id=cfg.layer_group_id,
+            workers=self.workers,
+            request=request,
+            tier_weights=cfg.tier_weights,
+            hash_algo=cfg.hash_algo,
+            tokens_per_block=cfg.tokens_per_block,
+        )
+
+    def route(self, tokens: Any, request: HashRequest | None = None) -> RouteDecision:
+        """Choose a worker for a request of ``tokens``; raises ConfigError without workers
+        and HashConfigMismatchError for a worker hashing otherwise than configured."""
+        cfg = self.config
+        policy = RoutingPolicy(cfg.policy)
+        workers = self.workers
+        if not workers:
+            raise ConfigError("no workers to route to (the index has seen no events yet)")
+        n = len(workers)
+        turn = self._turn
+        self._turn += 1
+        self.decisions += 1
+        explain = cfg.explain or policy is RoutingPolicy.KV
+        result = self.match(tokens, request) if explain else None
+        n_tokens = result.num_tokens if result is not None else _len(tokens)
+        load = self.load
+        scores: list[WorkerScore] = []
+        for i, w in enumerate(workers):
+            m = (
+                result.matches[i]
+                if result is not None
+                else WorkerMatch(w, 0, 0.0, 0, None, None, False)
+            )
+            blocks = load.active_blocks(w)
+            tpb = m.tokens_per_block or cfg.tokens_per_block or 1
+            prefill = max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb
+            scores.append(
+                WorkerScore(
+                    m,
+                    load.active_requests(w),
+                    blocks,
+                    prefill,
+                    cfg.overlap_weight * prefill + blocks,
+                )
+            )
+
+        def rotation(i: int) -> int:
+            return (i - turn) % n
+
+        if policy is RoutingPolicy.ROUND_ROBIN:
+            pick = turn % n
+        elif policy is RoutingPolicy.RANDOM:
+            pick = self._rng.randrange(n)
+        elif policy is RoutingPolicy.LEAST_LOADED:
+            pick = min(
+                range(n),
+                key=lambda i: (scores[i].active_blocks, scores[i].active_requests, rotation(i)),
+            )
+        else:
+            pick = min(
+                range(n),
+                key=lambda i: (
+                    scores[i].cost,
+                    scores[i].active_blocks,
+                    scores[i].active_requests,
+                    rotation(i),
+                ),
+            )
+        return RouteDecision(workers[pick], policy, n_tokens, tuple(scores) if explain else ())
+
+
+def _len(tokens: Any) -> int:
+    try:
+        return len(tokens)
+    except TypeError:
+        return 0

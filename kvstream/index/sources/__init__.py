@@ -1,0 +1,64 @@
+"""Event sources for consumers: Kafka topics, file-sink files, the memory sink.
+
+:func:`open_source` builds one from a string: ``kafka://host:port/topic?...`` (see
+:meth:`~kvstream.index.sources.kafka.KafkaSource.from_url`; aiokafka is imported only then),
+or a file sink directory / file path. The memory source takes a sink object.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvstream.index.sources.base import (
+    EventSource,
+    Malformed,
+    ReadStats,
+    SourceItem,
+    attribute_skipped,
+    decode_message,
+)
+from kvstream.index.sources.file import FileSource
+from kvstream.index.sources.memory import MemorySource
+
+__all__ = [
+    "EventSource",
+    "FileSource",
+    "Malformed",
+    "MemorySource",
+    "ReadStats",
+    "SourceItem",
+    "attribute_skipped",
+    "decode_message",
+    "open_source",
+]
+
+
+def open_source(
+    spec: str | os.PathLike[str],
+    *,
+    resume_from: Mapping[str, Any] | None = None,
+    follow: bool = False,
+    **kwargs: Any,
+) -> EventSource:
+    """A source for ``spec``: a ``kafka://`` URL or a file sink directory/file.
+
+    ``follow``: keep waiting for new data (files: poll; Kafka: without it the source stops at
+    the end offsets it saw when it started). ``resume_from``: a checkpoint of the same kind.
+    Extra ``kwargs`` go to the source's constructor.
+    """
+    text = os.fspath(spec)
+    if text.startswith("kafka://"):
+        from kvstream.index.sources.kafka import KafkaSource
+
+        kwargs.setdefault("stop_at_end", not follow)
+        return KafkaSource.from_url(text, resume_from=resume_from, **kwargs)
+    if "://" in text and not text.startswith("file://"):
+        from kvstream.index.errors import SourceError
+
+        raise SourceError(f"unsupported stream {text!r}: use kafka://HOST:PORT/TOPIC or a path")
+    path = text.removeprefix("file://")
+    return FileSource(
+        path, follow=follow, resume_from=dict(resume_from) if resume_from else None, **kwargs
+    )

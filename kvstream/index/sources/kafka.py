@@ -1,0 +1,312 @@
+"""Read batches from a Kafka topic written by the Kafka sink (aiokafka, imported lazily).
+
+Two modes:
+
+- **Assigned partitions** (no ``group_id``): the consumer reads the given partitions (default:
+  all) from the checkpoint's offsets, or from the start. Nothing is committed to Kafka; the
+  snapshot holding the checkpoint is the only record of progress.
+- **Consumer group** (``group_id``): partitions are assigned by the group. Offsets are never
+  auto-committed: :meth:`KafkaSource.commit` commits a checkpoint's offsets, and a consumer
+  calls it only after the snapshot holding that checkpoint is on disk, so Kafka never claims
+  more progress than the stored index state. When partitions are assigned, offsets from the
+  checkpoint the source was resumed from take precedence over committed ones.
+
+Every message is decoded whatever its schema version and framing (Avro single-object, or
+Confluent with ``schema_ids`` or the ``kvstream-schema-version`` header). A message that does
+not decode is skipped, counted and logged with its ``topic[partition]@offset``.
+
+``stop_at_end``: end once every assigned partition reaches the end offset it had when the
+source started reading (catch up, then stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from kvstream.codec import AvroCodec
+from kvstream.errors import CodecError, ConfigError, EventValidationError
+from kvstream.index.errors import SourceError
+from kvstream.index.sources.base import EventSource, SourceItem, decode_message, skipped_ids
+from kvstream.sink import parse_sink_url
+
+__all__ = ["KafkaSource"]
+
+HEADER_SCHEMA_VERSION: Final = "kvstream-schema-version"
+_URL_KEYS: Final = (
+    "group_id",
+    "partitions",
+    "stop_at_end",
+    "client_id",
+    "schema_ids",
+    "request_timeout_ms",
+)
+
+
+class KafkaSource(EventSource):
+    """Batches of ``topic`` on ``bootstrap_servers``; see the module docstring.
+
+    ``partitions``: the partitions to assign (no group; default all). ``resume_from``: a
+    :meth:`checkpoint`. ``schema_ids``: Confluent schema id -> kvstream schema version.
+    ``consumer_options`` go to :class:`aiokafka.AIOKafkaConsumer` (security settings,
+    ``fetch_max_wait_ms``...).
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str | Sequence[str],
+        topic: str,
+        *,
+        group_id: str | None = None,
+        partitions: Sequence[int] | None = None,
+        resume_from: Mapping[str, Any] | None = None,
+        stop_at_end: bool = False,
+        schema_ids: Mapping[int, int] | None = None,
+        client_id: str = "kvstream-index",
+        codec: AvroCodec | None = None,
+        consumer_options: Mapping[str, Any] | None = None,
+        max_records: int = 1000,
+    ) -> None:
+        super().__init__()
+        if not topic:
+            raise ConfigError("a Kafka source needs a topic")
+        if group_id is not None and partitions is not None:
+            raise ConfigError("a Kafka source uses either a consumer group or partitions")
+        servers = (
+            bootstrap_servers if isinstance(bootstrap_servers, str) else ",".join(bootstrap_servers)
+        )
+        if not servers:
+            raise ConfigError("a Kafka source needs bootstrap servers (host:port)")
+        self.bootstrap_servers = servers
+        self.topic = topic
+        self.group_id = group_id
+        self.partitions = None if partitions is None else sorted(set(partitions))
+        self.stop_at_end = stop_at_end
+        self.schema_ids = dict(schema_ids or {})
+        self.client_id = client_id
+        self.codec = codec or AvroCodec()
+        self.consumer_options = dict(consumer_options or {})
+        self.max_records = max_records
+        self.name = f"kafka:{topic}"
+        self._resume: dict[int, int] = {}
+        if resume_from is not None:
+            if resume_from.get("kind") != "kafka" or resume_from.get("topic") != topic:
+                raise SourceError(f"not a checkpoint of Kafka topic {topic!r}: {resume_from!r}")
+            self._resume = {int(p): int(o) for p, o in resume_from.get("offsets", {}).items()}
+        self._next: dict[int, int] = dict(self._resume)
+        self._consumer: Any = None
+        self._buf: deque[Any] = deque()
+        self._ends: dict[int, int] | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> KafkaSource:
+        """``kafka://host:port[,host:port]/topic?group_id=G&partitions=0,1&stop_at_end=1``.
+
+        Also ``client_id``, ``request_timeout_ms`` and ``schema_ids=ID:VERSION,...``;
+        ``kwargs`` override/extend the constructor arguments.
+        """
+        u = parse_sink_url(url)
+        if u.scheme != "kafka":
+            raise ConfigError(f"expected a kafka:// URL, got {url!r}")
+        u.check_keys(_URL_KEYS)
+        topic = u.path.strip("/")
+        if not u.hosts or not topic or "/" in topic:
+            raise ConfigError(f"expected kafka://HOST:PORT/TOPIC, got {url!r}")
+        args: dict[str, Any] = {
+            "group_id": u.get("group_id"),
+            "stop_at_end": u.get_bool("stop_at_end", False),
+            "client_id": u.get("client_id") or "kvstream-index",
+        }
+        parts = u.get("partitions")
+        if parts:
+            try:
+                args["partitions"] = [int(p) for p in parts.split(",") if p.strip()]
+            except ValueError:
+                raise ConfigError(f"partitions must be ints in {url!r}") from None
+        ids = u.get("schema_ids")
+        if ids:
+            try:
+                args["schema_ids"] = {
+                    int(k): int(v) for k, v in (item.split(":") for item in ids.split(","))
+                }
+            except ValueError:
+                raise ConfigError(f"schema_ids must be ID:VERSION,... in {url!r}") from None
+        timeout = u.get_int("request_timeout_ms")
+        if timeout:
+            args["consumer_options"] = {"request_timeout_ms": timeout}
+        args.update(kwargs)
+        return cls(u.hosts, topic, **args)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect, then assign partitions (seeking to the checkpoint) or join the group."""
+        async with self._lock:
+            if self._consumer is not None:
+                return
+            from aiokafka import AIOKafkaConsumer, TopicPartition
+
+            options: dict[str, Any] = {
+                "enable_auto_commit": False,
+                "auto_offset_reset": "earliest",
+                "fetch_max_wait_ms": 100,
+                **self.consumer_options,
+            }
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap_servers,
+                group_id=self.group_id,
+                client_id=self.client_id,
+                **options,
+            )
+            try:
+                await consumer.start()
+                if self.group_id is not None:
+                    consumer.subscribe([self.topic], listener=self._listener(consumer))
+                else:
+                    parts = self.partitions
+                    if parts is None:
+                        parts = await self._topic_partitions(consumer)
+                    tps = [TopicPartition(self.topic, p) for p in parts]
+                    consumer.assign(tps)
+                    for tp in tps:
+                        off = self._resume.get(tp.partition)
+                        if off is None:
+                            await consumer.seek_to_beginning(tp)
+                        else:
+                            consumer.seek(tp, off)
+            except BaseException as exc:
+                await consumer.stop()
+                if isinstance(exc, Exception) and not isinstance(exc, SourceError):
+                    raise SourceError(
+                        f"cannot read {self.topic} from {self.bootstrap_servers}: {exc}"
+                    ) from exc
+                raise
+            self._consumer = consumer
+
+    async def _topic_partitions(self, consumer: Any) -> list[int]:
+        for _ in range(50):
+            parts = consumer.partitions_for_topic(self.topic)
+            if parts:
+                return sorted(parts)
+            await consumer.topics()  # refresh metadata
+            await asyncio.sleep(0.1)
+        raise SourceError(f"topic {self.topic!r} does not exist on {self.bootstrap_servers}")
+
+    def _listener(self, consumer: Any) -> Any:
+        from aiokafka.abc import ConsumerRebalanceListener
+
+        source = self
+
+        class _Seek(ConsumerRebalanceListener):  # type: ignore[misc]
+            async def on_partitions_revoked(self, revoked: Any) -> None:
+                source._buf.clear()  # records of revoked partitions must not be yielded
+                source._ends = None
+
+            async def on_partitions_assigned(self, assigned: Any) -> None:
+                for tp in assigned:
+                    off = source._next.get(tp.partition)
+                    if off is not None:
+                        consumer.seek(tp, off)
+
+        return _Seek()
+
+    async def aclose(self) -> None:
+        """Stop the consumer (nothing is committed here)."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+    # ------------------------------------------------------------------ reading
+
+    async def read(self, timeout_s: float | None = None) -> SourceItem | None:
+        """The next decodable batch (malformed messages are skipped and counted)."""
+        await self.start()
+        consumer = self._consumer
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            while self._buf:
+                record = self._buf.popleft()
+                item = self._decode(record)
+                self._next[record.partition] = record.offset + 1
+                if item is not None:
+                    self.stats.batches += 1
+                    self.stats.skipped_events += len(item.skipped_ids)
+                    return item
+            if self.stop_at_end and await self._at_end():
+                self.ended = True
+                return None
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            wait_ms = 200 if remaining is None else max(int(remaining * 1000), 0)
+            got = await consumer.getmany(timeout_ms=min(wait_ms, 200), max_records=self.max_records)
+            for tp in sorted(got, key=lambda t: t.partition):
+                self._buf.extend(got[tp])
+
+    async def _at_end(self) -> bool:
+        consumer = self._consumer
+        tps = consumer.assignment()
+        if not tps:
+            return self.group_id is None
+        if self._ends is None:
+            ends = await consumer.end_offsets(list(tps))
+            self._ends = {tp.partition: off for tp, off in ends.items()}
+        for tp in tps:
+            end = self._ends.get(tp.partition)
+            if end is None:
+                self._ends = None
+                return False
+            if await consumer.position(tp) < end:
+                return False
+        return True
+
+    def _decode(self, record: Any) -> SourceItem | None:
+        where = f"{record.topic}[{record.partition}]@{record.offset}"
+        value = record.value
+        if not value:
+            self._malformed(where, "empty message")
+            return None
+        version = None
+        for key, raw in record.headers or ():
+            if key == HEADER_SCHEMA_VERSION:
+                try:
+                    version = int(raw)
+                except (TypeError, ValueError):
+                    version = None
+        try:
+            result = decode_message(
+                self.codec, value, schema_ids=self.schema_ids, header_version=version
+            )
+        except (CodecError, EventValidationError, ValueError) as exc:
+            self._malformed(where, exc)
+            return None
+        return SourceItem(result.batch, skipped_ids(result.skipped))
+
+    # ------------------------------------------------------------------ positions
+
+    def checkpoint(self) -> dict[str, Any]:
+        """``{"kind": "kafka", "topic": T, "offsets": {"partition": next offset}}``."""
+        return {
+            "kind": "kafka",
+            "topic": self.topic,
+            "offsets": {str(p): o for p, o in sorted(self._next.items())},
+        }
+
+    async def commit(self, checkpoint: Mapping[str, Any]) -> None:
+        """Commit ``checkpoint``'s offsets to the consumer group (no-op without a group)."""
+        if self.group_id is None or self._consumer is None:
+            return
+        from aiokafka import TopicPartition
+
+        assigned = {tp.partition for tp in self._consumer.assignment()}
+        offsets = {
+            TopicPartition(self.topic, int(p)): int(o)
+            for p, o in checkpoint.get("offsets", {}).items()
+            if int(p) in assigned
+        }
+        if offsets:
+            await self._consumer.commit(offsets)

@@ -1,0 +1,619 @@
+"""One worker's cached blocks of one layer group: a prefix tree kept in flat arrays.
+
+A node per block hash, addressed by an integer id; parallel lists hold its hash, parent id,
+first child (further children of a branching node live in a side dict of sets, so unlinking is
+O(1)), packed per-tier reference counts and a "rooted" flag. Nothing is allocated per block beyond
+the dict entry and list slots, which keeps ingest at about a microsecond per stored block.
+
+Semantics (DESIGN §7):
+
+- **Reference counts per tier.** ``refs`` packs a 16-bit count per cache level (0 GPU,
+  1 host, 2 disk, 3 deeper). A store adds one at its level, a removal takes one away (from
+  its level when given and held there, else from the deepest level holding it), an update
+  moves one. A block is *present* while any count is non-zero, so a duplicate store needs a
+  second removal before the block is gone.
+- **Ghosts.** A block that is gone but still has present descendants stays as a *ghost*
+  (all counts zero) so the descendants keep their place; the parent named by a store that
+  the table does not know becomes a ghost with an unknown parent. A ghost is stored again
+  (it becomes present) or disappears with its last descendant.
+- **Rooted.** A present block is *rooted* when every ancestor up to a root block is present.
+  Only rooted blocks are matchable: a request's prefix is reusable only if the whole chain is
+  cached. Removing a block with cached descendants unroots them; storing a ghost again (or
+  the missing parent of an orphan) roots them again. The table mirrors its rooted blocks
+  into the domain's ``masks`` (block hash -> bitmask of workers), which the matcher walks.
+
+Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialises access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+from kvstream.events.model import StoredBlock
+from kvstream.index.stats import SourceStats
+from kvstream.index.types import MAX_TIERS
+
+__all__ = ["ROOT", "UNKNOWN", "GroupTable", "best_tier"]
+
+#: Parent id of a block stored at the root (``parent_hash`` null).
+ROOT: Final = -1
+#: Parent id of a ghost whose own parent was never announced.
+UNKNOWN: Final = -2
+_NIL: Final = -1
+_FIELD: Final = 0xFFFF
+_INC: Final = tuple(1 << (16 * t) for t in range(MAX_TIERS))
+_LAST: Final = MAX_TIERS - 1
+
+
+def best_tier(refs: int) -> int:
+    """The lowest cache level with a non-zero count in packed ``refs`` (-1 when none)."""
+    for t in range(MAX_TIERS):
+        if (refs >> (16 * t)) & _FIELD:
+            return t
+    return -1
+
+
+def _deepest(refs: int) -> int:
+    for t in range(_LAST, -1, -1):
+        if (refs >> (16 * t)) & _FIELD:
+            return t
+    return -1  # pragma: no cover - callers pass non-zero refs
+
+
+class GroupTable:
+    """The blocks of one (worker, layer group); see the module docstring.
+
+    ``bit`` is the worker's bit in the domain masks; ``masks`` is None until the table is
+    attached to a domain (:meth:`attach`), e.g. while the group's block size is unknown.
+    """
+
+    __slots__ = (
+        "bit",
+        "free",
+        "hashes",
+        "ids",
+        "kid",
+        "lower",
+        "masks",
+        "more",
+        "parent",
+        "present",
+        "refs",
+        "rooted",
+    )
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        self.masks: dict[bytes, int] | None = None
+        self.ids: dict[bytes, int] = {}
+        self.hashes: list[bytes] = []
+        self.parent: list[int] = []
+        self.refs: list[int] = []
+        self.kid: list[int] = []
+        #: parent id -> its children beyond ``kid[parent]`` (only branching nodes have one)
+        self.more: dict[int, set[int]] = {}
+        self.rooted = bytearray()
+        self.free: list[int] = []
+        #: Present blocks, and present blocks not held on the GPU (level 0).
+        self.present = 0
+        self.lower = 0
+
+    # ------------------------------------------------------------------ gauges
+
+    def __len__(self) -> int:
+        """Nodes (present blocks and ghosts)."""
+        return len(self.ids)
+
+    @property
+    def ghosts(self) -> int:
+        """Nodes kept only for their descendants."""
+        return len(self.ids) - self.present
+
+    @property
+    def rooted_count(self) -> int:
+        """Present blocks whose whole chain is present (the matchable ones)."""
+        return self.rooted.count(1)
+
+    def __contains__(self, block_hash: object) -> bool:
+        n = self.ids.get(block_hash)  # type: ignore[call-overload]
+        return n is not None and self.refs[n] != 0
+
+    def tiers_of(self, block_hash: bytes) -> tuple[int, ...]:
+        """Reference count per tier of a block (all zero when absent or a ghost)."""
+        n = self.ids.get(block_hash)
+        r = 0 if n is None else self.refs[n]
+        return tuple((r >> (16 * t)) & _FIELD for t in range(MAX_TIERS))
+
+    def is_rooted(self, block_hash: bytes) -> bool:
+        """True when the block is present with its whole chain."""
+        n = self.ids.get(block_hash)
+        return n is not None and self.rooted[n] == 1
+
+    # ------------------------------------------------------------------ stores
+
+    def store(
+        self, parent_hash: bytes | None, blocks: Sequence[StoredBlock], st: SourceStats
+    ) -> None:
+        """Apply a ``stored`` event: ``blocks[0]``'s parent is ``parent_hash``, block i's is
+        block i-1. New blocks are linked and, when their parent is rooted, rooted."""
+        ids = self.ids
+        get = ids.get
+        if parent_hash is None:
+            p = ROOT
+            ok = 1
+        else:
+            q = get(parent_hash)
+            if q is None:
+                st.unknown_parent_stores += 1
+                p = self._new_ghost(parent_hash)
+                ok = 0
+            else:
+                p = q
+                ok = self.rooted[p]
+                if not self.refs[p]:
+                    st.unknown_parent_stores += 1  # the parent is a ghost: not cached
+        masks = self.masks
+        bit = self.bit
+        hashes = self.hashes
+        parent = self.parent
+        refs = self.refs
+        kid = self.kid
+        rooted = self.rooted
+        free = self.free
+        add_hash = hashes.append
+        add_parent = parent.append
+        add_refs = refs.append
+        add_kid = kid.append
+        add_rooted = rooted.append
+        setdefault = ids.setdefault
+        # masks.setdefault inserts the bit for a hash no worker holds (one dict operation);
+        # an existing entry is or-ed with it
+        mset = masks.setdefault if masks is not None else None
+        nexti = len(hashes)
+        level = -1
+        inc = 0
+        off_gpu = False
+        added = lowered = 0
+        for b in blocks:
+            h = b.block_hash
+            cand = free[-1] if free else nexti
+            n = setdefault(h, cand)
+            if n != cand:
+                self._store_existing(n, p, b.cache_level, st)
+                ok = rooted[n]
+                p = n
+                continue
+            c = b.cache_level
+            if c != level:
+                level = c
+                inc = _INC[c if c < _LAST else _LAST]
+                off_gpu = c != 0
+            if p >= 0:
+                if kid[p] < 0:
+                    kid[p] = n
+                else:
+                    self._add_more(p, n)
+            if n == nexti:
+                nexti += 1
+                add_hash(h)
+                add_parent(p)
+                add_refs(inc)
+                add_kid(_NIL)
+                add_rooted(ok)
+            else:
+                free.pop()
+                hashes[n] = h
+                parent[n] = p
+                refs[n] = inc
+                kid[n] = _NIL
+                rooted[n] = ok
+            if ok and mset is not None:
+                m = mset(h, bit)
+                if m != bit:
+                    masks[h] = m | bit  # type: ignore[index]
+            added += 1
+            if off_gpu:
+                lowered += 1
+            p = n
+        self.present += added
+        self.lower += lowered
+
+    def _store_existing(self, n: int, p: int, level: int, st: SourceStats) -> None:
+        refs = self.refs
+        r = refs[n]
+        t = level if level < _LAST else _LAST
+        shift = 16 * t
+        if r:
+            st.duplicate_stores += 1
+            if self.parent[n] != p:
+                st.parent_mismatches += 1
+            if (r >> shift) & _FIELD == _FIELD:
+                st.refcount_saturated += 1
+                return
+            self._set_refs(n, r, r + (1 << shift))
+            return
+        # a ghost is stored again
+        q = self.parent[n]
+        if q == UNKNOWN:
+            if p >= 0 and self._is_ancestor(n, p):
+                st.parent_mismatches += 1  # would close a cycle: keep the parent unknown
+            else:
+                self.parent[n] = p
+                if p >= 0:
+                    self._link(n, p)
+        elif q != p:
+            st.parent_mismatches += 1
+        self._set_refs(n, 0, 1 << shift)
+        q = self.parent[n]
+        if q == ROOT or (q >= 0 and self.rooted[q]):
+            self._root_subtree(n)
+
+    def _new_ghost(self, h: bytes) -> int:
+        return self._alloc(h, UNKNOWN)
+
+    def _alloc(self, h: bytes, p: int) -> int:
+        if self.free:
+            n = self.free.pop()
+            self.hashes[n] = h
+            self.parent[n] = p
+            self.refs[n] = 0
+            self.kid[n] = _NIL
+            self.rooted[n] = 0
+        else:
+            n = len(self.hashes)
+            self.hashes.append(h)
+            self.parent.append(p)
+            self.refs.append(0)
+            self.kid.append(_NIL)
+            self.rooted.append(0)
+        self.ids[h] = n
+        if p >= 0:
+            self._link(n, p)
+        return n
+
+    def _add_more(self, p: int, n: int) -> None:
+        s = self.more.get(p)
+        if s is None:
+            self.more[p] = {n}
+        else:
+            s.add(n)
+
+    def _link(self, n: int, p: int) -> None:
+        if self.kid[p] < 0:
+            self.kid[p] = n
+        else:
+            self._add_more(p, n)
+
+    def _unlink(self, n: int) -> None:
+        p = self.parent[n]
+        if p < 0:
+            return
+        s = self.more.get(p)
+        if self.kid[p] == n:
+            if s:
+                self.kid[p] = s.pop()
+                if not s:
+                    del self.more[p]
+            else:
+                self.kid[p] = _NIL
+        elif s is not None:
+            s.discard(n)
+            if not s:
+                del self.more[p]
+
+    def children(self, n: int) -> list[int]:
+        """Node ids of ``n``'s children."""
+        first = self.kid[n]
+        if first < 0:
+            return []
+        s = self.more.get(n)
+        return [first, *s] if s else [first]
+
+    def _is_ancestor(self, n: int, p: int) -> bool:
+        """True when ``n`` is ``p`` or one of its ancestors (bounded by the node count)."""
+        parent = self.parent
+        x = p
+        for _ in range(len(parent) + 1):
+            if x == n:
+                return True
+            if x < 0:
+                return False
+            x = parent[x]
+        return True  # pragma: no cover - a cycle already exists: refuse
+
+    def _set_refs(self, n: int, old: int, new: int) -> None:
+        """Write packed counts, keeping the ``present``/``lower`` gauges right."""
+        self.refs[n] = new
+        self.present += (new != 0) - (old != 0)
+        self.lower += (new != 0 and not new & _FIELD) - (old != 0 and not old & _FIELD)
+
+    # ------------------------------------------------------------------ rooting
+
+    def _root_subtree(self, n: int) -> None:
+        masks = self.masks
+        bit = self.bit
+        refs = self.refs
+        rooted = self.rooted
+        kid = self.kid
+        more = self.more
+        hashes = self.hashes
+        stack = [n]
+        while stack:
+            x = stack.pop()
+            if rooted[x] or not refs[x]:
+                continue
+            rooted[x] = 1
+            if masks is not None:
+                h = hashes[x]
+                masks[h] = masks.get(h, 0) | bit
+            c = kid[x]
+            if c >= 0:
+                stack.append(c)
+                extra = more.get(x)
+                if extra:
+                    stack.extend(extra)
+
+    def _unroot_subtree(self, n: int) -> None:
+        masks = self.masks
+        bit = self.bit
+        rooted = self.rooted
+        kid = self.kid
+        more = self.more
+        hashes = self.hashes
+        stack = [n]
+        while stack:
+            x = stack.pop()
+            if not rooted[x]:
+                continue
+            rooted[x] = 0
+            if masks is not None:
+                h = hashes[x]
+                m = masks.get(h, 0) & ~bit
+                if m:
+                    masks[h] = m
+                else:
+                    masks.pop(h, None)
+            c = kid[x]
+            if c >= 0:
+                stack.append(c)
+                extra = more.get(x)
+                if extra:
+                    stack.extend(extra)
+
+    # ------------------------------------------------------------------ removals
+
+    def remove(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
+        """Apply a ``removed`` event: one reference per hash leaves ``level`` (or the deepest
+        level holding the block when ``level`` is None or does not hold it)."""
+        get = self.ids.get
+        refs = self.refs
+        for h in block_hashes:
+            n = get(h)
+            r = 0 if n is None else refs[n]
+            if n is None or not r:
+                st.unknown_removes += 1
+                continue
+            if level is None:
+                t = _deepest(r) if r >> 16 else 0
+            else:
+                t = level if level < _LAST else _LAST
+                if not (r >> (16 * t)) & _FIELD:
+                    st.tier_mismatches += 1
+                    t = _deepest(r)
+            new = r - (1 << (16 * t))
+            if new:
+                st.refcounted_removes += 1
+                self._set_refs(n, r, new)
+                continue
+            self._set_refs(n, r, 0)
+            if self.rooted[n]:
+                if self.kid[n] < 0:
+                    self.rooted[n] = 0
+                    masks = self.masks
+                    if masks is not None:
+                        m = masks.get(h, 0) & ~self.bit
+                        if m:
+                            masks[h] = m
+                        else:
+                            masks.pop(h, None)
+                else:
+                    self._unroot_subtree(n)
+            if self.kid[n] < 0:
+                self._delete_up(n)
+
+    def _delete_up(self, n: int) -> None:
+        """Delete childless non-present node ``n`` and then any ghost ancestors it leaves
+        childless."""
+        refs = self.refs
+        kid = self.kid
+        while True:
+            p = self.parent[n]
+            self._unlink(n)
+            del self.ids[self.hashes[n]]
+            self.hashes[n] = b""
+            self.parent[n] = UNKNOWN
+            self.rooted[n] = 0
+            self.free.append(n)
+            if p < 0 or refs[p] or kid[p] >= 0:
+                return
+            n = p
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, block_hash: bytes, old: int, new: int, st: SourceStats) -> None:
+        """Apply an ``updated`` event's tier move: one reference goes from ``old`` to ``new``
+        (from the deepest level holding it when ``old`` holds none)."""
+        n = self.ids.get(block_hash)
+        r = 0 if n is None else self.refs[n]
+        if n is None or not r:
+            st.unknown_updates += 1
+            return
+        t_old = old if old < _LAST else _LAST
+        t_new = new if new < _LAST else _LAST
+        if not (r >> (16 * t_old)) & _FIELD:
+            st.tier_mismatches += 1
+            t_old = _deepest(r)
+        moved = r - (1 << (16 * t_old))
+        if (moved >> (16 * t_new)) & _FIELD == _FIELD:
+            st.refcount_saturated += 1
+            return
+        self._set_refs(n, r, moved + (1 << (16 * t_new)))
+
+    # ------------------------------------------------------------------ whole table
+
+    def clear(self) -> None:
+        """Forget every block (and take this worker's bits out of the domain masks)."""
+        self.detach()
+        self.ids = {}
+        self.hashes = []
+        self.parent = []
+        self.refs = []
+        self.kid = []
+        self.more = {}
+        self.rooted = bytearray()
+        self.free = []
+        self.present = 0
+        self.lower = 0
+
+    def attach(self, masks: dict[bytes, int]) -> None:
+        """Mirror the rooted blocks into ``masks`` (a domain's) from now on."""
+        if self.masks is masks:
+            return
+        self.detach()
+        self.masks = masks
+        bit = self.bit
+        rooted = self.rooted
+        for h, n in self.ids.items():
+            if rooted[n]:
+                masks[h] = masks.get(h, 0) | bit
+
+    def detach(self) -> None:
+        """Take this worker's bits out of its domain's masks and stop mirroring."""
+        masks = self.masks
+        if masks is None:
+            return
+        self.masks = None
+        nbit = ~self.bit
+        rooted = self.rooted
+        for h, n in self.ids.items():
+            if rooted[n]:
+                m = masks.get(h, 0) & nbit
+                if m:
+                    masks[h] = m
+                else:
+                    masks.pop(h, None)
+
+    # ------------------------------------------------------------------ matching
+
+    def weighted(self, hashes: Sequence[bytes], depth: int, weights: Sequence[float]) -> float:
+        """Sum over ``hashes[:depth]`` of the weight of the best tier holding each block."""
+        if not self.lower:
+            return depth * weights[0]
+        get = self.ids.get
+        refs = self.refs
+        w0 = weights[0]
+        total = 0.0
+        for h in hashes[:depth]:
+            n = get(h)
+            r = 0 if n is None else refs[n]
+            if r & _FIELD:
+                total += w0
+            elif r:
+                total += weights[min(best_tier(r), len(weights) - 1)]
+        return total
+
+    def walk(self, hashes: Sequence[bytes]) -> int:
+        """Rooted prefix length of ``hashes`` in this table, walked block by block (the
+        reference the mask search is checked against)."""
+        get = self.ids.get
+        rooted = self.rooted
+        d = 0
+        for h in hashes:
+            n = get(h)
+            if n is None or not rooted[n]:
+                break
+            d += 1
+        return d
+
+    # ------------------------------------------------------------------ state
+
+    def nodes(self) -> list[tuple[bytes, bytes | int | None, int]]:
+        """Every node as ``(hash, parent, refs)``: parent is a hash, None at the root, or
+        :data:`UNKNOWN` for a ghost whose parent was never announced. Sorted by hash."""
+        hashes = self.hashes
+        out: list[tuple[bytes, bytes | int | None, int]] = []
+        for h, n in self.ids.items():
+            p = self.parent[n]
+            ref: bytes | int | None = None if p == ROOT else UNKNOWN if p == UNKNOWN else hashes[p]
+            out.append((h, ref, self.refs[n]))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    def load_nodes(self, nodes: Sequence[tuple[bytes, int, int]]) -> None:
+        """Replace the contents with ``nodes``: ``(hash, parent index into nodes or ROOT or
+        UNKNOWN, refs)``; rooted flags (and mask bits, when attached) are recomputed."""
+        masks = self.masks
+        self.clear()
+        n_nodes = len(nodes)
+        self.hashes = [h for h, _, _ in nodes]
+        self.parent = [p for _, p, _ in nodes]
+        self.refs = [r for _, _, r in nodes]
+        self.kid = [_NIL] * n_nodes
+        self.more = {}
+        self.rooted = bytearray(n_nodes)
+        self.ids = {h: i for i, h in enumerate(self.hashes)}
+        if len(self.ids) != n_nodes:
+            raise ValueError("duplicate block hashes in a table")
+        for i, p in enumerate(self.parent):
+            if p >= n_nodes or p < UNKNOWN:
+                raise ValueError(f"node {i} has parent index {p} outside the table")
+            if p >= 0:
+                self._link(i, p)
+        for r in self.refs:
+            if r:
+                self.present += 1
+                if not r & _FIELD:
+                    self.lower += 1
+        self.masks = masks
+        for i, p in enumerate(self.parent):
+            if p == ROOT and self.refs[i]:
+                self._root_subtree(i)
+
+    def dump_nodes(self) -> tuple[list[bytes], list[int], list[int]]:
+        """Compact ``(hashes, parent indices, refs)`` for :meth:`load_nodes` (snapshots)."""
+        order = list(self.ids.values())
+        index = {n: i for i, n in enumerate(order)}
+        parent = self.parent
+        out_p: list[int] = []
+        for n in order:
+            p = parent[n]
+            out_p.append(index[p] if p >= 0 else p)
+        return [self.hashes[n] for n in order], out_p, [self.refs[n] for n in order]
+
+    def check(self) -> None:
+        """Verify the internal invariants (tests): links, gauges, rooted flags, masks."""
+        present = lower = 0
+        for h, n in self.ids.items():
+            assert self.hashes[n] == h
+            r = self.refs[n]
+            if r:
+                present += 1
+                lower += not r & _FIELD
+            else:
+                assert self.kid[n] >= 0, "a ghost without children"
+            p = self.parent[n]
+            want = bool(r) and (p == ROOT or (p >= 0 and self.rooted[p] == 1))
+            assert self.rooted[n] == want, f"rooted flag of node {n}"
+            if self.masks is not None:
+                assert bool(self.masks.get(h, 0) & self.bit) == want, "mask bit"
+            for c in self.children(n):
+                assert self.parent[c] == n, "child link"
+                assert self.hashes[c] in self.ids, "child is a live node"
+            if p >= 0:
+                assert n in self.children(p), "parent link"
+        assert present == self.present, (present, self.present)
+        assert lower == self.lower, (lower, self.lower)
+
+    def __repr__(self) -> str:
+        return f"<GroupTable nodes={len(self.ids)} present={self.present}>"
