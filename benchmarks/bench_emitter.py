@@ -4,7 +4,12 @@ Workload: each iteration stores ``--requests`` chains of ``--chain`` blocks (eac
 coalesces into one ``stored`` event) per layer group, evicts as many older blocks
 (``removed``, batched per group), then calls ``flush()`` (which builds and validates the
 EventBatch). The cost per recorded block is the whole loop's time (recording + take) divided
-by the number of stored + removed calls.
+by the number of stored + removed calls (blocks, for the batched calls).
+
+Variants: one ``stored``/``removed`` call per block, or one ``stored_chain`` per chain and one
+``removed_many`` per group and iteration (what the cache manager does); ``take`` (models built
+in the loop), ``flush_deferred`` (the engine thread's cost: the records are handed over as a
+DeferredBatch) and the ``materialize()`` of those batches measured apart (the pipeline's cost).
 
 Also measured: a NullRecorder call (events off) against an empty method call with the same
 signature and a bare empty method call, and the per-block cost against appending a tuple to a
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstream._types import TokenIds
+from kvstream.events.deferred import DeferredBatch
 from kvstream.events.emitter import EventEmitter, NullRecorder
 from kvstream.events.model import AttentionKind, SourceId
 
@@ -49,6 +55,15 @@ class Workload:
         self.tokens = [TokenIds(range(i * tpb, (i + 1) * tpb)) for i in range(n_blocks)]
         self.token_lists = [list(t) for t in self.tokens]
         self.iterations, self.requests, self.chain = iterations, requests, chain
+        # Per chain: its hashes and its tokens packed (as the cache manager passes them).
+        self.chains = [
+            (
+                self.hashes[i : i + chain],
+                TokenIds.from_bytes(b"".join(t.raw for t in self.tokens[i : i + chain])),
+            )
+            for i in range(0, n_blocks, chain)
+        ]
+        self.deferred: list[DeferredBatch] = []
 
     def emitter(self, capacity: int) -> EventEmitter:
         em = EventEmitter(SourceId(instance_id="bench"), capacity=capacity)
@@ -94,6 +109,48 @@ class Workload:
             else:
                 em.flush_iteration()
         return calls
+
+    def run_batched(self, em: EventEmitter, *, deferred: bool = False) -> int:
+        """The same workload through stored_chain/removed_many; returns the number of blocks
+        recorded (stored + removed). With ``deferred`` the iteration's events are handed over
+        with flush_deferred and kept in ``self.deferred`` (not materialised)."""
+        hashes = self.hashes
+        per_iter = self.requests * self.chain
+        groups = range(self.groups)
+        stored_chain = em.stored_chain
+        removed_many = em.removed_many
+        keep = self.deferred.append
+        calls = 0
+        for it in range(self.iterations):
+            for r in range(self.requests):
+                block_hashes, packed = self.chains[it * self.requests + r]
+                for g in groups:
+                    stored_chain(g, parent_hash=None, block_hashes=block_hashes, token_ids=packed)
+            calls += per_iter * self.groups
+            if it:
+                base = it * per_iter
+                evicted = hashes[base - per_iter : base]
+                for g in groups:
+                    removed_many(g, evicted)
+                calls += per_iter * self.groups
+            if deferred:
+                d = em.flush_deferred()
+                if d is not None:
+                    keep(d)
+            else:
+                em.flush()
+        return calls
+
+    def materialize_deferred(self) -> int:
+        """Materialise (and drop) the kept deferred batches; returns their block count."""
+        n = sum(
+            len(ev.data.blocks) if ev.data.type == "stored" else len(ev.data.block_hashes)  # type: ignore[union-attr]
+            for d in self.deferred
+            for ev in d.materialize().events
+            if ev.data.type in ("stored", "removed")
+        )
+        self.deferred.clear()
+        return n
 
     def baseline_append(self) -> int:
         """The same loop shape, appending a tuple per call instead of recording."""
@@ -221,6 +278,24 @@ def main() -> None:
     rows["emitter, list[int] tokens, + take"] = best_ns(
         lambda: wl.run(wl.emitter(capacity), lists=True), args.repeats
     )
+    rows["batched calls, recording + take (flush)"] = best_ns(
+        lambda: wl.run_batched(wl.emitter(capacity)), args.repeats
+    )
+    engine: list[float] = []
+    mat: list[float] = []
+    for _ in range(args.repeats):
+        em = wl.emitter(capacity)
+        t0 = time.perf_counter_ns()
+        n = wl.run_batched(em, deferred=True)
+        t1 = time.perf_counter_ns()
+        m = wl.materialize_deferred()
+        engine.append((t1 - t0) / n)
+        mat.append((time.perf_counter_ns() - t1) / m)
+    rows["batched calls + flush_deferred (engine thread)"] = (
+        min(engine),
+        statistics.median(engine),
+    )
+    rows["  materialize() of those batches (pipeline)"] = (min(mat), statistics.median(mat))
     small = max(2, args.requests * args.chain // 4)
     rows[f"emitter, capacity {small} (overflowing), + take"] = best_ns(
         lambda: wl.run(wl.emitter(small)), args.repeats

@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 
-from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec, MmItem
+from kvstream._types import TokenIds
+from kvstream.cache import CacheConfig, CacheFullError, KVCacheManager, LayerGroupSpec, MmItem
 from kvstream.clock import ManualClock
-from kvstream.events import EventBatch, MmKey, SourceId
-from kvstream.events.emitter import NullRecorder
+from kvstream.events import DeferredBatch, EventBatch, MmKey, SourceId
+from kvstream.events.emitter import EventEmitter, NullRecorder
 from kvstream.hashing import content_digest, get_hasher
+from kvstream.workloads import ChatWorkload, multi_turn_chats
 
 T = 4  # tokens per block
 ALGO = "blake3_64"
@@ -322,8 +324,14 @@ class _ExplodingRecorder(NullRecorder):
     def stored(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("stored() called with events off")
 
+    def stored_chain(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("stored_chain() called with events off")
+
     def removed(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("removed() called with events off")
+
+    def removed_many(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("removed_many() called with events off")
 
 
 def test_events_off_builds_no_event_arguments() -> None:
@@ -345,6 +353,110 @@ def test_events_off_config_uses_the_null_recorder() -> None:
     assert mgr.recorder.enabled is False
     assert mgr.flush_events() is None
     assert mgr.take_events() is None
+    assert mgr.flush_events_deferred() is None
+    assert mgr.take_events_deferred() is None
+
+
+class _OneByOne(EventEmitter):
+    """The reference: the batched calls the manager makes, replayed one block at a time."""
+
+    def stored_chain(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hashes: Any,
+        token_ids: Any,
+        **attrs: Any,
+    ) -> None:
+        self.calls += 1
+        tokens = TokenIds(token_ids).tolist()
+        for i, h in enumerate(block_hashes):
+            self.stored(
+                layer_group_id,
+                parent_hash=parent_hash,
+                block_hash=h,
+                token_ids=tokens[i * T : (i + 1) * T],
+                **attrs,
+            )
+            parent_hash = h
+
+    def removed_many(
+        self, layer_group_id: int, block_hashes: Any, *, cache_level: int | None = None
+    ) -> None:
+        self.calls += 1
+        for h in block_hashes:
+            self.removed(layer_group_id, h, cache_level=cache_level)
+
+    calls = 0
+
+
+def drive(mgr: KVCacheManager, flush: Any) -> list[Any]:
+    """A small engine run: multi-turn chats with adapters, tenants, priorities, images,
+    sliding windows, evictions and a reset; ``flush`` hands each iteration's events over."""
+    out = []
+    reqs = list(
+        multi_turn_chats(
+            ChatWorkload(
+                num_conversations=6,
+                turns=(2, 4),
+                num_system_prompts=2,
+                system_prompt_tokens=(8, 40),
+                user_tokens=(2, 20),
+                output_tokens=(2, 14),
+                seed=3,
+            )
+        )
+    )
+    for k, req in enumerate(reqs):
+        kw: dict[str, Any] = {}
+        if k % 5 == 1:
+            kw = {"lora_id": 7, "lora_name": "ad", "priority": 80}
+        elif k % 5 == 2:
+            kw = {"cache_salt": "tenant", "mm_items": [(b"img%d" % (k % 2), 2, 5)]}
+        if k == len(reqs) // 2:
+            mgr.reset()
+        try:
+            mgr.add_request(req.request_id, req.prompt, **kw)
+        except CacheFullError:
+            out.append(flush())
+            continue
+        for i in range(0, len(req.output), 3):
+            try:
+                mgr.append_tokens(req.request_id, req.output[i : i + 3])
+            except CacheFullError:
+                break
+            out.append(flush())
+        mgr.free_request(req.request_id)
+        out.append(flush())
+    return out
+
+
+def test_deferred_batched_recording_equals_one_by_one_recording() -> None:
+    def manager(recorder: EventEmitter | None = None) -> KVCacheManager:
+        cfg = CacheConfig(
+            tokens_per_block=T,
+            groups=[full(40), swa(24, 12)],
+            hash_algo=ALGO,
+            metadata_only=True,
+            max_seq_len=4096,
+        )
+        src = SourceId(instance_id="test")
+        return KVCacheManager(cfg, source=src, clock=ManualClock(), recorder=recorder)
+
+    ref_rec = _OneByOne(SourceId(instance_id="test"), hash_algo=ALGO, clock=ManualClock())
+    ref = manager(ref_rec)
+    mgr = manager()
+    want = drive(ref, ref.flush_events)
+    deferred = drive(mgr, mgr.flush_events_deferred)
+    assert ref_rec.calls > 20
+    assert all(isinstance(d, DeferredBatch) or d is None for d in deferred)
+    got = [None if d is None else d.materialize() for d in deferred]
+    assert got == want
+    kinds = {ev.data.type for b in want if b is not None for ev in b.events}
+    assert kinds == {"created", "stored", "removed", "cleared"}
+    assert sum(g.evictions for g in mgr.stats().groups) > 20
+    assert mgr.recorder.stats() == ref_rec.stats()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("algo", ["v1_block_key", "v2_sha256", "vllm_sha256_cbor_64", "blake3"])
@@ -359,3 +471,42 @@ def test_every_registered_algorithm_publishes_its_own_hashes(algo: str) -> None:
     assert stored.hash_algo == algo
     want = get_hasher(algo).chain_bytes([prompt[:4], prompt[4:8]])
     assert [b.block_hash for b in stored.data.blocks] == want  # type: ignore[union-attr]
+
+
+def test_a_pools_evictions_are_one_removed_many_call_in_lru_order() -> None:
+    from kvstream.cache.block_pool import BlockPool
+    from kvstream.cache.errors import CacheInvariantError
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Spy(NullRecorder):
+        enabled = True
+
+        def removed(self, gid: int, h: bytes, *, cache_level: int | None = None) -> None:
+            calls.append(("removed", gid, [h], cache_level))
+
+        def removed_many(self, gid: int, hs: Any, *, cache_level: int | None = None) -> None:
+            calls.append(("removed_many", gid, list(hs), cache_level))
+
+    pool = BlockPool(3, 6, Spy(), linked=False)
+    blocks = pool.allocate_many(6)
+    assert [b.block_id for b in blocks] == list(range(6))
+    for i, b in enumerate(blocks):
+        pool.commit(b, bytes([i]) * 8, None)
+    for b in reversed(blocks):
+        pool.release(b)  # LRU order: 5, 4, ..., 0
+    with pytest.raises(CacheInvariantError, match="only 6 free"):
+        pool.allocate_many(7)
+    assert (pool.num_free, pool.evictions, calls) == (6, 0, [])
+    got = pool.allocate_many(3)
+    assert [b.block_id for b in got] == [5, 4, 3]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
+    pool.allocate_many(1)
+    assert calls == [
+        ("removed_many", 3, [bytes([5]) * 8, bytes([4]) * 8, bytes([3]) * 8], 0),
+        ("removed", 3, [bytes([2]) * 8], 0),
+    ]
+    assert (pool.evictions, pool.num_free) == (4, 2)
+    for b in got:
+        pool.release(b)  # uncached: reused first, most recently freed first
+    assert [b.block_id for b in pool.allocate_many(2)] == [3, 4]

@@ -265,3 +265,105 @@ def test_with_a_small_capacity_every_id_is_accounted_for(
     # every announced block was delivered or dropped with its event, none appended to a
     # dropped event
     assert stats.blocks_stored_announced == delivered_blocks + stats.blocks_dropped
+
+
+# Batched recording: stored_chain/removed_many against the same calls one by one.
+FULL_IX = [i for i in range(N_HASHES) if i not in PARTIAL]
+CHAIN = st.tuples(
+    st.just("chain"),
+    group,
+    st.one_of(st.none(), st.just("prev"), hash_ix),
+    st.one_of(  # distinct blocks (the fast path when all are new) or any
+        st.lists(st.sampled_from(FULL_IX), min_size=1, max_size=4, unique=True),
+        st.lists(st.sampled_from(FULL_IX), min_size=0, max_size=5),
+    ),
+    st.sampled_from([{}, {"priority": 90}, {"lora_id": 3, "cache_salt": "s"}]),
+)
+REMOVED_MANY = st.tuples(
+    st.just("removed_many"),
+    group,
+    st.lists(hash_ix, min_size=0, max_size=5),
+    st.sampled_from([None, 0, 1]),
+)
+_BATCHED = [CHAIN, CHAIN, CHAIN, REMOVED_MANY, REMOVED_MANY, *_WEIGHTED]
+BATCHED_OPS = st.integers(0, len(_BATCHED) - 1).flatmap(lambda i: _BATCHED[i])
+
+
+def run_batched(ops: list[tuple[Any, ...]], capacity: int, *, batched: bool) -> list[Any]:
+    """Apply ``ops`` with the batched calls (and deferred takes), or with the same calls one
+    by one (and plain takes); returns what was taken, materialised, and the final stats."""
+    em = EventEmitter(SourceId(instance_id="w"), capacity=capacity, clock=ManualClock())
+    for g in GROUPS:
+        register(em, g)
+    prev: dict[int, int | None] = dict.fromkeys(GROUPS)
+    out: list[Any] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "chain":
+            _, g, parent, ixs, attrs = op
+            p = prev[g] if parent == "prev" else parent
+            if batched:
+                em.stored_chain(
+                    g,
+                    parent_hash=None if p is None else h(p),
+                    block_hashes=[h(i) for i in ixs],
+                    token_ids=[t for i in ixs for t in toks(i)],
+                    **attrs,
+                )
+            else:
+                for i in ixs:
+                    em.stored(
+                        g,
+                        parent_hash=None if p is None else h(p),
+                        block_hash=h(i),
+                        token_ids=toks(i),
+                        **attrs,
+                    )
+                    p = i
+            if ixs:
+                prev[g] = ixs[-1]
+        elif kind == "removed_many":
+            _, g, ixs, level = op
+            if batched:
+                em.removed_many(g, [h(i) for i in ixs], cache_level=level)
+            else:
+                for i in ixs:
+                    em.removed(g, h(i), cache_level=level)
+        elif kind == "stored":
+            _, g, i, parent = op
+            p = prev[g] if parent == "prev" else parent
+            em.stored(
+                g, parent_hash=None if p is None else h(p), block_hash=h(i), token_ids=toks(i)
+            )
+            prev[g] = i
+        elif kind == "removed":
+            em.removed(op[1], h(op[2]), cache_level=op[3])
+        elif kind == "updated":
+            em.updated(op[1], h(op[2]), cache_level=(0, 1))
+        elif kind == "created":
+            register(em, op[1])
+        elif kind == "cleared":
+            em.cleared(op[1])
+        elif kind == "flush_iteration":
+            em.flush_iteration()
+        elif kind == "take" and batched:
+            d = em.take_deferred()
+            out.append(None if d is None else d.materialize())
+        elif kind == "take":
+            out.append(em.take())
+        elif batched:
+            d = em.flush_deferred()
+            out.append(None if d is None else d.materialize())
+        else:
+            out.append(em.flush())
+        out.append(em.stats())
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(BATCHED_OPS, min_size=10, max_size=120), st.sampled_from([3, 100_000]))
+def test_batched_recording_and_deferred_takes_match_the_one_by_one_calls(
+    ops: list[tuple[Any, ...]], capacity: int
+) -> None:
+    ops = [*ops, ("flush",)]
+    assert run_batched(ops, capacity, batched=True) == run_batched(ops, capacity, batched=False)

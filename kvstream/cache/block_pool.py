@@ -90,6 +90,43 @@ class BlockPool:
         block.ref_cnt = 1
         return block
 
+    def allocate_many(self, n: int) -> list[Block]:
+        """``n`` blocks as :meth:`allocate` would give them one by one, the evictions this
+        takes recorded in one ``recorder.removed_many`` call (``removed`` for one). Raises
+        CacheInvariantError, changing nothing, when fewer than ``n`` blocks are free."""
+        if n > self.num_free:
+            raise CacheInvariantError(
+                f"layer group {self.layer_group_id}: allocate_many({n}) with only "
+                f"{self.num_free} free blocks"
+            )
+        out: list[Block] = []
+        stack = self._stack
+        take = min(n, len(stack))
+        if take:
+            out += stack[-take:][::-1]  # what stack.pop() would give, in that order
+            del stack[-take:]
+        new = min(n - take, self.num_blocks - self._created)
+        if new:
+            start = self._created
+            out += [Block(i) for i in range(start, start + new)]
+            self._created = start + new
+        evict = n - take - new
+        if evict:
+            popleft, remove = self.lru.popleft, self.tree.remove
+            evicted = [popleft() for _ in range(evict)]
+            hashes = [remove(b) for b in evicted]
+            self.evictions += evict
+            out += evicted
+            rec = self._recorder
+            if rec.enabled:
+                if evict == 1:  # the single-block call is cheaper
+                    rec.removed(self.layer_group_id, hashes[0], cache_level=0)
+                else:
+                    rec.removed_many(self.layer_group_id, hashes, cache_level=0)
+        for b in out:
+            b.ref_cnt = 1
+        return out
+
     def _evict(self, block: Block) -> None:
         h = self.tree.remove(block)
         self.evictions += 1

@@ -29,6 +29,12 @@ Rules worth knowing:
   anything; :class:`~kvstream.cache.errors.CacheFullError` leaves the manager as it was.
   Operations never touch blocks held by other requests beyond sharing committed ones.
 - **Events off.** With a recorder whose ``enabled`` is False nothing event-related is built.
+- **Handing events over.** Once per iteration the engine calls :meth:`~KVCacheManager.
+  flush_events` (the :class:`EventBatch` models are built on the engine thread) or, cheaper,
+  :meth:`~KVCacheManager.flush_events_deferred` (O(1): a
+  :class:`~kvstream.events.deferred.DeferredBatch` that the pipeline materialises on its own
+  thread into the same batch). Blocks committed together are recorded with one
+  ``stored_chain`` call and a pool's evictions with one ``removed_many`` call.
 
 Not thread-safe: call it from the engine thread.
 """
@@ -66,6 +72,7 @@ from kvstream.cache.storage import KVStorage, resolve_device
 from kvstream.cache.windows import first_needed_block
 from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import HashingError
+from kvstream.events.deferred import DeferredBatch
 from kvstream.events.emitter import NULL_RECORDER, EventEmitter, EventRecorder
 from kvstream.events.model import EventBatch, MmKey, SourceId
 from kvstream.hashing import ChainState
@@ -239,7 +246,7 @@ class KVCacheManager:
         """What :meth:`add_request` would reuse for this prompt, without changing anything."""
         raw, items = self._check_prompt(prompt_tokens, mm_items)
         root = self._root(lora_id, lora_name, cache_salt)
-        hashes, _, _ = self._hash_blocks(root, raw, 0, items, keep_blocks=False)
+        hashes, _ = self._hash_blocks(root, raw, 0, items)
         n = len(raw) >> 2
         plans = [
             plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
@@ -288,7 +295,7 @@ class KVCacheManager:
         raw, items = self._check_prompt(prompt_tokens, mm_items)
         root = self._root(lora_id, lora_name, cache_salt)
         enabled = self._recorder.enabled
-        hashes, blocks, chain = self._hash_blocks(root, raw, 0, items, keep_blocks=enabled)
+        hashes, chain = self._hash_blocks(root, raw, 0, items)
         n = len(raw) >> 2
         plans = [
             plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
@@ -325,17 +332,17 @@ class KVCacheManager:
                 pool.touch(b)
             table: list[Block | None] = [None] * plan.first
             table += plan.hits
-            table += [pool.allocate() for _ in range(nb - plan.k)]
+            table += pool.allocate_many(nb - plan.k)
             req.groups.append(GroupState(table, plan.k * tpb, plan.first, plan.pins))
             self._commit(
                 req=req,
                 gid=gid,
                 table=table,
                 hashes=hashes,
-                blocks=blocks,
+                tokens=raw,
                 lo=plan.k,
                 hi=len(hashes),
-                blocks_base=0,
+                tokens_base=0,
             )
         req.num_tokens = n
         req.tail = raw[len(hashes) * tpb * 4 :]
@@ -379,13 +386,10 @@ class KVCacheManager:
                 req.num_tokens = total
                 return 0
 
-        enabled = self._recorder.enabled
         done = len(req.hashes)
         pending = req.tail + raw
         assert req.chain is not None
-        hashes, blocks, chain = self._hash_blocks(
-            req.chain, pending, done, req.mm_items, keep_blocks=enabled
-        )
+        hashes, chain = self._hash_blocks(req.chain, pending, done, req.mm_items)
         nb_before = -(-s // tpb)
         new_blocks = -(-total // tpb) - nb_before
         plans: list[Plan] = []
@@ -421,16 +425,17 @@ class KVCacheManager:
                 pool.touch(b)
             if plan.pins:
                 gs.pins.update(plan.pins)
-            gs.blocks += [pool.allocate() for _ in range(new_blocks)]
+            if new_blocks:
+                gs.blocks += pool.allocate_many(new_blocks)
             self._commit(
                 req=req,
                 gid=gid,
                 table=gs.blocks,
                 hashes=all_hashes,
-                blocks=blocks,
+                tokens=pending,
                 lo=done,
                 hi=done + filled,
-                blocks_base=done,
+                tokens_base=done,
             )
         req.num_tokens = total
         req.tail = pending[filled * tpb * 4 :]
@@ -477,6 +482,23 @@ class KVCacheManager:
         """End of an engine iteration: materialise pending removals and hand every event
         over as one batch (None when there is none)."""
         return self._recorder.flush()
+
+    def take_events_deferred(self) -> DeferredBatch | None:
+        """:meth:`take_events`, handed over as a :class:`DeferredBatch` (see
+        :meth:`flush_events_deferred`)."""
+        return self._recorder.take_deferred()
+
+    def flush_events_deferred(self) -> DeferredBatch | None:
+        """:meth:`flush_events` without building the models on the engine thread.
+
+        Costs O(1) whatever the number of events: the recorder's raw records are handed over
+        as a :class:`~kvstream.events.deferred.DeferredBatch`. Give it to
+        :meth:`Pipeline.submit <kvstream.pipeline.Pipeline.submit>` (its sink tasks build the
+        :class:`EventBatch` once, off the engine thread) or call its ``materialize()`` where
+        the batch is needed: the result equals what :meth:`flush_events` would have returned.
+        None when there is nothing to hand over (and always with events off).
+        """
+        return self._recorder.flush_deferred()
 
     # ------------------------------------------------------------------ K/V
 
@@ -637,20 +659,13 @@ class KVCacheManager:
         return self._hasher.root(lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name)
 
     def _hash_blocks(
-        self,
-        chain: ChainState,
-        raw: bytes,
-        first_index: int,
-        items: tuple[MmItem, ...],
-        *,
-        keep_blocks: bool,
-    ) -> tuple[list[bytes], list[TokenIds], ChainState]:
+        self, chain: ChainState, raw: bytes, first_index: int, items: tuple[MmItem, ...]
+    ) -> tuple[list[bytes], ChainState]:
         # Hash the full blocks of `raw` (whose first block is the request's block
-        # `first_index`); returns their hashes, their tokens when asked, and the new state.
+        # `first_index`); returns their hashes and the new state.
         step = 4 * self._tpb
         extend = self._hasher.extend
         hashes: list[bytes] = []
-        blocks: list[TokenIds] = []
         for j in range(len(raw) // step):
             blk = TokenIds.from_bytes(raw[j * step : (j + 1) * step])
             if items:
@@ -659,9 +674,7 @@ class KVCacheManager:
             else:
                 h, chain = extend(chain, blk)
             hashes.append(h)
-            if keep_blocks:
-                blocks.append(blk)
-        return hashes, blocks, chain
+        return hashes, chain
 
     def _match_of(self, n: int, plans: Sequence[Plan]) -> PrefixMatch:
         tpb = self._tpb
@@ -677,14 +690,15 @@ class KVCacheManager:
         gid: int,
         table: list[Block | None],
         hashes: list[bytes],
-        blocks: list[TokenIds],
+        tokens: bytes,
         lo: int,
         hi: int,
-        blocks_base: int,
+        tokens_base: int,
     ) -> None:
         # Commit the request's full positions [lo, hi) of group `gid`: hashes[i] is position
-        # i's hash, blocks[i - blocks_base] its tokens (when events are on). A hash already
-        # committed is a duplicate: pinned (full attention) or left uncommitted.
+        # i's hash; `tokens` are the packed tokens of positions tokens_base.. (for the events).
+        # A hash already committed is a duplicate: pinned (full attention) or left
+        # uncommitted.
         pool = self._pools[gid]
         by_hash = pool.tree
         commit = pool.commit
@@ -695,36 +709,60 @@ class KVCacheManager:
                 if h not in by_hash:
                     commit(self._held(table, i, gid), h, hashes[i - 1] if i else None)
             return
-        stored = rec.stored
+        step = 4 * self._tpb
         extra = req.event_extra
         items = req.mm_items
-        for i in range(lo, hi):
-            h = hashes[i]
-            if h in by_hash:
-                continue
-            parent = hashes[i - 1] if i else None
-            commit(self._held(table, i, gid), h, parent)
-            if items:
+        if items:  # per-block multimodal keys: one stored() per block
+            stored = rec.stored
+            for i in range(lo, hi):
+                h = hashes[i]
+                if h in by_hash:
+                    continue
+                parent = hashes[i - 1] if i else None
+                commit(self._held(table, i, gid), h, parent)
                 mm_keys = tuple(
                     MmKey(hash=m.digest, start_offset=off, uuid=m.uuid)
                     for m, off in block_mm_keys(items, i, self._tpb)
                 )
+                at = (i - tokens_base) * step
                 stored(
                     gid,
                     parent_hash=parent,
                     block_hash=h,
-                    token_ids=blocks[i - blocks_base],
+                    token_ids=TokenIds.from_bytes(tokens[at : at + step]),
                     mm_keys=mm_keys,
                     **extra,
                 )
-            else:
-                stored(
-                    gid,
-                    parent_hash=parent,
-                    block_hash=h,
-                    token_ids=blocks[i - blocks_base],
-                    **extra,
+            return
+        # Commit every new position, then record each run of consecutive committed ones with
+        # one stored_chain() call (usually the whole range: a duplicate splits it).
+        skipped: list[int] = []
+        for i in range(lo, hi):
+            h = hashes[i]
+            if h in by_hash:
+                skipped.append(i)
+                continue
+            commit(self._held(table, i, gid), h, hashes[i - 1] if i else None)
+        start = lo
+        for end in (*skipped, hi):
+            if end > start:
+                parent = hashes[start - 1] if start else None
+                packed = TokenIds.from_bytes(
+                    tokens[(start - tokens_base) * step : (end - tokens_base) * step]
                 )
+                if end - start == 1:  # a decode step: the single-block call is cheaper
+                    rec.stored(
+                        gid, parent_hash=parent, block_hash=hashes[start], token_ids=packed, **extra
+                    )
+                else:
+                    rec.stored_chain(
+                        gid,
+                        parent_hash=parent,
+                        block_hashes=hashes[start:end],
+                        token_ids=packed,
+                        **extra,
+                    )
+            start = end + 1
 
     @staticmethod
     def _held(table: list[Block | None], i: int, gid: int) -> Block:

@@ -1,6 +1,8 @@
 """Events: the typed model (:mod:`.model`), the emitter the cache records into
-(:mod:`.emitter`) and conversions to and from peers' formats (:mod:`.trtllm_json`)."""
+(:mod:`.emitter`), deferred batches that build the models off the engine thread
+(:mod:`.deferred`) and conversions to and from peers' formats (:mod:`.trtllm_json`)."""
 
+from kvstream.events.deferred import AnyBatch, DeferredBatch, EventSpan
 from kvstream.events.dp_gather import gather_attention_dp
 from kvstream.events.emitter import (
     NULL_RECORDER,
@@ -31,6 +33,9 @@ from kvstream.events.model import (
 )
 
 __all__ = [
+    "AnyBatch",
+    "DeferredBatch",
+    "EventSpan",
     "NULL_RECORDER",
     "EmitterStats",
     "EventEmitter",

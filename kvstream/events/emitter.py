@@ -4,14 +4,22 @@ The cache manager depends only on :class:`EventRecorder`. :class:`EventEmitter` 
 it with the semantics of DESIGN §2.2 (TensorRT-LLM V2's event manager, plus explicit loss
 markers); :class:`NullRecorder` implements it as nothing at all, for events off. Once per
 engine iteration the engine calls :meth:`EventRecorder.flush` (or ``flush_iteration`` then,
-whenever it likes, ``take``) and hands the returned :class:`EventBatch` to the pipeline.
+whenever it likes, ``take``) and hands the returned :class:`EventBatch` to the pipeline. To
+keep model building off the engine thread it calls :meth:`EventRecorder.flush_deferred` /
+``take_deferred`` instead: they hand the raw records over in O(1) as a
+:class:`~kvstream.events.deferred.DeferredBatch`, which the pipeline materialises later (once,
+on its own thread) into exactly the batch ``take`` would have returned.
 
 Recording is synchronous, does no I/O and is not thread-safe: call one emitter from one
 thread (the engine's). Recording methods only validate their arguments and append to cheap
 internal records (plain dicts); the pydantic models are built, and validated once, by
-:meth:`EventEmitter.take`. Every recording method validates *all* its arguments first and
-raises :class:`~kvstream.errors.EmitterError` (naming the argument) without changing any
-state, so ``take`` never fails on something a recording call accepted.
+:meth:`EventEmitter.take` (or :meth:`DeferredBatch.materialize
+<kvstream.events.deferred.DeferredBatch.materialize>`). Every recording method validates *all*
+its arguments first and raises :class:`~kvstream.errors.EmitterError` (naming the argument)
+without changing any state, so ``take`` never fails on something a recording call accepted.
+:meth:`EventEmitter.stored_chain` and :meth:`EventEmitter.removed_many` record several blocks
+in one call, exactly as the same ``stored``/``removed`` calls one by one would (but all or
+nothing on bad arguments), at a fraction of the per-block cost.
 
 Rules, per layer group ("group", registered by ``created``):
 
@@ -41,7 +49,8 @@ Rules, per layer group ("group", registered by ``created``):
   ``announce_partial_blocks=True``; a skipped block was never announced, so its removal is
   ignored too. More tokens than ``tokens_per_block`` is an error.
 * **Event ids** start at 0 and grow by one per materialised event (a removal batch gets its
-  id when flushed; a coalesced block gets none).
+  id when flushed; a coalesced block gets none). "Materialised" here means placed in the
+  buffer as a record, not built as a model.
 * **Capacity.** At most ``capacity`` materialised events wait for ``take``. On overflow the
   oldest are dropped and one ``lost`` marker (reason ``"overflow"``) takes their place at
   the head of the buffer, occupying one slot: it covers the dropped ids
@@ -56,8 +65,9 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Final, Protocol, SupportsIndex, TypeAlias, cast, runtime_checkable
 
 from kvstream._types import (
@@ -70,10 +80,12 @@ from kvstream._types import (
 )
 from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import ConfigError, EmitterError
+from kvstream.events.deferred import BlockRun, DeferredBatch, model_input
 from kvstream.events.dp_gather import gather_attention_dp
 from kvstream.events.model import AttentionKind, EventBatch, MmKey, SourceId
 
 __all__ = [
+    "DeferredBatch",
     "EmitterStats",
     "EventEmitter",
     "EventRecorder",
@@ -87,8 +99,12 @@ _I64_MAX: Final = 2**63 - 1
 _U64_MAX: Final = 2**64 - 1
 
 # An event as the model will validate it: {"event_id", "hash_algo", "layer_group_id",
-# "window_size", "data": {...}}; stored events' "blocks" lists are appended to in place.
+# "window_size", "data": {...}}, except that a stored event's "blocks" is a BlockRun, appended
+# to in place while the event is its group's coalescing target (deferred.model_input expands it).
 _Rec: TypeAlias = dict[str, Any]
+
+_NOT_SEQUENCES: Final = (bytes, bytearray, memoryview, str)
+_BYTES: Final = frozenset({bytes})
 
 
 @runtime_checkable
@@ -132,10 +148,34 @@ class EventRecorder(Protocol):
         """One block entered the cache; ``parent_hash`` is its parent (None at the root)."""
         ...
 
+    def stored_chain(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hashes: Sequence[bytes],
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Consecutive full blocks entered the cache: block i's parent is block i-1, block 0's
+        is ``parent_hash``; ``token_ids`` holds their tokens packed, ``tokens_per_block`` per
+        block. The same as one ``stored`` call per block."""
+        ...
+
     def removed(
         self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
     ) -> None:
         """A block left the cache (its last tier, ``cache_level`` when known)."""
+        ...
+
+    def removed_many(
+        self, layer_group_id: int, block_hashes: Sequence[bytes], *, cache_level: int | None = None
+    ) -> None:
+        """Blocks left the cache, in this order; the same as one ``removed`` call per block."""
         ...
 
     def updated(
@@ -163,6 +203,15 @@ class EventRecorder(Protocol):
 
     def flush(self) -> EventBatch | None:
         """``flush_iteration()`` then ``take()``."""
+        ...
+
+    def take_deferred(self) -> DeferredBatch | None:
+        """Like ``take`` but hands the raw records over (O(1)); the models are built by
+        :meth:`DeferredBatch.materialize`, on whatever thread needs them."""
+        ...
+
+    def flush_deferred(self) -> DeferredBatch | None:
+        """``flush_iteration()`` then ``take_deferred()``."""
         ...
 
 
@@ -213,6 +262,7 @@ class _Group:
         "pending",
         "pending_level",
         "target",
+        "token_bytes",
         "tokens_per_block",
         "window_size",
     )
@@ -223,13 +273,14 @@ class _Group:
         self.gid = gid
         self.window_size = window_size
         self.tokens_per_block = tokens_per_block
+        self.token_bytes = 4 * tokens_per_block  # a full block's TokenIds.raw length
         self.attention_kind = attention_kind
         self.announced: set[bytes] = set()
         self.pending: list[bytes] = []
         # The cache level shared by every pending removal, None once they disagree.
         self.pending_level: int | None = None
-        # Blocks list of the coalescing target (a buffered stored event) and its last hash.
-        self.target: list[dict[str, Any]] | None = None
+        # Blocks of the coalescing target (a buffered stored event) and its last hash.
+        self.target: BlockRun | None = None
         self.last_hash: bytes | None = None
 
 
@@ -262,6 +313,56 @@ def _as_opt_str(value: object, what: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise EmitterError(f"{what} must be a str or None, got {type(value).__name__}")
+
+
+def _hash_list(block_hashes: object) -> list[Any]:
+    # A copy of a sequence of hashes (not a bytes-like object: that is one hash, not many).
+    if isinstance(block_hashes, _NOT_SEQUENCES):
+        raise EmitterError("block_hashes must be a sequence of hashes")
+    try:
+        return list(cast("Iterable[Any]", block_hashes))
+    except TypeError:
+        raise EmitterError(
+            f"block_hashes must be a sequence of hashes, got {type(block_hashes).__name__}"
+        ) from None
+
+
+def _block_attrs(
+    cache_level: object, priority: object, lora_id: object, lora_name: object, cache_salt: object
+) -> dict[str, Any]:
+    # A stored block's validated attributes other than its hash, tokens and multimodal keys.
+    attrs: dict[str, Any] = {
+        "cache_level": _as_int(cache_level, 0, _I32_MAX, "cache_level"),
+        "priority": _as_int(priority, PRIORITY_MIN, PRIORITY_MAX, "priority"),
+    }
+    if lora_id is not None:
+        attrs["lora_id"] = _as_int(lora_id, 0, _U64_MAX, "lora_id")
+    if lora_name is not None:
+        attrs["lora_name"] = _as_opt_str(lora_name, "lora_name")
+    if cache_salt is not None:
+        attrs["cache_salt"] = _as_opt_str(cache_salt, "cache_salt")
+    return attrs
+
+
+def _add_block_extras(
+    attrs: dict[str, Any], token_ids: TokenIds, mm_keys: object, token_extra_ids: object
+) -> None:
+    # Validate a block's multimodal keys and extra token ids into its attributes.
+    if mm_keys:
+        if isinstance(mm_keys, (str, bytes)) or not isinstance(mm_keys, Sequence):
+            raise EmitterError("mm_keys must be a sequence of MmKey")
+        keys = tuple(mm_keys)
+        for i, k in enumerate(keys):
+            if not isinstance(k, MmKey):
+                raise EmitterError(f"mm_keys[{i}] must be an MmKey, got {type(k).__name__}")
+        attrs["mm_keys"] = keys
+    if token_extra_ids is not None:
+        extra = _as_tokens(token_extra_ids, "token_extra_ids")
+        if len(extra) != len(token_ids):
+            raise EmitterError(
+                f"token_extra_ids has {len(extra)} entries for {len(token_ids)} tokens"
+            )
+        attrs["token_extra_ids"] = extra
 
 
 def _diff(value: object, lo: int, hi: int, what: str) -> dict[str, int] | None:
@@ -455,8 +556,7 @@ class EventEmitter:
         g = self._groups.get(layer_group_id)
         if g is None:
             raise self._unknown_group(layer_group_id)
-        width = self._width
-        if type(block_hash) is not bytes or len(block_hash) != width:
+        if type(block_hash) is not bytes or len(block_hash) != self._width:
             block_hash = self._check_hash(block_hash, "block_hash")
         if parent_hash is not None and (
             type(parent_hash) is not bytes or len(parent_hash) != self._width
@@ -464,7 +564,7 @@ class EventEmitter:
             parent_hash = self._check_hash(parent_hash, "parent_hash")
         if type(token_ids) is not TokenIds:
             token_ids = _as_tokens(token_ids, "token_ids")
-        block: dict[str, Any] | None = None
+        attrs: dict[str, Any] | None = None
         if not (
             cache_level == 0
             and priority == PRIORITY_DEFAULT
@@ -474,22 +574,13 @@ class EventEmitter:
             and cache_salt is None
             and token_extra_ids is None
         ):
-            block = self._full_block(
-                block_hash,
-                token_ids,
-                cache_level=cache_level,
-                priority=priority,
-                lora_id=lora_id,
-                lora_name=lora_name,
-                mm_keys=mm_keys,
-                cache_salt=cache_salt,
-                token_extra_ids=token_extra_ids,
-            )
-        n = len(token_ids)
-        if n != g.tokens_per_block:
-            if n > g.tokens_per_block:
+            attrs = _block_attrs(cache_level, priority, lora_id, lora_name, cache_salt)
+            _add_block_extras(attrs, token_ids, mm_keys, token_extra_ids)
+        nbytes = len(token_ids._raw)
+        if nbytes != g.token_bytes:
+            if nbytes > g.token_bytes:
                 raise EmitterError(
-                    f"token_ids: {n} tokens exceed layer group {g.gid}'s "
+                    f"token_ids: {nbytes >> 2} tokens exceed layer group {g.gid}'s "
                     f"tokens_per_block={g.tokens_per_block}"
                 )
             if not self._announce_partial:
@@ -501,18 +592,131 @@ class EventEmitter:
             return
         if g.pending:
             self._flush_group_removals(g)
-        if block is None:
-            block = {"block_hash": block_hash, "token_ids": token_ids}
-        target = g.target
-        if target is not None and parent_hash == g.last_hash:
-            target.append(block)
-        else:
-            blocks = [block]
-            self._emit(g, {"type": "stored", "parent_hash": parent_hash, "blocks": blocks})
-            g.target = blocks
+        run = g.target
+        if run is None or parent_hash != g.last_hash:
+            run = self._open_run(g, parent_hash)
+        if attrs is not None:
+            run.attrs[len(run.hashes)] = attrs
+        run.hashes.append(block_hash)
+        run.tokens.append(token_ids)
         g.last_hash = block_hash
         announced.add(block_hash)
         self._blocks_stored += 1
+
+    def stored_chain(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hashes: Sequence[bytes],
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Record consecutive full blocks stored in group ``layer_group_id``.
+
+        Block i has hash ``block_hashes[i]`` and the i-th ``tokens_per_block`` tokens of
+        ``token_ids`` (the chain's tokens, packed: exactly ``len(block_hashes) *
+        tokens_per_block`` of them); its parent is block i-1, block 0's is ``parent_hash``;
+        every block has the same attributes (``cache_level``...).
+
+        Records exactly what ``stored`` called once per block, in order, would (dedup,
+        pending-removal flush, coalescing, ids, counters), at a fraction of the per-block
+        cost: a chain of new blocks costs a few set and list operations in C, and the
+        per-block token lists are only cut when the batch is materialised. Unlike such a loop
+        it is all or nothing: every argument is validated first and a bad one raises
+        EmitterError (naming it, with the block's index) before anything is recorded. Partial
+        blocks, multimodal keys and extra token ids go through ``stored``.
+        """
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        hashes = block_hashes if type(block_hashes) is list else _hash_list(block_hashes)
+        n = len(hashes)
+        # Hashes (the parent's first): C-level passes when they are all fine.
+        width = self._width
+        if parent_hash is not None and (
+            type(parent_hash) is not bytes or len(parent_hash) != width
+        ):
+            parent_hash, width = self._hash_of(parent_hash, "parent_hash", width)
+        if n == 1:  # a decode step: cheaper inline
+            h = hashes[0]
+            if type(h) is not bytes or len(h) != width:
+                hashes, width = self._hashes_of(hashes, "block_hashes", width)
+        elif n and (
+            width is None or set(map(type, hashes)) != _BYTES or set(map(len, hashes)) != {width}
+        ):
+            hashes, width = self._hashes_of(hashes, "block_hashes", width)
+        if type(token_ids) is not TokenIds:
+            token_ids = _as_tokens(token_ids, "token_ids")
+        if len(token_ids._raw) != n * g.token_bytes:
+            raise EmitterError(
+                f"token_ids: {len(token_ids)} tokens for {n} blocks of layer group {g.gid}'s "
+                f"tokens_per_block={g.tokens_per_block} (a chain holds full blocks only)"
+            )
+        attrs: dict[str, Any] | None = None
+        if not (
+            cache_level == 0
+            and priority == PRIORITY_DEFAULT
+            and lora_id is None
+            and lora_name is None
+            and cache_salt is None
+        ):
+            attrs = _block_attrs(cache_level, priority, lora_id, lora_name, cache_salt)
+        # Everything is valid: record.
+        if not n:
+            return
+        if width is not None:
+            self._width = width
+        announced = g.announced
+        before = len(announced)
+        if announced.isdisjoint(hashes):
+            # The common case, all in C: every block new (none announced, none repeated).
+            announced.update(hashes)
+            if n == 1 or len(announced) - before == n:
+                if g.pending:
+                    self._flush_group_removals(g)
+                run = g.target
+                if run is None or parent_hash != g.last_hash:
+                    run = self._open_run(g, parent_hash)
+                if attrs is not None:
+                    base = len(run.hashes)
+                    run.attrs.update(zip(range(base, base + n), repeat(attrs)))
+                run.hashes += hashes
+                run.tokens.append((token_ids, n))
+                g.last_hash = hashes[-1]
+                self._blocks_stored += n
+                return
+            announced.difference_update(hashes)  # a hash repeats: undo, go one by one
+        # One by one: some blocks are announced already (or repeated) and skipped.
+        raw, tb = token_ids._raw, g.token_bytes
+        flush_pending = bool(g.pending)
+        run = g.target
+        last = g.last_hash
+        parent = parent_hash
+        recorded = 0
+        for i, h in enumerate(hashes):
+            if h not in announced:
+                if flush_pending:
+                    self._flush_group_removals(g)
+                    flush_pending = False
+                    run = None
+                if run is None or parent != last:
+                    run = self._open_run(g, parent)
+                if attrs is not None:
+                    run.attrs[len(run.hashes)] = attrs
+                run.hashes.append(h)
+                run.tokens.append(TokenIds.from_bytes(raw[i * tb : (i + 1) * tb]))
+                last = h
+                announced.add(h)
+                recorded += 1
+            parent = h
+        g.last_hash = last
+        self._blocks_stored += recorded
+        self._dup_stores += n - recorded
 
     def removed(
         self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
@@ -543,6 +747,62 @@ class EventEmitter:
         elif g.pending_level != cache_level:
             g.pending_level = None
         pending.append(block_hash)
+
+    def removed_many(
+        self, layer_group_id: int, block_hashes: Sequence[bytes], *, cache_level: int | None = None
+    ) -> None:
+        """Record that blocks left group ``layer_group_id`` (all from ``cache_level`` if known).
+
+        Records exactly what ``removed`` called once per hash, in order, would; all or
+        nothing: a bad hash raises EmitterError before anything is recorded.
+        """
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        if cache_level is not None and (
+            type(cache_level) is not int or not 0 <= cache_level <= _I32_MAX
+        ):
+            cache_level = _as_int(cache_level, 0, _I32_MAX, "cache_level")
+        hashes = block_hashes if type(block_hashes) is list else _hash_list(block_hashes)
+        if not hashes:
+            return
+        announced = g.announced
+        if len(hashes) == 1:  # one eviction: as removed() does it
+            try:
+                announced.remove(hashes[0])
+                fast = True
+            except (KeyError, TypeError):  # unknown, or unhashable: the slow path says
+                fast = False
+        else:
+            before = len(announced)
+            try:
+                fast = announced.issuperset(hashes)
+            except TypeError:  # unhashable: not a hash; the slow path says why
+                fast = False
+            if fast:  # every hash announced (so valid): set operations, all in C
+                announced.difference_update(hashes)
+                if before - len(announced) != len(hashes):  # a hash repeats: undo
+                    announced.update(hashes)
+                    fast = False
+        if not fast:
+            hashes, width = self._hashes_of(hashes, "block_hashes", self._width)
+            self._width = width
+            known: list[bytes] = []
+            for h in hashes:
+                if h in announced:
+                    announced.remove(h)
+                    known.append(h)
+            self._unknown_removals += len(hashes) - len(known)
+            if not known:
+                return
+            hashes = known
+        pending = g.pending
+        if not pending:
+            self._pending_groups.append(g)
+            g.pending_level = cache_level
+        elif g.pending_level != cache_level:
+            g.pending_level = None
+        pending += hashes
 
     def updated(
         self,
@@ -618,20 +878,18 @@ class EventEmitter:
     def take(self) -> EventBatch | None:
         """Hand over every materialised event as one batch, in id order (a lost marker
         first), stamped with ``clock.time_ns()``; None when there is none. Pending removals
-        stay pending. Clears the buffer and resets every coalescing target."""
+        stay pending. Clears the buffer and resets every coalescing target.
+
+        The same as ``take_deferred().materialize()``, built on the calling thread (if
+        building fails, which a valid recording never makes it do, nothing is taken)."""
         buf = self._buf
         if not buf:
             return None
-        batch = EventBatch(source=self._source, ts_ns=self._clock.time_ns(), events=list(buf))
-        n = len(buf)
-        if self._marker is not None:
-            n -= 1
-            self._marker = None
-        self._taken += n
-        self._batches += 1
+        batch = EventBatch(
+            source=self._source, ts_ns=self._clock.time_ns(), events=model_input(buf)
+        )
+        self._hand_over(len(buf))
         buf.clear()
-        for g in self._groups.values():
-            g.target = None
         return batch
 
     def flush(self) -> EventBatch | None:
@@ -639,7 +897,49 @@ class EventEmitter:
         self.flush_iteration()
         return self.take()
 
+    def take_deferred(self) -> DeferredBatch | None:
+        """Like :meth:`take`, but the records are handed over as they are, in O(1): the
+        :class:`~kvstream.events.deferred.DeferredBatch` builds the ``EventBatch`` (the same
+        one ``take`` would have returned now, timestamp included) when a consumer calls its
+        ``materialize``, on any thread. None when there is nothing to take."""
+        buf = self._buf
+        if not buf:
+            return None
+        ts_ns = self._clock.time_ns()
+        self._buf = deque()  # the old one now belongs to the DeferredBatch
+        self._hand_over(len(buf))
+        return DeferredBatch(self._source, ts_ns, buf)
+
+    def flush_deferred(self) -> DeferredBatch | None:
+        """``flush_iteration()`` then ``take_deferred()``: the engine's end of iteration."""
+        if self._pending_groups:
+            self._flush_all_removals()
+        buf = self._buf
+        if buf:
+            return self.take_deferred()  # resets every coalescing target
+        for g in self._groups.values():
+            g.target = None
+        return None
+
     # ------------------------------------------------------------------ internals
+
+    def _hand_over(self, n: int) -> None:
+        # The buffer's n events were taken: count them, forget the marker and every coalescing
+        # target (so nothing taken is ever mutated again). The caller empties the buffer.
+        if self._marker is not None:
+            n -= 1
+            self._marker = None
+        self._taken += n
+        self._batches += 1
+        for g in self._groups.values():
+            g.target = None
+
+    def _open_run(self, g: _Group, parent_hash: bytes | None) -> BlockRun:
+        # A new stored event of group g (empty until the caller appends), its coalescing target.
+        run = BlockRun()
+        self._emit(g, {"type": "stored", "parent_hash": parent_hash, "blocks": run})
+        g.target = run
+        return run
 
     def _emit(self, g: _Group, data: dict[str, Any]) -> None:
         # Materialise one event: the next id, at the tail of the buffer.
@@ -721,62 +1021,33 @@ class EventEmitter:
     def _check_hash(self, value: object, what: str) -> bytes:
         # Slow path of the inline width check: normalise bytes subclasses, pin the width of an
         # unknown algorithm on first use, or raise.
+        h, self._width = self._hash_of(value, what, self._width)
+        return h
+
+    def _hash_of(self, value: object, what: str, width: int | None) -> tuple[bytes, int]:
+        # Validate and normalise one hash against `width` (None: not pinned yet); returns it
+        # with the width it pins. Changes no state: callers pin once everything is valid.
         if not isinstance(value, bytes):
             raise EmitterError(f"{what} must be bytes, got {type(value).__name__}")
         h = bytes(value)
-        if self._width is None:
+        if width is None:
             if len(h) not in ALLOWED_UNKNOWN_WIDTHS:
                 raise EmitterError(
                     f"{what}: hashes must be {ALLOWED_UNKNOWN_WIDTHS} bytes, got {len(h)}"
                 )
-            self._width = len(h)
-        elif len(h) != self._width:
-            raise EmitterError(
-                f"{what}: {self._hash_algo} hashes are {self._width} bytes, got {len(h)}"
-            )
-        return h
+        elif len(h) != width:
+            raise EmitterError(f"{what}: {self._hash_algo} hashes are {width} bytes, got {len(h)}")
+        return h, len(h)
 
-    def _full_block(
-        self,
-        block_hash: bytes,
-        token_ids: TokenIds,
-        *,
-        cache_level: object,
-        priority: object,
-        lora_id: object,
-        lora_name: object,
-        mm_keys: object,
-        cache_salt: object,
-        token_extra_ids: object,
-    ) -> dict[str, Any]:
-        block: dict[str, Any] = {
-            "block_hash": block_hash,
-            "token_ids": token_ids,
-            "cache_level": _as_int(cache_level, 0, _I32_MAX, "cache_level"),
-            "priority": _as_int(priority, PRIORITY_MIN, PRIORITY_MAX, "priority"),
-        }
-        if lora_id is not None:
-            block["lora_id"] = _as_int(lora_id, 0, _U64_MAX, "lora_id")
-        if lora_name is not None:
-            block["lora_name"] = _as_opt_str(lora_name, "lora_name")
-        if cache_salt is not None:
-            block["cache_salt"] = _as_opt_str(cache_salt, "cache_salt")
-        if mm_keys:
-            if isinstance(mm_keys, (str, bytes)) or not isinstance(mm_keys, Sequence):
-                raise EmitterError("mm_keys must be a sequence of MmKey")
-            keys = tuple(mm_keys)
-            for i, k in enumerate(keys):
-                if not isinstance(k, MmKey):
-                    raise EmitterError(f"mm_keys[{i}] must be an MmKey, got {type(k).__name__}")
-            block["mm_keys"] = keys
-        if token_extra_ids is not None:
-            extra = _as_tokens(token_extra_ids, "token_extra_ids")
-            if len(extra) != len(token_ids):
-                raise EmitterError(
-                    f"token_extra_ids has {len(extra)} entries for {len(token_ids)} tokens"
-                )
-            block["token_extra_ids"] = extra
-        return block
+    def _hashes_of(
+        self, values: list[Any], what: str, width: int | None
+    ) -> tuple[list[bytes], int | None]:
+        # _hash_of for every element of a list (what[i] in errors); no state changes.
+        out: list[bytes] = []
+        for i, v in enumerate(values):
+            h, width = self._hash_of(v, f"{what}[{i}]", width)
+            out.append(h)
+        return out, width
 
     def _unknown_group(self, layer_group_id: object) -> EmitterError:
         known = ", ".join(map(str, self._groups)) or "none"
@@ -822,8 +1093,28 @@ class NullRecorder:
     ) -> None:
         """Does nothing."""
 
+    def stored_chain(
+        self,
+        layer_group_id: int,
+        *,
+        parent_hash: bytes | None,
+        block_hashes: Sequence[bytes],
+        token_ids: TokenIds | Sequence[int],
+        cache_level: int = 0,
+        priority: int = PRIORITY_DEFAULT,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Does nothing."""
+
     def removed(
         self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
+    ) -> None:
+        """Does nothing."""
+
+    def removed_many(
+        self, layer_group_id: int, block_hashes: Sequence[bytes], *, cache_level: int | None = None
     ) -> None:
         """Does nothing."""
 
@@ -847,6 +1138,12 @@ class NullRecorder:
         """Always None."""
 
     def flush(self) -> None:
+        """Always None."""
+
+    def take_deferred(self) -> None:
+        """Always None."""
+
+    def flush_deferred(self) -> None:
         """Always None."""
 
 

@@ -7,6 +7,10 @@ decides *where* they go.
 >>> from kvstream.pipeline import Pipeline, PipelineConfig, SinkPolicy   # doctest: +SKIP
 >>> async with Pipeline([MemorySink()], PipelineConfig()) as pipe:       # doctest: +SKIP
 ...     pipe.submit(batch)
+
+From an engine thread, submit what ``manager.flush_events_deferred()`` returns (when not None)
+instead of a built batch: the hand-off stays O(1) and the sink tasks build the models (once
+for every sink).
 """
 
 from .config import OverflowPolicy, PipelineConfig, RetryPolicy, SinkPolicy

@@ -10,6 +10,10 @@ Marker id rule (shared with the emitter): a marker covers the contiguous id rang
 range, so the ids a consumer sees stay contiguous (each id once, as an event or inside a
 marker's range). Adjacent or overlapping ranges of one source merge, and a dropped batch that
 itself carried markers re-enters the ledger as the ranges those markers covered.
+
+Batches may be :class:`~kvstream.events.deferred.DeferredBatch` objects: their ids and groups
+are read from the raw records (:meth:`~kvstream.events.deferred.DeferredBatch.spans`), so a
+dropped deferred batch is accounted for exactly without ever being materialised.
 """
 
 from __future__ import annotations
@@ -18,9 +22,18 @@ import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from kvstream.events.deferred import AnyBatch, DeferredBatch, EventSpan
 from kvstream.events.model import EventBatch, KVCacheEvent, Lost, SourceId
 
-__all__ = ["Gap", "LossLedger", "batch_first_id", "event_span", "make_marker_batch"]
+__all__ = [
+    "Gap",
+    "LossLedger",
+    "batch_first_id",
+    "batch_len",
+    "batch_spans",
+    "event_span",
+    "make_marker_batch",
+]
 
 _MAX_REASON = 1024
 
@@ -34,11 +47,29 @@ def event_span(event: KVCacheEvent) -> tuple[int, int]:
     return event.event_id, event.event_id
 
 
-def batch_first_id(batch: EventBatch) -> int | None:
-    """The lowest id a batch covers (None for an empty batch)."""
+def batch_first_id(batch: AnyBatch) -> int | None:
+    """The lowest id a batch covers (None for an empty batch); O(1), never materialises."""
+    if isinstance(batch, DeferredBatch):
+        return batch.first_event_id
     if not batch.events:
         return None
     return event_span(batch.events[0])[0]
+
+
+def batch_len(batch: AnyBatch) -> int:
+    """How many events a batch holds (markers included); O(1), never materialises."""
+    if isinstance(batch, DeferredBatch):
+        return batch.num_events
+    return len(batch.events)
+
+
+def batch_spans(batch: AnyBatch) -> Iterator[EventSpan]:
+    """Per event: its inclusive id range and group fields; never materialises."""
+    if isinstance(batch, DeferredBatch):
+        return batch.spans()
+    return (
+        (*event_span(ev), ev.hash_algo, ev.layer_group_id, ev.window_size) for ev in batch.events
+    )
 
 
 @dataclass(slots=True)
@@ -83,15 +114,14 @@ class Gap:
         )
 
 
-def _runs(batch: EventBatch, reason: str) -> Iterator[Gap]:
+def _runs(batch: AnyBatch, reason: str) -> Iterator[Gap]:
     """The batch's events as maximal contiguous id runs."""
     cur: Gap | None = None
-    for ev in batch.events:
-        lo, hi = event_span(ev)
+    for lo, hi, hash_algo, layer_group_id, window_size in batch_spans(batch):
         if cur is not None and cur.last + 1 >= lo and hi >= cur.first:
             if hi > cur.last:
-                cur.hash_algo, cur.layer_group_id = ev.hash_algo, ev.layer_group_id
-                cur.window_size = ev.window_size
+                cur.hash_algo, cur.layer_group_id = hash_algo, layer_group_id
+                cur.window_size = window_size
             cur.first = min(cur.first, lo)
             cur.last = max(cur.last, hi)
             continue
@@ -101,9 +131,9 @@ def _runs(batch: EventBatch, reason: str) -> Iterator[Gap]:
             first=lo,
             last=hi,
             reasons=[reason],
-            hash_algo=ev.hash_algo,
-            layer_group_id=ev.layer_group_id,
-            window_size=ev.window_size,
+            hash_algo=hash_algo,
+            layer_group_id=layer_group_id,
+            window_size=window_size,
             schema_version=batch.schema_version,
         )
     if cur is not None:
@@ -119,8 +149,9 @@ class LossLedger:
     def __bool__(self) -> bool:
         return bool(self._gaps)
 
-    def record(self, batch: EventBatch, reason: str) -> None:
-        """Record every id ``batch`` covers as missing, for ``reason``."""
+    def record(self, batch: AnyBatch, reason: str) -> None:
+        """Record every id ``batch`` covers as missing, for ``reason`` (a deferred batch is
+        read from its raw records, never materialised)."""
         for gap in _runs(batch, reason):
             self._insert(batch.source, gap)
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import ConfigError
-from kvstream.events.model import EventBatch
+from kvstream.events.deferred import AnyBatch
 from kvstream.sink import Sink
 
 from .config import OverflowPolicy, PipelineConfig
@@ -45,10 +45,16 @@ class Pipeline:
 
     Producers hand batches over with :meth:`submit` (any thread; the engine thread's call
     returns within ``handoff_timeout_s`` whatever the sinks do), :meth:`submit_nowait` (never
-    waits) or ``await`` :meth:`put` (coroutines on the pipeline's loop). Each sink gets every
-    batch in submission order, unless its queue overflows or its exports fail: then the
-    dropped ids are counted (per sink and reason) and a ``lost`` marker takes their place in
-    that sink's stream, so consumers know to resync.
+    waits) or ``await`` :meth:`put` (coroutines on the pipeline's loop). A batch is an
+    :class:`~kvstream.events.model.EventBatch` or, to keep model building off the engine
+    thread, a :class:`~kvstream.events.deferred.DeferredBatch` (from
+    ``KVCacheManager.flush_events_deferred()`` / ``EventEmitter.flush_deferred()``): the
+    hand-off only enqueues it, and the first sink task that exports it materialises it once
+    for every sink. Each sink gets every batch in submission order, unless its queue
+    overflows or its exports fail: then the dropped ids are counted (per sink and reason) and
+    a ``lost`` marker takes their place in that sink's stream, so consumers know to resync.
+    Queues, overflow policies and lost markers work the same for both kinds of batch (a
+    deferred batch that is dropped is accounted for from its raw records, never built).
 
     Lifecycle::
 
@@ -156,7 +162,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------------- hand-off
 
-    def submit(self, batch: EventBatch, *, timeout_s: float | None = None) -> bool:
+    def submit(self, batch: AnyBatch, *, timeout_s: float | None = None) -> bool:
         """Hand ``batch`` to every sink; True when every sink's queue accepted it.
 
         Thread-safe. The call returns within ``timeout_s`` (default ``handoff_timeout_s``)
@@ -176,7 +182,7 @@ class Pipeline:
                 ok = False
         return ok
 
-    def submit_nowait(self, batch: EventBatch) -> bool:
+    def submit_nowait(self, batch: AnyBatch) -> bool:
         """Like :meth:`submit` but never waits, whatever the overflow policy."""
         ok = True
         for q in self._queues:
@@ -184,7 +190,7 @@ class Pipeline:
                 ok = False
         return ok
 
-    async def put(self, batch: EventBatch, *, timeout_s: float | None = None) -> bool:
+    async def put(self, batch: AnyBatch, *, timeout_s: float | None = None) -> bool:
         """Hand ``batch`` over from a coroutine on the pipeline's loop; ``block`` sinks wait
         for room without blocking the loop (at most ``timeout_s``, default
         ``handoff_timeout_s``, in total)."""

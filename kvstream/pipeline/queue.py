@@ -8,6 +8,11 @@ about a microsecond and never waits on the sink unless the overflow policy is ``
 The queue also owns the sink's :class:`~kvstream.pipeline.lost.LossLedger` and its counters,
 so a drop (by a producer or by the sink task) and the marker that replaces it are recorded
 under the same lock as the queue contents they refer to.
+
+Batches are :class:`~kvstream.events.model.EventBatch` or
+:class:`~kvstream.events.deferred.DeferredBatch` objects (the same object may sit in several
+sinks' queues); the queue only reads their O(1) metadata (event count, first id, source) and,
+when it drops one, its id spans: it never materialises a deferred batch.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstream.clock import Clock
-from kvstream.events.model import EventBatch
+from kvstream.events.deferred import AnyBatch, DeferredBatch
 
 from .config import OverflowPolicy, SinkPolicy
-from .lost import LossLedger, batch_first_id, make_marker_batch
+from .lost import LossLedger, batch_first_id, batch_len, make_marker_batch
 
 __all__ = ["Chunk", "DropReason", "QueueCounters", "SinkQueue"]
 
@@ -60,9 +65,10 @@ class QueueCounters:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """What one export call delivers: data batches in order, with marker batches in front of
-    the batches whose ids follow a gap (and standalone markers at the end)."""
+    the batches whose ids follow a gap (and standalone markers at the end). Data batches may
+    still be deferred: the sink task materialises them before exporting."""
 
-    batches: Sequence[EventBatch]
+    batches: Sequence[AnyBatch]
     data_batches: int
     data_events: int
     marker_events: int
@@ -76,7 +82,7 @@ class SinkQueue:
         self._clock = clock
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
-        self._items: deque[EventBatch] = deque()
+        self._items: deque[AnyBatch] = deque()
         self._events = 0
         self._max_batches = policy.max_queue_batches
         self._max_events = policy.max_queue_events
@@ -139,7 +145,7 @@ class SinkQueue:
             len(self._items) < self._max_batches and self._events + n <= self._max_events
         )
 
-    def _accept(self, batch: EventBatch, n: int) -> None:
+    def _accept(self, batch: AnyBatch, n: int) -> None:
         self._items.append(batch)
         self._events += n
         c = self.counters
@@ -150,16 +156,16 @@ class SinkQueue:
         ):
             self._signal()
 
-    def _drop(self, batch: EventBatch, n: int, reason: str, *, marker: bool = True) -> None:
+    def _drop(self, batch: AnyBatch, n: int, reason: str, *, marker: bool = True) -> None:
         c = self.counters
         c.dropped[reason] = c.dropped.get(reason, 0) + n
         c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + 1
-        if marker and batch.events:
+        if marker and n:
             self.ledger.record(batch, reason)
             if self._consumer_waiting:
                 self._signal()
 
-    def _offer(self, batch: EventBatch, n: int) -> bool | None:
+    def _offer(self, batch: AnyBatch, n: int) -> bool | None:
         """Lock held. True/False when decided (accepted/dropped), None when ``block`` must wait."""
         if self._closed:
             self._drop(batch, n, DropReason.CLOSED, marker=False)
@@ -171,7 +177,7 @@ class SinkQueue:
         if policy is OverflowPolicy.DROP_OLDEST:
             while not self._fits(n):
                 old = self._items.popleft()
-                k = len(old.events)
+                k = batch_len(old)
                 self._events -= k
                 self.counters.settled_batches += 1
                 self._drop(old, k, DropReason.QUEUE_FULL)
@@ -182,7 +188,7 @@ class SinkQueue:
             return False
         return None
 
-    def put(self, batch: EventBatch, deadline: float | None = None) -> bool:
+    def put(self, batch: AnyBatch, deadline: float | None = None) -> bool:
         """Enqueue from any thread; True when accepted.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds a ``block`` wait together with the
@@ -190,7 +196,7 @@ class SinkQueue:
         deadline from the loop thread (it would wait on the task that makes room): use
         :meth:`put_async` there.
         """
-        n = len(batch.events)
+        n = batch.num_events if isinstance(batch, DeferredBatch) else len(batch.events)
         with self._lock:
             items = self._items
             if not self._closed and (
@@ -227,10 +233,10 @@ class SinkQueue:
             self._drop(batch, n, DropReason.BLOCK_TIMEOUT)
             return False
 
-    async def put_async(self, batch: EventBatch, timeout_s: float | None = None) -> bool:
+    async def put_async(self, batch: AnyBatch, timeout_s: float | None = None) -> bool:
         """Enqueue from a coroutine on the sink task's loop; ``block`` waits without blocking
         the loop, up to ``min(timeout_s, block_timeout_s)``."""
-        n = len(batch.events)
+        n = batch_len(batch)
         wait = (
             self.policy.block_timeout_s
             if timeout_s is None
@@ -321,7 +327,7 @@ class SinkQueue:
     def _take(self) -> Chunk:
         pol = self.policy
         max_batches, max_events = pol.max_export_batches, pol.max_export_events
-        out: list[EventBatch] = []
+        out: list[AnyBatch] = []
         data_batches = data_events = marker_events = 0
         with self._lock:
             self._consumer_waiting = False
@@ -331,7 +337,7 @@ class SinkQueue:
             popleft, append = items.popleft, out.append
             while items and data_batches < max_batches:
                 b = items[0]
-                n = len(b.events)
+                n = batch_len(b)
                 if data_batches and data_events + n > max_events:
                     break
                 popleft()
@@ -381,7 +387,7 @@ class SinkQueue:
             c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + chunk.data_batches
             c.settled_batches += chunk.data_batches
             for b in chunk.batches:
-                if b.events:
+                if batch_len(b):
                     self.ledger.record(b, reason)
             self._marker_not_before = time.monotonic() + marker_backoff_s
 
@@ -392,7 +398,7 @@ class SinkQueue:
             while self._items:
                 b = self._items.popleft()
                 self.counters.settled_batches += 1
-                self._drop(b, len(b.events), reason)
+                self._drop(b, batch_len(b), reason)
             self._events = 0
             return batches, events
 

@@ -1,4 +1,9 @@
-"""The task that drives one sink: take a chunk, export it, retry, settle, repeat."""
+"""The task that drives one sink: take a chunk, materialise it, export it, retry, settle, repeat.
+
+Deferred batches (:class:`~kvstream.events.deferred.DeferredBatch`) are materialised here, on
+the pipeline's loop, by the first sink task that exports them; the batch caches its models,
+so every other sink gets the same :class:`~kvstream.events.model.EventBatch` for free.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from kvstream.events.deferred import AnyBatch, DeferredBatch
 from kvstream.events.model import EventBatch
 from kvstream.sink import ExportResult, ExportStatus, Sink
 
@@ -27,6 +33,8 @@ class SinkWorker:
     retried with backoff until ``retry.deadline_s`` after the chunk's first attempt; then, or
     on a permanent failure, the chunk is dropped into the loss ledger (markers follow). When
     the task is cancelled (close's deadline) the chunk in flight is dropped as ``shutdown``.
+    A chunk's deferred batches are materialised once, before its first attempt; one that
+    cannot be (a recorder bug) fails the chunk permanently.
     """
 
     def __init__(
@@ -74,16 +82,24 @@ class SinkWorker:
 
     async def _deliver(self, chunk: Chunk) -> None:
         retry = self.policy.retry
+        counters = self.queue.counters
+        try:
+            batches = _materialized(chunk.batches)
+        except Exception as exc:
+            self.last_error = f"materialising a deferred batch failed: {type(exc).__name__}: {exc}"
+            counters.failures_permanent += 1
+            log.exception("sink %s: %s", self.sink.name, self.last_error)
+            self._give_up(chunk, DropReason.PERMANENT_ERROR)
+            return
         first = time.monotonic()
         deadline = None if retry.deadline_s is None else first + retry.deadline_s
         self._backoff.reset()
-        counters = self.queue.counters
         while True:
             timeout = retry.attempt_timeout_s
             if deadline is not None:
                 timeout = max(min(timeout, deadline - time.monotonic()), 0.001)
             t0 = time.perf_counter()
-            result = await self._attempt(chunk.batches, timeout)
+            result = await self._attempt(batches, timeout)
             if self._observe is not None:
                 self._observe(time.perf_counter() - t0)
             if result.status is ExportStatus.SUCCESS:
@@ -131,3 +147,9 @@ class SinkWorker:
                 f"{type(sink).__name__}.export returned {result!r}, not an ExportResult"
             )
         return result
+
+
+def _materialized(batches: Sequence[AnyBatch]) -> Sequence[EventBatch]:
+    """The chunk's batches with every deferred one materialised (cached by the batch itself,
+    so a batch shared by several sinks is built once)."""
+    return [b.materialize() if isinstance(b, DeferredBatch) else b for b in batches]
