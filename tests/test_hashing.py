@@ -17,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 from blake3 import blake3
+from v1_vectors import DIGEST, V1_CHAINS
 
 from kvstream._types import BLOCK_HASH_WIDTHS, TokenIds, hash_from_int
 from kvstream.errors import HashingError, KVStreamError, UnknownHashAlgorithmError
@@ -46,7 +47,6 @@ BUILTIN = [
     "vllm_sha256_cbor",
     "vllm_sha256_cbor_64",
 ]
-DIGEST = bytes(range(32))  # "bytes 00..1f" of the reference notes
 
 
 def fold(h: BlockHasher, blocks: list[Any], **scope: Any) -> list[bytes]:
@@ -91,40 +91,6 @@ def test_vector_file_covers_every_published_algorithm() -> None:
 
 
 # ------------------------------------------------------- TensorRT-LLM §3.4 extra vectors
-
-V1_CHAINS = [
-    # (id, blocks, chain kwargs, expected)
-    ("E", [[1, 2, 3, 4], [5, 6]], {"salt_id": 123}, [6280297290684427985, 18177682803760873588]),
-    (
-        "F",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"cache_salt": "tenant-A"},
-        [7794705971313359249, 12193179412182633234],
-    ),
-    (
-        "F-salt-id",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 10590430051267512242},
-        [7794705971313359249, 12193179412182633234],
-    ),
-    (
-        "F-prime-blake3-salt",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 11905099046384790080},
-        [6502103921832476329, 13183445709889477754],
-    ),
-    (
-        "F-second-std-hash-salt",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 11647872923530560891},
-        [4636902776190158014, 12101241352340836903],
-    ),
-    ("G", [list(range(128000, 128032))], {}, [5780527550025642985]),
-    ("H", [[0, 0]], {}, [175247760700]),
-    ("I", [[1, 2, 3, 4]], {"token_extra_ids": [[7, 0, 0, 9]]}, [13768985128417180791]),
-    ("J", [[1, 2, 3, 4]], {"mm_keys": [[(DIGEST, 2)]]}, [7023362434702390509]),
-    ("K", [[0xFFFFFFFF]], {}, [3193963081]),
-]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from v1_vectors import DIGEST, V1_CHAINS
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError, KVStreamError
@@ -36,57 +37,9 @@ if not trtllm_mod.NATIVE_AVAILABLE:  # pragma: no cover - only under KVSTREAM_NO
 ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "tests" / "data" / "block_hashes.json").read_text())
 V1_CASES = [c for c in DATA["cases"] if c["algo"] == "v1_block_key"]
-DIGEST = bytes(range(32))  # "bytes 00..1f" of the reference notes
 NAT = V1BlockKeyHasher(native=True)
 PY = V1BlockKeyHasher(native=False)
 
-# TensorRT-LLM §3.4 v1_block_key vectors: (id, blocks, chain kwargs, expected chain).
-V1_CHAINS: list[tuple[str, list[list[int]], dict[str, Any], list[int]]] = [
-    ("A", [[1, 2, 3, 4]], {}, [924206229973855]),
-    ("B", [[1, 2, 3, 4], [5, 6]], {}, [924206229973855, 6875034662206558884]),
-    (
-        "C",
-        [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]],
-        {},
-        [924206229973855, 2728178455351807326, 10011707017105896989],
-    ),
-    (
-        "D",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"lora_id": 123},
-        [15718075209399076427, 13661325138050029360],
-    ),
-    ("E", [[1, 2, 3, 4], [5, 6]], {"salt_id": 123}, [6280297290684427985, 18177682803760873588]),
-    (
-        "F",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"cache_salt": "tenant-A"},
-        [7794705971313359249, 12193179412182633234],
-    ),
-    (
-        "F-salt-id",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 10590430051267512242},
-        [7794705971313359249, 12193179412182633234],
-    ),
-    (
-        "F-prime",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 11905099046384790080},
-        [6502103921832476329, 13183445709889477754],
-    ),
-    (
-        "F-second",
-        [[1, 2, 3, 4], [5, 6, 7, 8]],
-        {"salt_id": 11647872923530560891},
-        [4636902776190158014, 12101241352340836903],
-    ),
-    ("G", [list(range(128000, 128032))], {}, [5780527550025642985]),
-    ("H", [[0, 0]], {}, [175247760700]),
-    ("I", [[1, 2, 3, 4]], {"token_extra_ids": [[7, 0, 0, 9]]}, [13768985128417180791]),
-    ("J", [[1, 2, 3, 4]], {"mm_keys": [[(DIGEST, 2)]]}, [7023362434702390509]),
-    ("K", [[0xFFFFFFFF]], {}, [3193963081]),
-]
 ALL_VECTORS = [(c["id"], c["blocks"], c.get("params", {}), c["expect"]) for c in V1_CASES] + [
     (f"s3.4-{c[0]}", *c[1:]) for c in V1_CHAINS
 ]
