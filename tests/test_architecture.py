@@ -34,6 +34,7 @@ L3_SIBLINGS = {"cache", "pipeline", "index"}
 # third-party module -> the only kvstream areas allowed to import it
 CONFINED = {
     "torch": {"cache"},
+    "xxhash": {"cache"},
     "aiokafka": {"sinks", "index"},
     "fastavro": {"codec"},
     "avro": {"codec"},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvstream.cache.block import Block
 from kvstream.cache.errors import CacheInvariantError
@@ -10,7 +10,10 @@ from kvstream.cache.free_queue import FreeQueue
 from kvstream.cache.prefix_tree import PrefixTree
 from kvstream.events.emitter import EventRecorder
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "EvictHandler"]
+
+#: Takes a pool's evicted blocks (their ids about to be reused) and their hashes, in order.
+EvictHandler = Callable[[int, list[Block], list[bytes]], None]
 
 
 class BlockPool:
@@ -25,11 +28,14 @@ class BlockPool:
       :class:`FreeQueue` and evicted (a ``removed`` event) only when no uncached block is left.
 
     Block metadata is created on first use, so a large pool costs nothing up front; every
-    operation is O(1). Evictions go to ``recorder.removed`` (the recorder batches them).
+    operation is O(1). Evictions go to ``recorder.removed`` (the recorder batches them) or,
+    when given, to ``on_evict(layer_group_id, blocks, hashes)``, which moves them to a lower
+    tier before their ids are handed out again.
     """
 
     __slots__ = (
         "_created",
+        "_on_evict",
         "_recorder",
         "_stack",
         "evictions",
@@ -40,9 +46,16 @@ class BlockPool:
     )
 
     def __init__(
-        self, layer_group_id: int, num_blocks: int, recorder: EventRecorder, *, linked: bool
+        self,
+        layer_group_id: int,
+        num_blocks: int,
+        recorder: EventRecorder,
+        *,
+        linked: bool,
+        on_evict: EvictHandler | None = None,
     ) -> None:
         self.layer_group_id = layer_group_id
+        self._on_evict = on_evict
         self.num_blocks = num_blocks
         self._recorder = recorder
         self.tree = PrefixTree(linked=linked)
@@ -118,7 +131,9 @@ class BlockPool:
             self.evictions += evict
             out += evicted
             rec = self._recorder
-            if rec.enabled:
+            if self._on_evict is not None:
+                self._on_evict(self.layer_group_id, evicted, hashes)
+            elif rec.enabled:
                 if evict == 1:  # the single-block call is cheaper
                     rec.removed(self.layer_group_id, hashes[0], cache_level=0)
                 else:
@@ -131,7 +146,9 @@ class BlockPool:
         h = self.tree.remove(block)
         self.evictions += 1
         rec = self._recorder
-        if rec.enabled:
+        if self._on_evict is not None:
+            self._on_evict(self.layer_group_id, [block], [h])
+        elif rec.enabled:
             rec.removed(self.layer_group_id, h, cache_level=0)
 
     def touch(self, block: Block) -> None:

@@ -13,10 +13,13 @@ the field. Nothing here imports torch: dtypes are named by string (``"float16"``
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvstream.cache.tier_config import DiskTierConfig, HostTierConfig
 from kvstream.errors import ConfigError, HashingError, UnknownHashAlgorithmError
 from kvstream.events.model import AttentionKind
 from kvstream.hashing import BlockHasher, get_hasher
@@ -104,6 +107,9 @@ class CacheConfig:
       most ``event_capacity`` events between takes) or not (a null recorder: no event work).
     - ``metadata_only``: no K/V tensors at all (block bookkeeping and events only), for
       simulations at scale; ``write_kv``/``read_kv`` then raise.
+    - ``host_tier``: a host tier that GPU evictions move into (bookkeeping only when
+      ``metadata_only``); ``disk_tier``: a disk store below it (needs tensors). See
+      :mod:`kvstream.cache.tier_config`.
     """
 
     tokens_per_block: int
@@ -115,6 +121,8 @@ class CacheConfig:
     events: bool = True
     event_capacity: int = 65536
     metadata_only: bool = False
+    host_tier: HostTierConfig | None = None
+    disk_tier: DiskTierConfig | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.tokens_per_block, "tokens_per_block", maximum=_I32_MAX)
@@ -144,6 +152,18 @@ class CacheConfig:
             raise ConfigError(
                 f"hash_params must be a mapping, got {type(self.hash_params).__name__}"
             )
+        if self.host_tier is not None and not isinstance(self.host_tier, HostTierConfig):
+            raise ConfigError(f"host_tier must be a HostTierConfig, got {self.host_tier!r}")
+        if self.disk_tier is not None:
+            if not isinstance(self.disk_tier, DiskTierConfig):
+                raise ConfigError(f"disk_tier must be a DiskTierConfig, got {self.disk_tier!r}")
+            if self.metadata_only:
+                raise ConfigError("disk_tier needs K/V tensors: it cannot be metadata_only")
+        ht = self.host_tier
+        if isinstance(ht, HostTierConfig) and ht.blocks != "auto" and len(ht.blocks) != len(groups):
+            raise ConfigError(
+                f"host_tier.blocks has {len(ht.blocks)} entries for {len(groups)} layer groups"
+            )
         self.make_hasher()
 
     def make_hasher(self) -> BlockHasher:
@@ -156,6 +176,22 @@ class CacheConfig:
             raise ConfigError(f"hash_algo: {exc}") from None
         except (TypeError, HashingError) as exc:
             raise ConfigError(f"hash_params for {self.hash_algo!r}: {exc}") from None
+
+    def layout_fingerprint(self) -> str:
+        """32 hex digits naming everything that makes two managers' blocks interchangeable:
+        ``tokens_per_block``, the hash configuration and every group's shape, dtype and
+        window. K/V transfers and disk namespaces require equal fingerprints."""
+        doc = {
+            "tokens_per_block": self.tokens_per_block,
+            "hash_algo": self.hash_algo,
+            "hash_params": repr(sorted(self.hash_params.items())),
+            "groups": [
+                [g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.window_size]
+                for g in self.groups
+            ],
+        }
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @property
     def num_layers(self) -> int:

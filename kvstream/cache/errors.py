@@ -9,6 +9,10 @@
         ├── RequestError            invalid request arguments                       (ValueError)
         │   └── DuplicateRequestError   a request with that id is already running
         ├── KVAccessError           a K/V read or write outside what the request may touch
+        ├── TransferError           a KV transfer does not fit the receiving manager or request
+        ├── StoreError              the disk block store could not do an operation   (OSError)
+        │   ├── StoreFullError      no space left (ENOSPC, EDQUOT, EFBIG): nothing was written
+        │   └── BlockFileError      a block file is corrupt, truncated or not the block asked for
         └── CacheInvariantError     internal consistency check failed (a bug in kvstream)
 
 Every operation that raises one of these leaves the manager exactly as it was.
@@ -24,7 +28,11 @@ __all__ = [
     "CacheInvariantError",
     "DuplicateRequestError",
     "KVAccessError",
+    "BlockFileError",
     "RequestError",
+    "StoreError",
+    "StoreFullError",
+    "TransferError",
     "UnknownRequestError",
 ]
 
@@ -75,6 +83,34 @@ class KVAccessError(CacheError, ValueError):
     """A K/V read or write names a bad layer, a bad token range or badly shaped tensors,
     writes into the reused (read-only) prefix, reads tokens a sliding window released, or
     needs tensors in metadata-only mode."""
+
+
+class TransferError(CacheError, ValueError):
+    """A KV transfer cannot be imported: its layout or hash configuration differs from the
+    receiver's, it does not cover the blocks the receiver asked for, its block hashes do not
+    match the tokens, or its tensors are malformed. The receiver is left as it was."""
+
+
+class StoreError(CacheError, OSError):
+    """The disk block store could not read, write or scan its directory (``path`` names the
+    file or directory when known)."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        self.path = path
+        super().__init__(message)
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror)
+        return str(self.args[0])
+
+
+class StoreFullError(StoreError):
+    """A block file could not be written for lack of space (ENOSPC, EDQUOT, EFBIG); no
+    partial file was left visible."""
+
+
+class BlockFileError(StoreError):
+    """A block file is corrupt: bad magic or version, truncated, a checksum mismatch, or a
+    header naming another block or namespace. The store treats it as a miss and removes it."""
 
 
 class CacheInvariantError(CacheError):

@@ -42,7 +42,8 @@ Not thread-safe: call it from the engine thread.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstream._types import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, TokenIds
@@ -55,9 +56,10 @@ from kvstream.cache.errors import (
     DuplicateRequestError,
     KVAccessError,
     RequestError,
+    TransferError,
     UnknownRequestError,
 )
-from kvstream.cache.plan import Plan, plan_append, plan_prompt
+from kvstream.cache.plan import Plan, plan_append, plan_import, plan_prompt
 from kvstream.cache.request import (
     GroupMatch,
     GroupState,
@@ -68,7 +70,15 @@ from kvstream.cache.request import (
     normalize_mm_items,
 )
 from kvstream.cache.stats import CacheStats, GroupStats
-from kvstream.cache.storage import KVStorage, resolve_device
+from kvstream.cache.storage import KVStorage, copy_blocks, resolve_device
+from kvstream.cache.tiering import DISK, GPU, HOST, Tiers, build_tiers
+from kvstream.cache.transfer import (
+    GroupTransfer,
+    ImportResult,
+    ImportTicket,
+    KVTransfer,
+    TokenRange,
+)
 from kvstream.cache.windows import first_needed_block
 from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import HashingError
@@ -119,10 +129,6 @@ class KVCacheManager:
         self._recorder: EventRecorder = recorder
         self._windows = [g.window_size for g in config.groups]
         self._swa = [i for i, w in enumerate(self._windows) if w is not None]
-        self._pools = [
-            BlockPool(i, g.num_blocks, recorder, linked=g.window_size is None)
-            for i, g in enumerate(config.groups)
-        ]
         self._layers: list[tuple[int, int]] = [
             (gid, local) for gid, g in enumerate(config.groups) for local in range(g.num_layers)
         ]
@@ -131,6 +137,12 @@ class KVCacheManager:
         if not config.metadata_only:
             self.device = resolve_device(config.device)
             self._storage = KVStorage(config, self.device)
+        self._tiers: Tiers | None = build_tiers(config, recorder, self._storage)
+        on_evict = None if self._tiers is None else self._tiers.evict
+        self._pools = [
+            BlockPool(i, g.num_blocks, recorder, linked=g.window_size is None, on_evict=on_evict)
+            for i, g in enumerate(config.groups)
+        ]
         self._requests: dict[str, RequestState] = {}
         self._added = 0
         self._rejected = 0
@@ -142,10 +154,15 @@ class KVCacheManager:
 
     def _announce_created(self) -> None:
         for gid, spec in enumerate(self.config.groups):
+            levels = (
+                [spec.num_blocks]
+                if self._tiers is None
+                else self._tiers.levels(gid, spec.num_blocks)
+            )
             self._recorder.created(
                 gid,
                 window_size=self.config.window_of(gid),
-                num_blocks_per_cache_level=[spec.num_blocks],
+                num_blocks_per_cache_level=levels,
                 tokens_per_block=self._tpb,
                 attention_kind=spec.attention_kind,
             )
@@ -222,6 +239,7 @@ class KVCacheManager:
                 evictions=p.evictions,
                 hit_blocks=self._hit_blocks[gid],
                 queried_blocks=self._queried_blocks[gid],
+                tier=None if self._tiers is None else self._tiers.stats(gid),
             )
             for gid, p in enumerate(self._pools)
         )
@@ -232,6 +250,9 @@ class KVCacheManager:
             prompt_tokens=self._prompt_tokens,
             reusable_tokens=self._reusable_tokens,
             groups=groups,
+            disk=None
+            if self._tiers is None or self._tiers.disk is None
+            else self._tiers.disk.stats(),
         )
 
     def match_prefix(
@@ -248,9 +269,17 @@ class KVCacheManager:
         root = self._root(lora_id, lora_name, cache_salt)
         hashes, _ = self._hash_blocks(root, raw, 0, items)
         n = len(raw) >> 2
+        tiers = self._tiers
         plans = [
-            plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
-            for pool, w in zip(self._pools, self._windows, strict=True)
+            plan_prompt(
+                pool,
+                w,
+                tokens_per_block=self._tpb,
+                hashes=hashes,
+                n=n,
+                lower=None if tiers is None else partial(tiers.level_of, gid),
+            )
+            for gid, (pool, w) in enumerate(zip(self._pools, self._windows, strict=True))
         ]
         return self._match_of(n, plans)
 
@@ -282,6 +311,30 @@ class KVCacheManager:
         RequestError/HashingError for bad arguments and CacheFullError when a pool cannot
         hold the request even after evicting every evictable block; on error nothing changed.
         """
+        raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
+        req, plans = self._admit(
+            request_id,
+            raw,
+            items,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            priority=priority,
+            importing=False,
+        )
+        n = req.num_tokens
+        match = self._match_of(n, plans)
+        self._added += 1
+        self._prompt_tokens += n
+        self._reusable_tokens += match.reusable_tokens
+        for gid, plan in enumerate(plans):
+            self._hit_blocks[gid] += plan.k
+            self._queried_blocks[gid] += len(req.hashes)
+        return match
+
+    def _check_new(
+        self, request_id: object, prompt_tokens: Any, mm_items: Iterable[Any], priority: object
+    ) -> tuple[bytes, tuple[MmItem, ...]]:
         if not isinstance(request_id, str):
             raise RequestError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -292,19 +345,47 @@ class KVCacheManager:
             or not (PRIORITY_MIN <= priority <= PRIORITY_MAX)
         ):
             raise RequestError(f"priority must be an int in {PRIORITY_MIN}..{PRIORITY_MAX}")
-        raw, items = self._check_prompt(prompt_tokens, mm_items)
+        return self._check_prompt(prompt_tokens, mm_items)
+
+    def _admit(
+        self,
+        request_id: str,
+        raw: bytes,
+        items: tuple[MmItem, ...],
+        *,
+        lora_id: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        priority: int,
+        importing: bool,
+    ) -> tuple[RequestState, list[Plan]]:
+        # Plan every group, stage disk hits, then take hits, onboard lower-tier blocks,
+        # allocate the rest and (unless importing) commit the full blocks.
         root = self._root(lora_id, lora_name, cache_salt)
-        enabled = self._recorder.enabled
         hashes, chain = self._hash_blocks(root, raw, 0, items)
         n = len(raw) >> 2
-        plans = [
-            plan_prompt(pool, w, tokens_per_block=self._tpb, hashes=hashes, n=n)
-            for pool, w in zip(self._pools, self._windows, strict=True)
-        ]
-        for gid, plan in enumerate(plans):
-            if plan.cost > self._pools[gid].num_free:
-                self._rejected += 1
-                raise CacheFullError(request_id, gid, plan.cost, self._pools[gid].num_free)
+        tpb = self._tpb
+        planner = plan_import if importing else plan_prompt
+        tiers = self._tiers
+        while True:
+            plans = [
+                planner(
+                    pool,
+                    w,
+                    tokens_per_block=tpb,
+                    hashes=hashes,
+                    n=n,
+                    lower=None if tiers is None else partial(tiers.level_of, gid),
+                )
+                for gid, (pool, w) in enumerate(zip(self._pools, self._windows, strict=True))
+            ]
+            for gid, plan in enumerate(plans):
+                if plan.cost > self._pools[gid].num_free:
+                    self._rejected += 1
+                    raise CacheFullError(request_id, gid, plan.cost, self._pools[gid].num_free)
+            staged = self._stage_disk_hits(plans)
+            if staged is not None:
+                break
 
         req = RequestState(
             request_id,
@@ -314,7 +395,7 @@ class KVCacheManager:
             mm_items=items,
             priority=priority,
         )
-        if enabled:
+        if self._recorder.enabled:
             extra: dict[str, Any] = {
                 "lora_id": lora_id,
                 "lora_name": lora_name,
@@ -322,41 +403,109 @@ class KVCacheManager:
                 "priority": None if priority == PRIORITY_DEFAULT else priority,
             }
             req.event_extra = {k: v for k, v in extra.items() if v is not None}
-        tpb = self._tpb
         nb = -(-n // tpb)
         for gid, plan in enumerate(plans):
             pool = self._pools[gid]
             for b in plan.hits:
-                pool.touch(b)
+                if b is not None:
+                    pool.touch(b)
             for b in plan.pins.values():
                 pool.touch(b)
+            slots = {}
+            if tiers is not None:  # out of the host tier before an eviction can reuse them
+                slots = {i: tiers.take_host(gid, h) for i, h, lv in plan.onboard if lv == HOST}
+            fresh = pool.allocate_many(nb - max(plan.k, plan.first) + len(plan.onboard))
+            onboarded = iter(fresh[: len(plan.onboard)])
             table: list[Block | None] = [None] * plan.first
-            table += plan.hits
-            table += pool.allocate_many(nb - plan.k)
+            table += [b if b is not None else next(onboarded) for b in plan.hits]
+            table += fresh[len(plan.onboard) :]
+            if plan.onboard:
+                self._onboard(
+                    req=req,
+                    gid=gid,
+                    plan=plan,
+                    table=table,
+                    hashes=hashes,
+                    raw=raw,
+                    slots=slots,
+                    staged=staged,
+                )
             req.groups.append(GroupState(table, plan.k * tpb, plan.first, plan.pins))
-            self._commit(
-                req=req,
-                gid=gid,
-                table=table,
-                hashes=hashes,
-                tokens=raw,
-                lo=plan.k,
-                hi=len(hashes),
-                tokens_base=0,
-            )
+            if not importing:
+                self._commit(
+                    req=req,
+                    gid=gid,
+                    table=table,
+                    hashes=hashes,
+                    tokens=raw,
+                    lo=plan.k,
+                    hi=len(hashes),
+                    tokens_base=0,
+                )
         req.num_tokens = n
+        req.tokens = bytearray(raw)
         req.tail = raw[len(hashes) * tpb * 4 :]
         req.chain = chain
         req.hashes = hashes
         self._requests[request_id] = req
-        match = self._match_of(n, plans)
-        self._added += 1
-        self._prompt_tokens += n
-        self._reusable_tokens += match.reusable_tokens
+        return req, plans
+
+    def _stage_disk_hits(self, plans: list[Plan]) -> dict[tuple[int, int], Any] | None:
+        # Read every planned disk hit ahead of any change; None (after forgetting the bad
+        # blocks) when one was missing or corrupt, so the caller plans again.
+        staged: dict[tuple[int, int], Any] = {}
+        tiers = self._tiers
+        if tiers is None:
+            return staged
         for gid, plan in enumerate(plans):
-            self._hit_blocks[gid] += plan.k
-            self._queried_blocks[gid] += len(hashes)
-        return match
+            for i, h, level in plan.onboard:
+                if level != DISK:
+                    continue
+                t = tiers.stage(gid, h)
+                if t is None:
+                    for (g, _), held in staged.items():
+                        tiers.unstage(g, held)
+                    return None
+                staged[gid, i] = t
+        return staged
+
+    def _onboard(
+        self,
+        *,
+        req: RequestState,
+        gid: int,
+        plan: Plan,
+        table: list[Block | None],
+        hashes: list[bytes],
+        raw: bytes,
+        slots: dict[int, int],
+        staged: dict[tuple[int, int], Any],
+    ) -> None:
+        # Commit the blocks onboarded from lower tiers (position order, so parents first),
+        # copy their K/V in, and announce those this manager had never announced.
+        tiers = self._tiers
+        assert tiers is not None
+        pool = self._pools[gid]
+        moves = []
+        for i, h, level in plan.onboard:
+            block = self._held(table, i, gid)
+            pool.commit(block, h, hashes[i - 1] if i else None)
+            moves.append((block, h, level, slots[i] if level == HOST else staged[gid, i]))
+        known = tiers.onboard(gid, moves)
+        rec = self._recorder
+        if not rec.enabled or all(known):
+            return
+        step = 4 * self._tpb
+        for (i, h, _), was_known in zip(plan.onboard, known, strict=True):
+            if not was_known:
+                rec.stored(
+                    gid,
+                    parent_hash=hashes[i - 1] if i else None,
+                    block_hash=h,
+                    token_ids=TokenIds.from_bytes(raw[i * step : (i + 1) * step]),
+                    mm_keys=self._mm_keys(req, i),
+                    **req.event_extra,
+                )
 
     def append_tokens(self, request_id: str, tokens: Any) -> int:
         """Append generated tokens to a running request; returns how many blocks filled.
@@ -367,6 +516,8 @@ class KVCacheManager:
         (``stored`` events). CacheFullError (nothing changed) when a pool cannot serve it.
         """
         req = self._get(request_id)
+        if req.importing is not None:
+            raise RequestError(f"request {request_id!r} is still importing its K/V")
         try:
             raw = coerce_tokens(tokens, "tokens")
         except HashingError as exc:
@@ -383,6 +534,7 @@ class KVCacheManager:
             groups = req.groups
             if not any(first_needed_block(s, windows[g], tpb) > groups[g].released for g in swa):
                 req.tail += raw
+                req.tokens += raw
                 req.num_tokens = total
                 return 0
 
@@ -438,6 +590,7 @@ class KVCacheManager:
                 tokens_base=done,
             )
         req.num_tokens = total
+        req.tokens += raw
         req.tail = pending[filled * tpb * 4 :]
         req.chain = chain
         return filled
@@ -469,8 +622,275 @@ class KVCacheManager:
         self._requests.clear()
         for pool in self._pools:
             pool.clear()
+        if self._tiers is not None:
+            self._tiers.clear()
         # One call for every group, so the clear subsumes every group's pending removals.
         self._recorder.cleared(None)
+
+    # ------------------------------------------------------------------ tiers
+
+    def persist(self) -> int:
+        """Write-through (``disk_tier.write_through``): write every block committed since the
+        last call to the disk store, skipping files that exist; returns how many were
+        written. Call it once the iteration's K/V is written (e.g. before
+        :meth:`flush_events`). Without write-through it writes nothing and returns 0."""
+        return 0 if self._tiers is None else self._tiers.persist()
+
+    def host_hashes(self, layer_group_id: int) -> list[bytes]:
+        """Hashes of a group's host-tier blocks, least recently offloaded first."""
+        gid = self._gid(layer_group_id)
+        return [] if self._tiers is None else self._tiers.host_hashes(gid)
+
+    def disk_hashes(self, layer_group_id: int) -> set[bytes]:
+        """Hashes of a group's blocks this manager moved to the disk tier (and announced at
+        level 2); the store may hold more, written by other processes."""
+        gid = self._gid(layer_group_id)
+        return set() if self._tiers is None else self._tiers.disk_hashes(gid)
+
+    def close(self) -> None:
+        """Finish pending tier copies and close the disk store (idempotent). The manager
+        must not be used afterwards."""
+        if self._tiers is not None:
+            self._tiers.close()
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transfer
+
+    def export_kv(
+        self,
+        request_id: str,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        ranges: Mapping[int, TokenRange] | None = None,
+    ) -> KVTransfer:
+        """The K/V of a running request's positions ``[start, end)`` (default: all of them),
+        as whole blocks per layer group, to give to another manager's :meth:`finish_import`.
+
+        ``ranges`` (an :class:`ImportTicket`'s) replaces ``start``/``end`` per group and
+        exports only the groups it names; all its ranges must end at the same position. A
+        sliding-window group exports only the window that position needs. TransferError
+        when positions are outside the request or left the group's window here.
+        """
+        req = self._get(request_id)
+        if req.importing is not None:
+            raise TransferError(f"request {request_id!r} is still importing its K/V")
+        tpb = self._tpb
+        if ranges is None:
+            stop = req.num_tokens if end is None else end
+            span = TokenRange(start, stop)
+            wanted = dict.fromkeys(range(len(self._pools)), span)
+        else:
+            wanted = {self._gid(g): r for g, r in ranges.items()}
+            ends = {r.end for r in wanted.values()}
+            if len(ends) > 1:
+                raise TransferError(f"ranges end at different positions: {sorted(ends)}")
+            stop = ends.pop() if ends else req.num_tokens
+        if stop > req.num_tokens:
+            raise TransferError(
+                f"positions up to {stop} requested but request {request_id!r} has "
+                f"{req.num_tokens} tokens"
+            )
+        groups = []
+        for gid, span in sorted(wanted.items()):
+            gs = req.groups[gid]
+            first = max(span.start // tpb, first_needed_block(stop, self._windows[gid], tpb))
+            last = -(-stop // tpb)
+            if first < last and first < gs.released:
+                raise TransferError(
+                    f"positions before {gs.released * tpb} of request {request_id!r} left layer "
+                    f"group {gid}'s sliding window here and cannot be exported"
+                )
+            ids = [self._held(gs.blocks, i, gid).block_id for i in range(first, last)]
+            kv = None
+            if self._storage is not None and ids:
+                kv = self._storage.tensors[gid][ids]
+            hashes = tuple(
+                req.hashes[i] if (i + 1) * tpb <= stop else None for i in range(first, last)
+            )
+            groups.append(
+                GroupTransfer(gid, TokenRange(min(first * tpb, stop), stop), first, hashes, kv)
+            )
+        return KVTransfer(
+            request_id=request_id,
+            layout=self.config.layout_fingerprint(),
+            token_ids=bytes(req.tokens[: 4 * stop]),
+            groups=tuple(groups),
+            lora_id=req.lora_id,
+            lora_name=req.lora_name,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            mm_items=req.mm_items,
+        )
+
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_tokens: Any,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Iterable[MmItem | tuple[bytes, int, int]] = (),
+        priority: int = PRIORITY_DEFAULT,
+    ) -> ImportTicket:
+        """Start a request whose K/V another manager computed: reuse this manager's own
+        cached prefix per layer group (host and disk tiers included), reserve blocks for the
+        rest and return the :class:`ImportTicket` naming, per group, the token range to
+        receive. Arguments and errors as :meth:`add_request` (CacheFullError: nothing
+        changed). Blocks are committed (``stored`` events) only by :meth:`finish_import`;
+        until then the request cannot append tokens or be exported."""
+        raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
+        req, plans = self._admit(
+            request_id,
+            raw,
+            items,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            priority=priority,
+            importing=True,
+        )
+        n = req.num_tokens
+        req.importing = [max(p.k, p.first) for p in plans]
+        self._added += 1
+        self._prompt_tokens += n
+        match = self._match_of(n, plans)
+        self._reusable_tokens += match.reusable_tokens
+        ranges = {gid: TokenRange(min(b * self._tpb, n), n) for gid, b in enumerate(req.importing)}
+        return ImportTicket(request_id, ranges, match)
+
+    def finish_import(self, request_id: str, transfer: KVTransfer) -> ImportResult:
+        """Write the received K/V into the request's reserved blocks and commit them: a
+        ``stored`` event for exactly the blocks this manager did not have.
+
+        TransferError, changing nothing (the request stays importing), when the transfer's
+        layout, tokens or block hashes differ from this request's, it lacks blocks the
+        ticket asked for, or its tensors have the wrong shape or dtype.
+        """
+        req = self._get(request_id)
+        need = req.importing
+        if need is None:
+            raise RequestError(f"request {request_id!r} is not importing")
+        parts = self._check_transfer(req, need, transfer)
+        tpb = self._tpb
+        nb = -(-req.num_tokens // tpb)
+        received: list[int] = []
+        nbytes = 0
+        for gid, gt in enumerate(parts):
+            gs = req.groups[gid]
+            lo = need[gid]
+            received.append(nb - lo)
+            if self._storage is not None and gt is not None and gt.kv is not None and lo < nb:
+                dst = [self._held(gs.blocks, i, gid).block_id for i in range(lo, nb)]
+                rows = list(range(lo - gt.first_block, nb - gt.first_block))
+                kv = gt.kv.to(self._storage.device)
+                copy_blocks(self._storage.tensors[gid], dst, kv, rows)
+                nbytes += len(rows) * kv[0].numel() * kv.element_size()
+            if self._windows[gid] is None:  # blocks another request committed meanwhile
+                pool = self._pools[gid]
+                for i in range(lo, len(req.hashes)):
+                    b = pool.tree.get(req.hashes[i])
+                    if b is not None and b is not gs.blocks[i] and i not in gs.pins:
+                        pool.touch(b)
+                        gs.pins[i] = b
+            self._commit(
+                req=req,
+                gid=gid,
+                table=gs.blocks,
+                hashes=req.hashes,
+                tokens=bytes(req.tokens),
+                lo=lo,
+                hi=len(req.hashes),
+                tokens_base=0,
+            )
+        req.importing = None
+        return ImportResult(request_id, tuple(received), nbytes)
+
+    def abort_import(self, request_id: str) -> None:
+        """Give up an import: free the request (its reused blocks stay cached)."""
+        self.free_request(request_id)
+
+    def import_kv(self, request_id: str, transfer: KVTransfer) -> ImportResult:
+        """:meth:`begin_import` from the transfer's own request, then :meth:`finish_import`:
+        for a transfer that already covers whatever this manager lacks (e.g. a full export).
+        The layout and hashes are checked before anything changes; if the transfer lacks
+        blocks this manager needs, the import is aborted and TransferError raised."""
+        if transfer.layout != self.config.layout_fingerprint():
+            raise TransferError(self._layout_mismatch(transfer))
+        self.begin_import(
+            request_id,
+            transfer.tokens,
+            lora_id=transfer.lora_id,
+            lora_name=transfer.lora_name,
+            cache_salt=transfer.cache_salt,
+            mm_items=transfer.mm_items,
+            priority=transfer.priority,
+        )
+        try:
+            return self.finish_import(request_id, transfer)
+        except BaseException:
+            self.abort_import(request_id)
+            raise
+
+    def _layout_mismatch(self, transfer: KVTransfer) -> str:
+        return (
+            f"transfer layout {transfer.layout} differs from this manager's "
+            f"{self.config.layout_fingerprint()} (tokens_per_block, hash configuration or "
+            "layer groups differ)"
+        )
+
+    def _check_transfer(
+        self, req: RequestState, need: list[int], transfer: KVTransfer
+    ) -> list[GroupTransfer | None]:
+        if not isinstance(transfer, KVTransfer):
+            raise TransferError(f"expected a KVTransfer, got {type(transfer).__name__}")
+        if transfer.layout != self.config.layout_fingerprint():
+            raise TransferError(self._layout_mismatch(transfer))
+        if transfer.token_ids != bytes(req.tokens):
+            raise TransferError(
+                f"transfer carries {transfer.num_tokens} tokens that differ from request "
+                f"{req.request_id!r}'s {req.num_tokens}"
+            )
+        tpb = self._tpb
+        nb = -(-req.num_tokens // tpb)
+        parts: list[GroupTransfer | None] = []
+        for gid, lo in enumerate(need):
+            gt = transfer.group(gid)
+            parts.append(gt)
+            if lo >= nb:
+                continue
+            if gt is None:
+                raise TransferError(f"transfer has no blocks for layer group {gid}")
+            if gt.first_block > lo or gt.first_block + gt.num_blocks < nb:
+                raise TransferError(
+                    f"layer group {gid}: transfer carries blocks [{gt.first_block}, "
+                    f"{gt.first_block + gt.num_blocks}) but blocks [{lo}, {nb}) are needed"
+                )
+            for i in range(lo, nb):
+                want = req.hashes[i] if i < len(req.hashes) else None
+                if gt.block_hashes[i - gt.first_block] != want:
+                    raise TransferError(
+                        f"layer group {gid}: block {i}'s hash differs from the one its tokens "
+                        "give here (another hash configuration, adapter, salt or item)"
+                    )
+            if self._storage is None:
+                continue
+            if gt.kv is None:
+                raise TransferError(f"layer group {gid}: transfer has no K/V (metadata-only)")
+            t = self._storage.tensors[gid]
+            want_shape = (gt.num_blocks, *t.shape[1:])
+            if tuple(gt.kv.shape) != want_shape or gt.kv.dtype != t.dtype:
+                raise TransferError(
+                    f"layer group {gid}: K/V is {tuple(gt.kv.shape)} {gt.kv.dtype}, expected "
+                    f"{want_shape} {t.dtype}"
+                )
+        return parts
 
     # ------------------------------------------------------------------ events
 
@@ -514,6 +934,8 @@ class KVCacheManager:
         """
         storage = self._need_storage()
         req = self._get(request_id)
+        if req.importing is not None:
+            raise KVAccessError(f"request {request_id!r} is still importing its K/V")
         gid, local = self.layer_location(layer)
         spec = self.config.groups[gid]
         gs = req.groups[gid]
@@ -592,6 +1014,8 @@ class KVCacheManager:
                     holdings[p.block_id] += 1
                     blocks[p.block_id] = p
             pool.check(holdings, blocks)
+        if self._tiers is not None:
+            self._tiers.check()
 
     # ------------------------------------------------------------------ internals
 
@@ -680,7 +1104,19 @@ class KVCacheManager:
         tpb = self._tpb
         return PrefixMatch(
             n,
-            tuple(GroupMatch(gid, p.k * tpb, len(p.hits)) for gid, p in enumerate(plans)),
+            tuple(
+                GroupMatch(gid, p.k * tpb, len(p.hits), len(p.onboard))
+                for gid, p in enumerate(plans)
+            ),
+        )
+
+    def _mm_keys(self, req: RequestState, index: int) -> tuple[MmKey, ...]:
+        items = req.mm_items
+        if not items:
+            return ()
+        return tuple(
+            MmKey(hash=m.digest, start_offset=off, uuid=m.uuid)
+            for m, off in block_mm_keys(items, index, self._tpb)
         )
 
     def _commit(
@@ -699,6 +1135,18 @@ class KVCacheManager:
         # i's hash; `tokens` are the packed tokens of positions tokens_base.. (for the events).
         # A hash already committed is a duplicate: pinned (full attention) or left
         # uncommitted.
+        if self._tiers is not None:
+            self._commit_tiered(
+                req=req,
+                gid=gid,
+                table=table,
+                hashes=hashes,
+                tokens=tokens,
+                lo=lo,
+                hi=hi,
+                tokens_base=tokens_base,
+            )
+            return
         pool = self._pools[gid]
         by_hash = pool.tree
         commit = pool.commit
@@ -711,8 +1159,7 @@ class KVCacheManager:
             return
         step = 4 * self._tpb
         extra = req.event_extra
-        items = req.mm_items
-        if items:  # per-block multimodal keys: one stored() per block
+        if req.mm_items:  # per-block multimodal keys: one stored() per block
             stored = rec.stored
             for i in range(lo, hi):
                 h = hashes[i]
@@ -720,17 +1167,13 @@ class KVCacheManager:
                     continue
                 parent = hashes[i - 1] if i else None
                 commit(self._held(table, i, gid), h, parent)
-                mm_keys = tuple(
-                    MmKey(hash=m.digest, start_offset=off, uuid=m.uuid)
-                    for m, off in block_mm_keys(items, i, self._tpb)
-                )
                 at = (i - tokens_base) * step
                 stored(
                     gid,
                     parent_hash=parent,
                     block_hash=h,
                     token_ids=TokenIds.from_bytes(tokens[at : at + step]),
-                    mm_keys=mm_keys,
+                    mm_keys=self._mm_keys(req, i),
                     **extra,
                 )
             return
@@ -763,6 +1206,51 @@ class KVCacheManager:
                         **extra,
                     )
             start = end + 1
+
+    def _commit_tiered(
+        self,
+        *,
+        req: RequestState,
+        gid: int,
+        table: list[Block | None],
+        hashes: list[bytes],
+        tokens: bytes,
+        lo: int,
+        hi: int,
+        tokens_base: int,
+    ) -> None:
+        # _commit with lower tiers: a block this manager holds below the GPU is promoted
+        # (``updated`` level -> 0: it was announced already) instead of stored, and with
+        # write-through every committed block is queued for the disk.
+        tiers = self._tiers
+        assert tiers is not None
+        pool = self._pools[gid]
+        rec = self._recorder
+        step = 4 * self._tpb
+        for i in range(lo, hi):
+            h = hashes[i]
+            if h in pool.tree:
+                continue
+            block = self._held(table, i, gid)
+            parent = hashes[i - 1] if i else None
+            pool.commit(block, h, parent)
+            if tiers.write_through:
+                tiers.queue_persist(gid, block, h)
+            level = tiers.claim(gid, h)
+            if not rec.enabled:
+                continue
+            if level:
+                rec.updated(gid, h, cache_level=(level, GPU))
+            else:
+                at = (i - tokens_base) * step
+                rec.stored(
+                    gid,
+                    parent_hash=parent,
+                    block_hash=h,
+                    token_ids=TokenIds.from_bytes(tokens[at : at + step]),
+                    mm_keys=self._mm_keys(req, i),
+                    **req.event_extra,
+                )
 
     @staticmethod
     def _held(table: list[Block | None], i: int, gid: int) -> Block:

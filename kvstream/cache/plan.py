@@ -7,31 +7,39 @@ its pool and only then applies them, so a request that does not fit changes noth
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstream.cache.block import Block
 from kvstream.cache.block_pool import BlockPool
 from kvstream.cache.errors import CacheInvariantError
 from kvstream.cache.request import GroupState
 from kvstream.cache.windows import first_needed_block, reuse_boundary
 
-__all__ = ["Plan", "plan_append", "plan_prompt"]
+__all__ = ["LowerTierLookup", "Plan", "plan_append", "plan_import", "plan_prompt"]
+
+#: Where below the GPU a block hash is cached (1 host, 2 disk), 0 when nowhere.
+LowerTierLookup = Callable[[bytes], int]
 
 
 class Plan:
     """What one operation will do to one layer group.
 
     ``k``: reuse boundary in blocks (prompts); ``first``: first position the request holds;
-    ``hits``: cached blocks taken for positions ``[first, k)``; ``pins``: position -> the
+    ``hits``: for each position of ``[first, k)`` the cached GPU block it takes, or None when
+    the block comes from a lower tier; ``onboard``: those positions as ``(position, hash,
+    level)``; ``pins``: position -> the
     committed block carrying that position's hash, held besides the request's own block;
     ``release_to``: positions ``[released, release_to)`` leave a sliding window; ``frees``:
     blocks that release makes free; ``cost``: free blocks the operation takes.
     """
 
-    __slots__ = ("cost", "first", "frees", "hits", "k", "pins", "release_to")
+    __slots__ = ("cost", "first", "frees", "hits", "k", "onboard", "pins", "release_to")
 
     def __init__(self) -> None:
         self.k = 0
         self.first = 0
-        self.hits: list[Block] = []
+        self.hits: list[Block | None] = []
+        self.onboard: list[tuple[int, bytes, int]] = []
         self.pins: dict[int, Block] = {}
         self.release_to = 0
         self.frees = 0
@@ -39,33 +47,88 @@ class Plan:
 
 
 def plan_prompt(
-    pool: BlockPool, window: int | None, *, tokens_per_block: int, hashes: list[bytes], n: int
+    pool: BlockPool,
+    window: int | None,
+    *,
+    tokens_per_block: int,
+    hashes: list[bytes],
+    n: int,
+    lower: LowerTierLookup | None = None,
+    limit: int | None = None,
 ) -> Plan:
-    """Plan a new request of ``n`` prompt tokens whose full blocks hash to ``hashes``.
+    """Plan a new request of ``n`` tokens whose full blocks hash to ``hashes``.
 
-    The boundary is the group's own (:func:`reuse_boundary`), capped so that the last prompt
-    token is always computed; the request takes the cached blocks its window needs before
-    the boundary and gets a new block for every later position. In a full-attention group a
-    later position whose hash is already committed (the capped last block) is pinned.
+    The boundary is the group's own (:func:`reuse_boundary`), at most ``limit`` blocks
+    (default: capped so that the last prompt token is always computed); a block counts as
+    cached when the GPU pool or, through ``lower``, a lower tier holds it (those are
+    onboarded). The request takes the cached blocks its window needs before the boundary
+    and gets a new block for every later position. In a
+    full-attention group a later position whose hash is committed on the GPU is pinned.
     """
     tpb = tokens_per_block
     get = pool.tree.get
     plan = Plan()
     found = [get(h) for h in hashes]
-    plan.k = k = reuse_boundary([b is not None for b in found], window, tpb, (n - 1) // tpb)
+    levels = [0] * len(hashes)
+    if lower is not None:
+        for i, b in enumerate(found):
+            if b is None:
+                levels[i] = lower(hashes[i])
+                if not levels[i] and window is None:
+                    break  # full attention: nothing after the first miss is reusable
+    cached = [b is not None or lv > 0 for b, lv in zip(found, levels, strict=True)]
+    cap = (n - 1) // tpb if limit is None else limit
+    plan.k = k = reuse_boundary(cached, window, tpb, cap)
     plan.first = first = first_needed_block(k * tpb, window, tpb)
-    hits = found[first:k]
-    plan.hits = [b for b in hits if b is not None]
-    if len(plan.hits) != len(hits):
-        raise CacheInvariantError("reuse boundary covers an uncached block")
+    plan.hits = hits = found[first:k]
+    for i in range(first, k):
+        if hits[i - first] is None:
+            if not levels[i]:
+                raise CacheInvariantError("reuse boundary covers an uncached block")
+            plan.onboard.append((i, hashes[i], levels[i]))
     if window is None:
         plan.pins = {i: b for i, b in enumerate(found[k:], k) if b is not None}
-    plan.cost = (
-        (-(-n // tpb) - k)
-        + sum(1 for b in plan.hits if b.ref_cnt == 0)
+    plan.cost = _prompt_cost(plan, -(-n // tpb))
+    return plan
+
+
+def plan_import(
+    pool: BlockPool,
+    window: int | None,
+    *,
+    tokens_per_block: int,
+    hashes: list[bytes],
+    n: int,
+    lower: LowerTierLookup | None = None,
+) -> Plan:
+    """Plan a request of ``n`` tokens whose K/V will be transferred in, not computed.
+
+    Every full block may be reused (no token needs computing), and a sliding-window group
+    holds only the window of the next token: positions before
+    ``first_needed_block(n)`` are neither reused nor received. New blocks start at
+    ``max(k, first)``.
+    """
+    tpb = tokens_per_block
+    plan = plan_prompt(
+        pool, window, tokens_per_block=tpb, hashes=hashes, n=n, lower=lower, limit=n // tpb
+    )
+    f = first_needed_block(n, window, tpb)
+    if plan.first < f:
+        plan.hits = plan.hits[f - plan.first :]
+        plan.onboard = [o for o in plan.onboard if o[0] >= f]
+        plan.first = f
+        plan.cost = _prompt_cost(plan, -(-n // tpb))
+    return plan
+
+
+def _prompt_cost(plan: Plan, num_blocks: int) -> int:
+    return (
+        num_blocks
+        - max(plan.k, plan.first)
+        + len(plan.onboard)
+        + sum(1 for b in plan.hits if b is not None and b.ref_cnt == 0)
         + sum(1 for b in plan.pins.values() if b.ref_cnt == 0)
     )
-    return plan
 
 
 def plan_append(

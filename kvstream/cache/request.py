@@ -109,6 +109,7 @@ class RequestState:
         "event_extra",
         "groups",
         "hashes",
+        "importing",
         "lora_id",
         "lora_name",
         "mm_items",
@@ -116,6 +117,7 @@ class RequestState:
         "priority",
         "request_id",
         "tail",
+        "tokens",
     )
 
     def __init__(
@@ -140,6 +142,10 @@ class RequestState:
         self.num_tokens = 0
         #: Little-endian u32 bytes of the tokens after the last full block.
         self.tail = b""
+        #: Little-endian u32 bytes of every token (what a K/V export carries).
+        self.tokens = bytearray()
+        #: While K/V is being imported: per group, the first block the transfer must fill.
+        self.importing: list[int] | None = None
         #: Hash chain state after the last full block.
         self.chain: ChainState | None = None
         #: Published hash of every full block, in order.
@@ -154,12 +160,14 @@ class GroupMatch:
     ``matched_tokens`` is the group's reuse boundary: the K/V of every position the token at
     that position needs is cached in this group (for a sliding window, only the window before
     it), so this group need not compute positions before it. ``cached_blocks`` counts the
-    cached blocks the request took (fewer than ``matched_tokens / T`` for a sliding window).
+    cached blocks the request took (fewer than ``matched_tokens / T`` for a sliding window);
+    ``onboarded_blocks`` how many of them came back from the host or disk tier.
     """
 
     layer_group_id: int
     matched_tokens: int
     cached_blocks: int
+    onboarded_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

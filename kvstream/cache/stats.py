@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstream.cache.disk_store import DiskStoreStats
+    from kvstream.cache.tiering import TierStats
 
 __all__ = ["CacheStats", "GroupStats"]
 
@@ -13,7 +18,8 @@ class GroupStats:
     ``evictable_blocks`` (free but cached), ``cached_blocks`` (committed, in use or not),
     ``used_blocks`` (held by requests). Counters since construction: ``evictions``,
     ``hit_blocks`` (prompt blocks before the group's reuse boundary) of ``queried_blocks``
-    (full prompt blocks looked up)."""
+    (full prompt blocks looked up). ``tier``: the host/disk tier counters (None without
+    tiers)."""
 
     layer_group_id: int
     window_size: int | None
@@ -25,6 +31,7 @@ class GroupStats:
     evictions: int
     hit_blocks: int
     queried_blocks: int
+    tier: TierStats | None = None
 
     @property
     def miss_blocks(self) -> int:
@@ -41,7 +48,8 @@ class GroupStats:
 class CacheStats:
     """The whole manager: ``running_requests`` (gauge); counters ``requests_added``,
     ``requests_rejected`` (CacheFullError), ``prompt_tokens`` and ``reusable_tokens`` (the
-    per-request minimum over groups, summed); and every group's :class:`GroupStats`."""
+    per-request minimum over groups, summed); every group's :class:`GroupStats`; and the disk
+    store's counters (None without a disk tier)."""
 
     running_requests: int
     requests_added: int
@@ -49,3 +57,4 @@ class CacheStats:
     prompt_tokens: int
     reusable_tokens: int
     groups: tuple[GroupStats, ...]
+    disk: DiskStoreStats | None = None

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstream.cache.block_file import byte_view
 from kvstream.cache.config import CacheConfig
 from kvstream.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVStorage", "resolve_device"]
+__all__ = ["KVStorage", "copy_blocks", "resolve_device", "tensor_bytes"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,17 +47,29 @@ def resolve_device(name: str) -> torch.device:
 
 
 class KVStorage:
-    """The K/V tensors of every layer group of ``config`` (allocated zeroed on ``device``)."""
+    """The K/V tensors of every layer group of ``config``, allocated zeroed on ``device``.
 
-    def __init__(self, config: CacheConfig, device: torch.device) -> None:
+    ``num_blocks`` overrides the block count of each group (the host tier uses this class
+    too); ``pin_memory`` allocates page-locked CPU memory (needs CUDA).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: torch.device,
+        *,
+        num_blocks: Sequence[int] | None = None,
+        pin_memory: bool = False,
+    ) -> None:
         import torch
 
         self.device = device
         self.tokens_per_block = config.tokens_per_block
         self.tensors: list[torch.Tensor] = []
-        for i, spec in enumerate(config.groups):
+        counts = [g.num_blocks for g in config.groups] if num_blocks is None else num_blocks
+        for i, (spec, count) in enumerate(zip(config.groups, counts, strict=True)):
             shape = (
-                spec.num_blocks,
+                count,
                 spec.num_layers,
                 2,
                 config.tokens_per_block,
@@ -64,13 +77,21 @@ class KVStorage:
                 spec.head_dim,
             )
             try:
-                t = torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device)
+                t = torch.zeros(
+                    shape, dtype=getattr(torch, spec.dtype), device=device, pin_memory=pin_memory
+                )
             except (RuntimeError, MemoryError) as exc:
-                need = spec.block_bytes(config.tokens_per_block) * spec.num_blocks
+                need = spec.block_bytes(config.tokens_per_block) * count
+                pinned = " pinned" if pin_memory else ""
                 raise ConfigError(
-                    f"groups[{i}]: cannot allocate {need} bytes of K/V on {device}: {exc}"
+                    f"groups[{i}]: cannot allocate {need} bytes of{pinned} K/V on {device}: {exc}"
                 ) from None
             self.tensors.append(t)
+
+    def block_buffer(self, group: int, block_id: int) -> memoryview:
+        """The bytes of one block of a CPU tensor, writable and without a copy (what the disk
+        store reads and writes)."""
+        return tensor_bytes(self.tensors[group][block_id])
 
     def _index(
         self, block_ids: Sequence[int], offset: int, n: int
@@ -119,3 +140,38 @@ class KVStorage:
             return kv[0].clone(), kv[1].clone()
         blk, slot = self._index(block_ids, offset, n)
         return t[blk, layer, 0, slot], t[blk, layer, 1, slot]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview, without a copy."""
+    import torch
+
+    return byte_view(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def copy_blocks(
+    dst: torch.Tensor,
+    dst_ids: Sequence[int],
+    src: torch.Tensor,
+    src_ids: Sequence[int],
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every ``i``, across devices.
+
+    Every run of ids consecutive on both sides is one slice copy, so contiguous blocks move
+    at the bandwidth of one large copy and nothing is staged. ``non_blocking`` makes
+    copies between pinned CPU memory and CUDA asynchronous (callers synchronise the stream
+    before the CPU reads what was copied to it).
+    """
+    n = len(dst_ids)
+    if n != len(src_ids):
+        raise ValueError(f"copy_blocks: {n} destination ids for {len(src_ids)} sources")
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and dst_ids[j] == dst_ids[j - 1] + 1 and src_ids[j] == src_ids[j - 1] + 1:
+            j += 1
+        d, s = dst_ids[i], src_ids[i]
+        dst[d : d + j - i].copy_(src[s : s + j - i], non_blocking=non_blocking)
+        i = j
