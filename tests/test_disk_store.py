@@ -521,7 +521,7 @@ def test_processes_racing_on_the_same_keys(tmp_path: Path) -> None:
 CRASH = """
 import os, sys
 from kvstream.cache.disk_store import DiskStore
-store = DiskStore(sys.argv[1], capacity_bytes=1 << 30)
+store = DiskStore(sys.argv[1], capacity_bytes=1 << 30, anonymous_temp=sys.argv[2] == "1")
 real_write, calls = os.write, []
 def dying_write(fd, data):
     calls.append(fd)
@@ -533,8 +533,17 @@ store.put(bytes(16), bytes(8), b"x" * 100000)
 """
 
 
+def test_crash_mid_write_of_an_unnamed_file_leaves_nothing(tmp_path: Path) -> None:
+    proc = run_py(CRASH, str(tmp_path), "1")
+    assert proc.returncode == 9, proc.stderr
+    assert not block_path(tmp_path, bytes(16), bytes(8)).exists()
+    assert temp_files(tmp_path) == []
+    with DiskStore(tmp_path, capacity_bytes=BIG) as store:
+        assert store.stats().files == 0
+
+
 def test_crash_mid_write_leaves_no_block_and_temp_is_cleaned(tmp_path: Path) -> None:
-    proc = run_py(CRASH, str(tmp_path))
+    proc = run_py(CRASH, str(tmp_path), "0")
     assert proc.returncode == 9, proc.stderr
     assert not block_path(tmp_path, bytes(16), bytes(8)).exists()
     (tmp,) = temp_files(tmp_path)
@@ -736,3 +745,13 @@ def test_root_must_be_a_directory(tmp_path: Path) -> None:
         DiskStore(f / "below", capacity_bytes=BIG)
     with pytest.raises(ValueError, match="capacity"):
         DiskStore(tmp_path, capacity_bytes=0)
+
+
+def test_named_temp_files_publish_the_same_way(tmp_path: Path) -> None:
+    with DiskStore(tmp_path, capacity_bytes=BIG, anonymous_temp=False) as store:
+        assert store.put(NS, bytes(8), b"payload")
+        assert not store.put(NS, bytes(8), b"payload")
+        out = bytearray(7)
+        assert store.get_into(NS, bytes(8), out)
+        assert bytes(out) == b"payload"
+    assert temp_files(tmp_path) == []

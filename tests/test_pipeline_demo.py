@@ -54,6 +54,25 @@ def test_several_sinks_and_a_human_summary(tmp_path: Path) -> None:
     assert list_files(tmp_path / "j")[0].suffix == ".jsonl"
 
 
+def test_a_host_tier_turns_evictions_into_tier_moves(tmp_path: Path) -> None:
+    def summary(*extra: str) -> dict[str, object]:
+        args = ["--out", str(tmp_path / "x"), "-n", "150", "--gpu-blocks", "64", "--json"]
+        code, out, err = run(*args, "--ranks", "1", *extra)
+        assert code == 0, err
+        return json.loads(out)  # type: ignore[no-any-return]
+
+    plain, tiered = summary(), summary("--host-tier", "2")
+    assert plain["ok"]
+    assert tiered["ok"]
+    plain_kinds = plain["events_by_kind"]
+    tiered_kinds = tiered["events_by_kind"]
+    assert isinstance(plain_kinds, dict)
+    assert isinstance(tiered_kinds, dict)
+    assert "updated" not in plain_kinds
+    assert tiered_kinds["updated"] > 0
+    assert tiered["prefix_hit_rate"] > plain["prefix_hit_rate"]  # type: ignore[operator]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

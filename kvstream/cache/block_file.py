@@ -96,10 +96,17 @@ def _check_key(namespace: bytes, block_hash: bytes) -> None:
         raise ValueError(f"block hash must be 8 or 32 bytes, got {len(block_hash)}")
 
 
-def encode_header(*, namespace: bytes, block_hash: bytes, payload: BufferLike) -> bytes:
+def encode_header(
+    *,
+    namespace: bytes,
+    block_hash: bytes,
+    payload: BufferLike,
+    checksum: bytes | None = None,
+) -> bytes:
     """The 96-byte header of a block file holding ``payload``.
 
-    ``payload`` is any C-contiguous buffer; its checksum is computed in place (no copy).
+    ``payload`` is any C-contiguous buffer; its checksum is computed in place (no copy)
+    unless ``checksum`` (a :func:`payload_hasher` digest of it) is given.
     Raises ``ValueError`` if ``namespace`` is not 16 bytes or ``block_hash`` not 8 or 32.
     """
     _check_key(namespace, block_hash)
@@ -112,7 +119,7 @@ def encode_header(*, namespace: bytes, block_hash: bytes, payload: BufferLike) -
         bytes(namespace),
         len(block_hash),
         bytes(block_hash).ljust(_MAX_HASH, b"\0"),
-        xxhash.xxh3_128_digest(view),
+        xxhash.xxh3_128_digest(view) if checksum is None else checksum,
     )
     return body + xxhash.xxh3_64_digest(body)
 

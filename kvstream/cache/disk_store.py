@@ -34,6 +34,7 @@ import re
 import secrets
 import socket
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,9 @@ class DiskStore:
     dead pid, anyone's older than :data:`STALE_TEMP_AGE_S`).
 
     ``fsync=True`` makes every put durable (file and directory entries) before it returns.
+    ``anonymous_temp`` writes files unnamed until published (Linux ``O_TMPFILE``, where the
+    file system supports it), so a writer that dies mid-write leaves nothing behind; else
+    (or with False) temporary names are used and cleaned up by later opens.
     ``put`` rescans the directory when ``rescan_interval_s`` (measured with ``clock``) has
     passed since the last scan, so files written by other processes count toward capacity.
     Keys are ``(namespace, block_hash)`` bytes: ``TypeError`` for other types, ``ValueError``
@@ -126,6 +130,7 @@ class DiskStore:
         fsync: bool = False,
         rescan_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        anonymous_temp: bool = True,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -146,10 +151,15 @@ class DiskStore:
         self._hits = self._misses = self._corrupt = 0
         self._writes = self._write_skipped = self._evictions = self._write_errors = 0
         self._bytes_written = self._bytes_read = 0
+        #: Write unnamed temporary files (O_TMPFILE) while the file system allows it.
+        #: (Publishing one needs /proc/self/fd to link it through.)
+        self._anonymous_temp = anonymous_temp and bool(_O_TMPFILE) and os.path.isdir(_PROC_FD)
         try:
             os.makedirs(self.root, exist_ok=True)
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise StoreError(f"cannot create store root {self.root}: {e}", path=self.root) from e
+            raise StoreError(f"cannot open store root {self.root}: {e}", path=self.root) from e
+        self._close_fd = weakref.finalize(self, os.close, self._root_fd)
         self.rescan()
 
     # -- queries ---------------------------------------------------------------------------
@@ -226,9 +236,8 @@ class DiskStore:
         if self._track_existing(key, final):
             self._write_skipped += 1
             return False
-        header = encode_header(namespace=namespace, block_hash=block_hash, payload=view)
         self._make_room(size, final)
-        created = self._write_new(final, header, view)
+        created = self._write_new(final, namespace, block_hash, view)
         if created:
             self._writes += 1
             self._bytes_written += size
@@ -238,25 +247,51 @@ class DiskStore:
             self._track_existing(key, final)
         return created
 
-    def _write_new(self, final: str, header: bytes, payload: memoryview) -> bool:
+    def _write_new(
+        self, final: str, namespace: bytes, block_hash: bytes, payload: memoryview
+    ) -> bool:
+        # The file is written unnamed (O_TMPFILE, Linux) or under a temporary name, then
+        # hard-linked to its final name: readers never see a partial file, the first writer
+        # wins, and an unnamed file vanishes by itself if this process dies mid-write.
         directory = os.path.dirname(final)
-        tmp = os.path.join(directory, _temp_name(self._host))
+        tmp: str | None = None
         fd = -1
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             try:
-                fd = os.open(tmp, flags, 0o644)
+                fd, tmp = self._open_temp(directory)
             except FileNotFoundError:  # the block's first file in this directory
                 self._make_dirs(directory)
-                fd = os.open(tmp, flags, 0o644)
-            _write_all(fd, memoryview(header))
-            _write_all(fd, payload)
+                fd, tmp = self._open_temp(directory)
+            # The header comes last (its checksum covers the payload), hashed piece by piece
+            # right after each piece is written, while it is still in the CPU cache.
+            _write_all(fd, memoryview(bytes(HEADER_SIZE)))
+            hasher = payload_hasher()
+            for start in range(0, payload.nbytes, _CHUNK):
+                piece = payload[start : start + _CHUNK]
+                _write_all(fd, piece)
+                hasher.update(piece)
+            header = encode_header(
+                namespace=namespace,
+                block_hash=block_hash,
+                payload=payload,
+                checksum=hasher.digest(),
+            )
+            if os.pwrite(fd, header, 0) != HEADER_SIZE:
+                raise OSError(errno.EIO, "short header write")
             if self.fsync:
                 os.fsync(fd)
-            os.close(fd)
-            fd = -1
             try:
-                os.link(tmp, final)
+                if tmp is None:
+                    # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file;
+                    # the directory fd only forces linkat (the paths are absolute).
+                    os.link(
+                        f"{_PROC_FD}/{fd}",
+                        final,
+                        dst_dir_fd=self._root_fd,
+                        follow_symlinks=True,
+                    )
+                else:
+                    os.link(tmp, final)
             except FileExistsError:
                 return False
             if self.fsync:
@@ -269,7 +304,23 @@ class DiskStore:
         finally:
             if fd >= 0:
                 os.close(fd)
-            _unlink(tmp)
+            if tmp is not None:
+                _unlink(tmp)
+
+    def _open_temp(self, directory: str) -> tuple[int, str | None]:
+        # (fd, temporary name or None for an unnamed file)
+        if self._anonymous_temp:
+            try:
+                fd = os.open(directory, _O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if e.errno not in _NO_TMPFILE_ERRNOS:
+                    raise
+                self._anonymous_temp = False  # this file system cannot: named temp files
+            else:
+                return fd, None
+        tmp = os.path.join(directory, _temp_name(self._host))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        return os.open(tmp, flags, 0o644), tmp
 
     def _make_dirs(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -426,6 +477,7 @@ class DiskStore:
 
     def close(self) -> None:
         """Stop using the store (idempotent); files stay on disk."""
+        self._close_fd()
         self._closed = True
 
     def __enter__(self) -> Self:
@@ -561,6 +613,12 @@ def _subdirs(path: str) -> list[os.DirEntry[str]]:
         return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+_O_TMPFILE: Final = getattr(os, "O_TMPFILE", 0)
+_PROC_FD: Final = "/proc/self/fd"
+#: open(O_TMPFILE) errors that mean "not supported here" (old kernel, file system).
+_NO_TMPFILE_ERRNOS: Final = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
 
 
 def _write_all(fd: int, data: memoryview) -> None:

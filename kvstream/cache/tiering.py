@@ -508,7 +508,8 @@ def build_tiers(
             config.host_tier,
             [g.num_blocks for g in config.groups],
             [g.block_bytes(tpb) for g in config.groups],
-            available_host_memory(),
+            # Metadata-only tiers allocate nothing: host memory does not bound them.
+            available_host_memory() if gpu is not None else 2**62,
         )
         want_pin = config.host_tier.pinned
         on_cuda = gpu is not None and gpu.device.type == "cuda"

@@ -75,6 +75,14 @@ def demo(
             help="GPU blocks of the full-attention group per rank [default: 2048 / 4096].",
         ),
     ] = None,
+    host_tier: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Host-tier blocks per GPU block: evicted blocks move to the host and come "
+            "back on a prefix hit (updated events). 0 = no host tier.",
+        ),
+    ] = 0.0,
     hash_algo: Annotated[str, typer.Option(help="Block hash algorithm.")] = "v2_sha256_64",
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
@@ -95,6 +103,7 @@ def demo(
         ranks=ranks,
         tokens_per_block=block_size,
         gpu_blocks=gpu_blocks,
+        host_ratio=host_tier,
         hash_algo=hash_algo,
         seed=seed,
     )
@@ -154,7 +163,9 @@ def _print_summary(r: DemoResult, out: Console) -> None:
     out.print(
         f"{o.ranks} attention-DP rank(s), each a KV cache of {len(r.groups)} layer groups "
         f"({', '.join(r.groups)}), {o.tokens_per_block} tokens/block, "
-        f"{o.gpu_blocks} GPU blocks, hashes {o.hash_algo}\n"
+        f"{o.gpu_blocks} GPU blocks"
+        + (f" + a host tier of {o.host_ratio:g}x" if o.host_ratio else "")
+        + f", hashes {o.hash_algo}\n"
     )
     work = Table(title="Workload", show_header=False, title_justify="left")
     work.add_column(style="bold")

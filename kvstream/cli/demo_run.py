@@ -22,7 +22,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvstream.cache import CacheConfig, CacheFullError, KVCacheManager, LayerGroupSpec
+from kvstream.cache import (
+    CacheConfig,
+    CacheFullError,
+    HostTierConfig,
+    KVCacheManager,
+    LayerGroupSpec,
+)
 from kvstream.codec import AvroCodec
 from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch, KVCacheEvent, Lost, Removed, SourceId, Stored
@@ -53,6 +59,8 @@ class DemoOptions:
     tokens_per_block: int | None = None  # None: 16 for chat, 64 for Mooncake traces
     gpu_blocks: int | None = None  # None: 2048 for chat, 16384 for Mooncake traces
     window: int = 512
+    #: Host-tier blocks per GPU block (0: no host tier; evicted blocks are dropped).
+    host_ratio: float = 0.0
     concurrency: int = 8
     hash_algo: str = "v2_sha256_64"
     seed: int = 0
@@ -197,6 +205,7 @@ def _cache_config(opts: DemoOptions) -> CacheConfig:
         ],
         hash_algo=opts.hash_algo,
         metadata_only=True,
+        host_tier=HostTierConfig(ratio=opts.host_ratio) if opts.host_ratio > 0 else None,
     )
 
 
