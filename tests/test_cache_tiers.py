@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from kv_model import assert_kv, prefill
 
 from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec, MmItem
@@ -515,3 +517,57 @@ def test_a_second_process_reuses_the_first_ones_blocks(tmp_path: Path) -> None:
     assert (matched, onboarded) == (24, 6)
     # The reader announces what it found (it never announced those blocks itself).
     assert sorted(stored) == on_disk
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@given(
+    pairs=st.lists(
+        st.tuples(st.integers(0, 15), st.integers(0, 15)), unique_by=lambda p: p[0], max_size=12
+    ),
+    run=st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 8), st.booleans()),
+)
+def test_copy_blocks_moves_every_pair_whatever_the_runs(
+    pairs: list[tuple[int, int]], run: tuple[int, int, int, bool]
+) -> None:
+    from kvstream.cache.storage import copy_blocks
+
+    d0, s0, n, down = run
+    if pairs:
+        dst_ids, src_ids = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:  # a consecutive run, ascending or descending on both sides
+        dst_ids, src_ids = list(range(d0, d0 + n)), list(range(s0, s0 + n))
+        if down:
+            dst_ids, src_ids = dst_ids[::-1], src_ids[::-1]
+    src = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    dst = torch.zeros(16, 3)
+    want = dst.clone()
+    for d, s in zip(dst_ids, src_ids, strict=True):
+        want[d] = src[s]
+    copy_blocks(dst, dst_ids, src, src_ids)
+    assert torch.equal(dst, want)
+
+
+def test_host_tier_slot_states() -> None:
+    from kvstream.cache.errors import CacheInvariantError
+    from kvstream.cache.host_tier import HostTier
+
+    tier = HostTier(3)
+    slots = [tier.add(h) for h in (b"a", b"b", b"c")]
+    assert slots == [2, 1, 0]  # descending, like the ids a pool evicts
+    assert tier.num_free == 0
+    assert tier.pop_lru() == (b"a", 2)
+    assert tier.take(b"c") == 0
+    assert tier.hashes() == [b"b"]
+    tier.check()
+    with pytest.raises(CacheInvariantError):
+        tier.add(b"d")  # slots 2 and 0 are taken, not free
+    tier.release(2)
+    assert tier.add(b"d") == 2
+    with pytest.raises(CacheInvariantError):
+        tier.release(1)  # resident, not taken
+    with pytest.raises(CacheInvariantError):
+        tier.take(b"zz")
+    tier.clear()
+    assert (len(tier), tier.num_free) == (0, 3)

@@ -74,6 +74,8 @@ _HEX: Final = re.compile(r"[0-9a-f]+")
 # Reads are hashed piece by piece while each piece is still in the CPU cache: hashing the
 # whole payload after reading it costs a second pass over memory (~10% of the read time).
 _CHUNK: Final = 256 << 10
+#: A hit refreshes the file's mtime (its LRU age for other processes) when older than this.
+_TOUCH_AFTER_S: Final = 10.0
 
 Key = tuple[bytes, bytes]
 
@@ -389,8 +391,13 @@ class DiskStore:
         error: BlockFileError | None = None
         try:
             st = os.fstat(fd)
+            # One read for the header and the first piece of the payload (most files are
+            # the size asked for; the header is checked before the piece is trusted).
+            raw = bytearray(HEADER_SIZE)
+            first = view[:_CHUNK]
+            got = _readinto_all_v(fd, [memoryview(raw), first])
             header = parse_header(
-                _read_exact(fd, HEADER_SIZE),
+                bytes(raw[: min(got, HEADER_SIZE)]),
                 namespace=namespace,
                 block_hash=block_hash,
                 file_size=st.st_size,
@@ -399,8 +406,9 @@ class DiskStore:
                 raise BlockFileError(
                     f"payload is {header.payload_size} bytes, the buffer {view.nbytes}"
                 )
-            verify_checksum(_read_payload(fd, view), header)
-            _touch(fd, path)
+            verify_checksum(_read_payload(fd, view, got - HEADER_SIZE), header)
+            if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                _touch(fd, path)
         except BlockFileError as e:
             error = e
         except OSError as e:
@@ -630,15 +638,17 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += n
 
 
-def _read_payload(fd: int, view: memoryview) -> bytes:
-    """Read the rest of the file into ``view``; returns the payload checksum of what was
-    read. BlockFileError if the file ends early."""
+def _read_payload(fd: int, view: memoryview, have: int) -> bytes:
+    """Read the rest of the file into ``view``, whose first ``have`` bytes are read already;
+    returns the payload checksum. BlockFileError if the file ends early."""
     hasher = payload_hasher()
     for start in range(0, view.nbytes, _CHUNK):
         chunk = view[start : start + _CHUNK]
-        got = _readinto_all(fd, chunk)
-        if got != chunk.nbytes:
-            raise BlockFileError(f"truncated: read {start + got} of {view.nbytes} payload bytes")
+        done = min(max(have - start, 0), chunk.nbytes)
+        if done < chunk.nbytes:
+            done += _readinto_all(fd, chunk[done:])
+        if done != chunk.nbytes:
+            raise BlockFileError(f"truncated: read {start + done} of {view.nbytes} payload bytes")
         hasher.update(chunk)
     return hasher.digest()
 
@@ -651,9 +661,25 @@ def _touch(fd: int, path: str) -> None:
         log.debug("cannot refresh the mtime of %s: %s", path, e)
 
 
-def _read_exact(fd: int, size: int) -> bytes:
-    buf = bytearray(size)
-    return bytes(buf[: _readinto_all(fd, memoryview(buf))])
+def _readinto_all_v(fd: int, views: list[memoryview]) -> int:
+    """Fill ``views`` in order from ``fd`` (scatter reads); returns the bytes read (fewer
+    only at the end of the file)."""
+    total = sum(v.nbytes for v in views)
+    done = 0
+    while done < total:
+        rest: list[memoryview] = []
+        skip = done
+        for v in views:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.readv(fd, rest)
+        if not n:
+            break
+        done += n
+    return done
 
 
 def _readinto_all(fd: int, view: memoryview) -> int:

@@ -27,7 +27,10 @@ class HostTier:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._resident: OrderedDict[bytes, int] = OrderedDict()  # oldest first
-        self._free = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+        # pop() hands out the highest slot first: a pool evicts a request's blocks last
+        # position first (descending ids), so the slots step the same way and one slice copy
+        # moves the whole run (see storage.copy_blocks).
+        self._free = list(range(capacity))
         self._taken: set[int] = set()
 
     def __len__(self) -> int:
@@ -90,7 +93,7 @@ class HostTier:
         """Free every slot (taken ones included)."""
         self._resident.clear()
         self._taken.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._free = list(range(self.capacity))
 
     def check(self) -> None:
         """CacheInvariantError unless every slot is in exactly one state."""

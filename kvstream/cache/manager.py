@@ -415,7 +415,7 @@ class KVCacheManager:
             if tiers is not None:  # out of the host tier before an eviction can reuse them
                 slots = {i: tiers.take_host(gid, h) for i, h, lv in plan.onboard if lv == HOST}
             fresh = pool.allocate_many(nb - max(plan.k, plan.first) + len(plan.onboard))
-            onboarded = iter(fresh[: len(plan.onboard)])
+            onboarded = iter(self._onboard_targets(plan, fresh[: len(plan.onboard)], slots))
             table: list[Block | None] = [None] * plan.first
             table += [b if b is not None else next(onboarded) for b in plan.hits]
             table += fresh[len(plan.onboard) :]
@@ -449,6 +449,20 @@ class KVCacheManager:
         req.hashes = hashes
         self._requests[request_id] = req
         return req, plans
+
+    @staticmethod
+    def _onboard_targets(plan: Plan, blocks: list[Block], slots: dict[int, int]) -> list[Block]:
+        # Which fresh block each onboarded position gets (any assignment is correct): block
+        # ids in the order of the host slots they are copied from, so consecutive slots land
+        # in consecutive blocks and copy_blocks moves them with one copy per run.
+        if len(slots) < 2:
+            return blocks
+        order = sorted(range(len(blocks)), key=lambda j: slots.get(plan.onboard[j][0], -1))
+        by_id = sorted(blocks, key=lambda b: b.block_id)
+        out = list(blocks)
+        for rank, j in enumerate(order):
+            out[j] = by_id[rank]
+        return out
 
     def _stage_disk_hits(self, plans: list[Plan]) -> dict[tuple[int, int], Any] | None:
         # Read every planned disk hit ahead of any change; None (after forgetting the bad
@@ -1134,58 +1148,52 @@ class KVCacheManager:
         # Commit the request's full positions [lo, hi) of group `gid`: hashes[i] is position
         # i's hash; `tokens` are the packed tokens of positions tokens_base.. (for the events).
         # A hash already committed is a duplicate: pinned (full attention) or left
-        # uncommitted.
-        if self._tiers is not None:
-            self._commit_tiered(
-                req=req,
-                gid=gid,
-                table=table,
-                hashes=hashes,
-                tokens=tokens,
-                lo=lo,
-                hi=hi,
-                tokens_base=tokens_base,
-            )
-            return
+        # uncommitted. With tiers, a block this manager holds below the GPU is promoted
+        # (``updated`` level -> 0: it was announced already) instead of stored, and with
+        # write-through every committed block is queued for the disk.
         pool = self._pools[gid]
         by_hash = pool.tree
         commit = pool.commit
         rec = self._recorder
-        if not rec.enabled:
-            for i in range(lo, hi):
-                h = hashes[i]
-                if h not in by_hash:
-                    commit(self._held(table, i, gid), h, hashes[i - 1] if i else None)
-            return
-        step = 4 * self._tpb
-        extra = req.event_extra
-        if req.mm_items:  # per-block multimodal keys: one stored() per block
-            stored = rec.stored
-            for i in range(lo, hi):
-                h = hashes[i]
-                if h in by_hash:
-                    continue
-                parent = hashes[i - 1] if i else None
-                commit(self._held(table, i, gid), h, parent)
-                at = (i - tokens_base) * step
-                stored(
-                    gid,
-                    parent_hash=parent,
-                    block_hash=h,
-                    token_ids=TokenIds.from_bytes(tokens[at : at + step]),
-                    mm_keys=self._mm_keys(req, i),
-                    **extra,
-                )
-            return
-        # Commit every new position, then record each run of consecutive committed ones with
-        # one stored_chain() call (usually the whole range: a duplicate splits it).
-        skipped: list[int] = []
+        tiers = self._tiers
+        skipped: list[int] = []  # positions that get no stored event
+        promoted: dict[int, int] = {}  # position -> the lower level it came up from
         for i in range(lo, hi):
             h = hashes[i]
             if h in by_hash:
                 skipped.append(i)
                 continue
-            commit(self._held(table, i, gid), h, hashes[i - 1] if i else None)
+            block = self._held(table, i, gid)
+            commit(block, h, hashes[i - 1] if i else None)
+            if tiers is not None:
+                if tiers.write_through:
+                    tiers.queue_persist(gid, block, h)
+                level = tiers.claim(gid, h)
+                if level:
+                    skipped.append(i)
+                    promoted[i] = level
+        if not rec.enabled:
+            return
+        step = 4 * self._tpb
+        extra = req.event_extra
+        if req.mm_items:  # per-block multimodal keys: one stored() per block
+            gone = set(skipped)
+            for i in range(lo, hi):
+                if i in promoted:
+                    rec.updated(gid, hashes[i], cache_level=(promoted[i], GPU))
+                elif i not in gone:
+                    at = (i - tokens_base) * step
+                    rec.stored(
+                        gid,
+                        parent_hash=hashes[i - 1] if i else None,
+                        block_hash=hashes[i],
+                        token_ids=TokenIds.from_bytes(tokens[at : at + step]),
+                        mm_keys=self._mm_keys(req, i),
+                        **extra,
+                    )
+            return
+        # Record each run of consecutive stored positions with one stored_chain() call
+        # (usually the whole range: a duplicate or a promotion splits it).
         start = lo
         for end in (*skipped, hi):
             if end > start:
@@ -1205,52 +1213,9 @@ class KVCacheManager:
                         token_ids=packed,
                         **extra,
                     )
+            if end in promoted:
+                rec.updated(gid, hashes[end], cache_level=(promoted[end], GPU))
             start = end + 1
-
-    def _commit_tiered(
-        self,
-        *,
-        req: RequestState,
-        gid: int,
-        table: list[Block | None],
-        hashes: list[bytes],
-        tokens: bytes,
-        lo: int,
-        hi: int,
-        tokens_base: int,
-    ) -> None:
-        # _commit with lower tiers: a block this manager holds below the GPU is promoted
-        # (``updated`` level -> 0: it was announced already) instead of stored, and with
-        # write-through every committed block is queued for the disk.
-        tiers = self._tiers
-        assert tiers is not None
-        pool = self._pools[gid]
-        rec = self._recorder
-        step = 4 * self._tpb
-        for i in range(lo, hi):
-            h = hashes[i]
-            if h in pool.tree:
-                continue
-            block = self._held(table, i, gid)
-            parent = hashes[i - 1] if i else None
-            pool.commit(block, h, parent)
-            if tiers.write_through:
-                tiers.queue_persist(gid, block, h)
-            level = tiers.claim(gid, h)
-            if not rec.enabled:
-                continue
-            if level:
-                rec.updated(gid, h, cache_level=(level, GPU))
-            else:
-                at = (i - tokens_base) * step
-                rec.stored(
-                    gid,
-                    parent_hash=parent,
-                    block_hash=h,
-                    token_ids=TokenIds.from_bytes(tokens[at : at + step]),
-                    mm_keys=self._mm_keys(req, i),
-                    **req.event_extra,
-                )
 
     @staticmethod
     def _held(table: list[Block | None], i: int, gid: int) -> Block:

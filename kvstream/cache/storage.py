@@ -159,8 +159,9 @@ def copy_blocks(
 ) -> None:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every ``i``, across devices.
 
-    Every run of ids consecutive on both sides is one slice copy, so contiguous blocks move
-    at the bandwidth of one large copy and nothing is staged. ``non_blocking`` makes
+    Every run of ids consecutive on both sides (both ascending or both descending) is one
+    slice copy, so contiguous blocks move at the bandwidth of one large copy and nothing is
+    staged. ``non_blocking`` makes
     copies between pinned CPU memory and CUDA asynchronous (callers synchronise the stream
     before the CPU reads what was copied to it).
     """
@@ -170,8 +171,13 @@ def copy_blocks(
     i = 0
     while i < n:
         j = i + 1
-        while j < n and dst_ids[j] == dst_ids[j - 1] + 1 and src_ids[j] == src_ids[j - 1] + 1:
+        step = 0
+        if j < n and dst_ids[j] - dst_ids[i] in (1, -1):
+            step = dst_ids[j] - dst_ids[i]
+        while j < n and step and dst_ids[j] == dst_ids[j - 1] + step:
+            if src_ids[j] != src_ids[j - 1] + step:
+                break
             j += 1
-        d, s = dst_ids[i], src_ids[i]
+        d, s = (dst_ids[i], src_ids[i]) if step >= 0 else (dst_ids[j - 1], src_ids[j - 1])
         dst[d : d + j - i].copy_(src[s : s + j - i], non_blocking=non_blocking)
         i = j
