@@ -311,25 +311,16 @@ class KVCacheManager:
         RequestError/HashingError for bad arguments and CacheFullError when a pool cannot
         hold the request even after evicting every evictable block; on error nothing changed.
         """
-        raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
-        req, plans = self._admit(
+        _, _, match = self._admit(
             request_id,
-            raw,
-            items,
+            prompt_tokens,
+            mm_items,
             lora_id=lora_id,
             lora_name=lora_name,
             cache_salt=cache_salt,
             priority=priority,
             importing=False,
         )
-        n = req.num_tokens
-        match = self._match_of(n, plans)
-        self._added += 1
-        self._prompt_tokens += n
-        self._reusable_tokens += match.reusable_tokens
-        for gid, plan in enumerate(plans):
-            self._hit_blocks[gid] += plan.k
-            self._queried_blocks[gid] += len(req.hashes)
         return match
 
     def _check_new(
@@ -350,17 +341,18 @@ class KVCacheManager:
     def _admit(
         self,
         request_id: str,
-        raw: bytes,
-        items: tuple[MmItem, ...],
+        prompt_tokens: Any,
+        mm_items: Iterable[Any],
         *,
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
         priority: int,
         importing: bool,
-    ) -> tuple[RequestState, list[Plan]]:
-        # Plan every group, stage disk hits, then take hits, onboard lower-tier blocks,
-        # allocate the rest and (unless importing) commit the full blocks.
+    ) -> tuple[RequestState, list[Plan], PrefixMatch]:
+        # Check the arguments, plan every group, stage disk hits, then take hits, onboard
+        # lower-tier blocks, allocate the rest and (unless importing) commit the full blocks.
+        raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
         root = self._root(lora_id, lora_name, cache_salt)
         hashes, chain = self._hash_blocks(root, raw, 0, items)
         n = len(raw) >> 2
@@ -448,7 +440,14 @@ class KVCacheManager:
         req.chain = chain
         req.hashes = hashes
         self._requests[request_id] = req
-        return req, plans
+        match = self._match_of(n, plans)
+        self._added += 1
+        self._prompt_tokens += n
+        self._reusable_tokens += match.reusable_tokens
+        for gid, plan in enumerate(plans):
+            self._hit_blocks[gid] += plan.k
+            self._queried_blocks[gid] += len(hashes)
+        return req, plans, match
 
     @staticmethod
     def _onboard_targets(plan: Plan, blocks: list[Block], slots: dict[int, int]) -> list[Block]:
@@ -759,11 +758,10 @@ class KVCacheManager:
         receive. Arguments and errors as :meth:`add_request` (CacheFullError: nothing
         changed). Blocks are committed (``stored`` events) only by :meth:`finish_import`;
         until then the request cannot append tokens or be exported."""
-        raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
-        req, plans = self._admit(
+        req, plans, match = self._admit(
             request_id,
-            raw,
-            items,
+            prompt_tokens,
+            mm_items,
             lora_id=lora_id,
             lora_name=lora_name,
             cache_salt=cache_salt,
@@ -772,10 +770,6 @@ class KVCacheManager:
         )
         n = req.num_tokens
         req.importing = [max(p.k, p.first) for p in plans]
-        self._added += 1
-        self._prompt_tokens += n
-        match = self._match_of(n, plans)
-        self._reusable_tokens += match.reusable_tokens
         ranges = {gid: TokenRange(min(b * self._tpb, n), n) for gid, b in enumerate(req.importing)}
         return ImportTicket(request_id, ranges, match)
 
@@ -833,8 +827,9 @@ class KVCacheManager:
     def import_kv(self, request_id: str, transfer: KVTransfer) -> ImportResult:
         """:meth:`begin_import` from the transfer's own request, then :meth:`finish_import`:
         for a transfer that already covers whatever this manager lacks (e.g. a full export).
-        The layout and hashes are checked before anything changes; if the transfer lacks
-        blocks this manager needs, the import is aborted and TransferError raised."""
+        The layout is checked before anything changes; if the transfer is refused after
+        that (missing blocks, other hashes or tensors), the import is aborted and the
+        TransferError raised."""
         if transfer.layout != self.config.layout_fingerprint():
             raise TransferError(self._layout_mismatch(transfer))
         self.begin_import(
