@@ -57,6 +57,8 @@ class CacheLevel(IntEnum):
     GPU = 0
     HOST = 1
     DISK = 2
+    #: Outside this engine (a shared remote store: SGLang ``EXTERNAL``, Dynamo's External tier).
+    EXTERNAL = 3
 
 
 def hash_width(hash_algo: str) -> int | None:

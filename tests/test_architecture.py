@@ -21,6 +21,7 @@ LAYERS = {
     "hashing": 1,
     "workloads": 1,
     "codec": 2,
+    "engines": 2,
     "sink": 2,
     "sinks": 2,  # adapters: L0-L2 only, never L3+
     "schemas": 2,
@@ -34,7 +35,9 @@ L3_SIBLINGS = {"cache", "pipeline", "index"}
 # third-party module -> the only kvstream areas allowed to import it
 CONFINED = {
     "torch": {"cache"},
-    "xxhash": {"cache"},
+    "xxhash": {"cache", "hashing"},
+    "msgspec": {"engines"},
+    "zmq": {"engines"},
     "aiokafka": {"sinks", "index"},
     "fastavro": {"codec"},
     "avro": {"codec"},

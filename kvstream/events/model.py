@@ -54,6 +54,7 @@ __all__ = [
     "EventData",
     "EventDiff",
     "EventKind",
+    "ExtraKey",
     "KVCacheEvent",
     "Lost",
     "MmKey",
@@ -61,6 +62,7 @@ __all__ = [
     "SourceId",
     "StoredBlock",
     "Stored",
+    "UNBOUNDED_WINDOW",
     "Updated",
 ]
 
@@ -68,6 +70,9 @@ __all__ = [
 CURRENT_SCHEMA_VERSION: Final = 2
 #: What a missing ``hash_algo`` means (TensorRT-LLM V1 events carry none).
 DEFAULT_HASH_ALGO: Final = "v1_block_key"
+#: ``window_size`` of a full-attention group whose producer did not say its maximum sequence
+#: length (vLLM and SGLang events carry a window only for sliding-window groups).
+UNBOUNDED_WINDOW: Final = 2**31 - 1
 
 _U64_MAX: Final = 2**64 - 1
 _I32_MAX: Final = 2**31 - 1
@@ -155,6 +160,16 @@ class MmKey(_Frozen):
     uuid: str | None = None
 
 
+#: One item of an engine's per-block extra hash keys, as vLLM publishes them
+#: (``BlockStored.extra_keys``): a LoRA name or cache salt (str), a multimodal
+#: ``(identifier, offset)`` pair, a prompt-embeds digest (bytes), an int. Nested tuples hold
+#: scalars only.
+ExtraKeyAtom: TypeAlias = Annotated[str, Field(strict=True)] | Annotated[
+    int, Field(ge=-(2**63), le=_U64_MAX, strict=True)
+] | Annotated[bytes, Field(strict=True)]
+ExtraKey: TypeAlias = ExtraKeyAtom | tuple[ExtraKeyAtom, ...]
+
+
 class StoredBlock(_Frozen):
     """One block announced by a ``stored`` event."""
 
@@ -168,6 +183,9 @@ class StoredBlock(_Frozen):
     priority: Priority = PRIORITY_DEFAULT
     mm_keys: tuple[MmKey, ...] = ()
     cache_salt: str | None = None
+    #: The engine's extra hash keys of this block, kept verbatim (vLLM ``extra_keys``); None
+    #: when the engine published none. kvstream's own hashers do not read them.
+    extra_keys: tuple[ExtraKey, ...] | None = None
 
     @model_validator(mode="after")
     def _extra_ids_match_tokens(self) -> Self:
