@@ -42,13 +42,18 @@ def open_source(
     follow: bool = False,
     **kwargs: Any,
 ) -> EventSource:
-    """A source for ``spec``: a ``kafka://`` URL or a file sink directory/file.
+    """A source for ``spec``: a ``kafka://`` URL, a live engine (``vllm://HOST:PORT?...``,
+    ``sglang://...``: see :mod:`kvstream.engines.endpoint`) or a file sink directory/file.
 
     ``follow``: keep waiting for new data (files: poll; Kafka: without it the source stops at
     the end offsets it saw when it started). ``resume_from``: a checkpoint of the same kind.
     Extra ``kwargs`` go to the source's constructor.
     """
     text = os.fspath(spec)
+    if text.startswith(("vllm://", "sglang://")):
+        from kvstream.index.sources.engine import EngineSource
+
+        return EngineSource(text, resume_from=resume_from, **kwargs)
     if text.startswith("kafka://"):
         from kvstream.index.sources.kafka import KafkaSource
 

@@ -1,0 +1,395 @@
+"""vLLM's KV-event wire format (``KVEventBatch`` over msgpack), decoded into plain records.
+
+vLLM publishes one msgpack payload per scheduler step (peers.md §1.2)::
+
+    [ts: float, [event, ...], data_parallel_rank: int | nil]
+
+Each event is a ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, encoded
+
+- up to vLLM 0.23 as a positional array ``[tag, field1, field2, ...]`` (6 to 16 slots as fields
+  were added release by release; SGLang's older publisher used the same positions, 9 slots);
+- from vLLM 0.24 as a map ``{"type": tag, "<field>": value, ...}`` in which fields at their
+  default are omitted (SGLang 0.5 uses maps too, with its own extra fields).
+
+:func:`decode_payload` accepts every one of these shapes and returns a :class:`WireBatch` of
+:class:`WireEvent` records: hashes normalised to bytes, tokens split per block, ``medium``
+mapped to kvstream's cache level. Unknown map keys and unknown trailing array slots are
+ignored (newer engines add fields). A payload that is not a batch at all raises
+:class:`~kvstream.errors.InteropError`; a single event that is malformed becomes a
+:class:`WireEvent` of kind ``"malformed"`` carrying the reason, so one bad event never costs
+its neighbours. Turning records into kvstream events (ids, windows, sources) is
+:mod:`kvstream.engines.stream`'s job.
+
+Hashes (peers.md §8.3). An int is a 64-bit hash: vLLM's unsigned last-8-bytes form or
+SGLang's signed int64 (wrapped to unsigned); both become 8 bytes big-endian. ``bin`` hashes
+(vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) are kept whole when the stream's
+algorithm is 256-bit, and reduced to their last 8 bytes (exactly the int vLLM would have
+published) when it is 64-bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvstream._types import CacheLevel
+from kvstream.errors import InteropError
+
+__all__ = [
+    "MEDIUM_LEVELS",
+    "STORED_POSITIONS",
+    "Dialect",
+    "VLLM",
+    "WireBatch",
+    "WireEvent",
+    "decode_payload",
+    "medium_level",
+]
+
+_U64: Final = 1 << 64
+_I64_MIN: Final = -(1 << 63)
+
+#: ``medium`` strings engines publish -> kvstream cache level (the tiers Dynamo maps them to).
+MEDIUM_LEVELS: Final[Mapping[str, int]] = {
+    "GPU": CacheLevel.GPU,
+    "DEVICE": CacheLevel.GPU,
+    "CPU": CacheLevel.HOST,
+    "CPU_PINNED": CacheLevel.HOST,
+    "CPU_TIER1": CacheLevel.HOST,
+    "HOST": CacheLevel.HOST,
+    "CPU_TIER2": CacheLevel.DISK,
+    "DISK": CacheLevel.DISK,
+    "NVME": CacheLevel.DISK,
+    "STORAGE": CacheLevel.DISK,
+    "EXTERNAL": CacheLevel.EXTERNAL,
+    "NETWORK": CacheLevel.EXTERNAL,
+    "REMOTE": CacheLevel.EXTERNAL,
+    "SHARED": CacheLevel.EXTERNAL,
+}
+
+#: Array-era slot of each ``BlockStored`` field (slot 0 is the tag), vLLM 0.22/0.23 order.
+#: SGLang's positional events used slots 1-8 the same way.
+STORED_POSITIONS: Final[tuple[str, ...]] = (
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+_REMOVED_POSITIONS: Final = ("type", "block_hashes", "medium", "group_idx", "locality", "ownership")
+_MIN_SLOTS: Final = {"BlockStored": 5, "BlockRemoved": 2, "AllBlocksCleared": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What distinguishes one engine's use of the format.
+
+    ``name`` labels errors; ``default_hash_algo`` is the algorithm its ints come from when the
+    user names none; ``bigram_tokens``: ``token_ids`` may arrive as ``[[t0, t1], [t1, t2], ...]``
+    pairs (SGLang under EAGLE speculative decoding), one pair per token position, read as
+    the position's token ``t0, t1, ...``.
+    """
+
+    name: str
+    default_hash_algo: str
+    bigram_tokens: bool = False
+
+
+#: vLLM (every release with KV events); the default hash is ``sha256`` (pickle) in int mode.
+VLLM: Final = Dialect("vllm", "vllm_sha256_64")
+
+
+@dataclass(frozen=True, slots=True)
+class WireEvent:
+    """One engine event, normalised.
+
+    ``kind`` is ``"stored"``, ``"removed"``, ``"cleared"`` or ``"malformed"`` (then ``error``
+    says why and the other fields are empty). For ``stored``: ``block_hashes`` (bytes, chain
+    order), ``parent_hash``, ``block_tokens`` (one token list per block; empty lists for
+    offload placeholders), ``extra_keys`` (one entry per block, or None), ``lora_id``,
+    ``lora_name``, ``cache_salt``. ``cache_level`` comes from ``medium`` (and ``locality``
+    REMOTE); ``group`` from ``group_idx``; ``sliding_window`` from
+    ``kv_cache_spec_sliding_window`` when the engine sent one.
+    """
+
+    kind: str
+    block_hashes: tuple[bytes, ...] = ()
+    parent_hash: bytes | None = None
+    block_tokens: tuple[Sequence[int], ...] = ()
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    cache_level: int | None = None
+    group: int = 0
+    spec_kind: str | None = None
+    sliding_window: int | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WireBatch:
+    """One decoded payload: engine timestamp (seconds), events in order, the engine's rank."""
+
+    ts: float
+    events: list[WireEvent] = field(default_factory=list)
+    dp_rank: int | None = None
+
+
+class _BadEvent(Exception):
+    """Internal: one event is malformed; the message is the reason."""
+
+
+def medium_level(medium: Any) -> int | None:
+    """kvstream cache level of an engine ``medium`` (None when the engine sent none)."""
+    if medium is None:
+        return None
+    if not isinstance(medium, str):
+        raise _BadEvent(f"medium must be a string, got {type(medium).__name__}")
+    level = MEDIUM_LEVELS.get(medium.upper())
+    if level is None:
+        raise _BadEvent(f"unknown medium {medium!r} (known: {', '.join(MEDIUM_LEVELS)})")
+    return int(level)
+
+
+def _hash(value: Any, width: int | None, what: str) -> bytes:
+    if type(value) is int:
+        if value < 0:
+            if value < _I64_MIN:
+                raise _BadEvent(f"{what}: {value} does not fit in 64 bits")
+            value += _U64
+        elif value >= _U64:
+            raise _BadEvent(f"{what}: {value} does not fit in 64 bits")
+        if width is not None and width != 8:
+            raise _BadEvent(f"{what}: an int hash is 64-bit, but the stream's algorithm is not")
+        return value.to_bytes(8, "big")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if width is None or len(raw) == width:
+            if len(raw) not in (8, 16, 32):
+                raise _BadEvent(f"{what}: a {len(raw)}-byte hash")
+            return raw
+        if width == 8 and len(raw) in (16, 32):
+            return raw[-8:]  # vLLM's int mode publishes the last 8 bytes, big-endian
+        raise _BadEvent(f"{what}: a {len(raw)}-byte hash where {width} bytes were expected")
+    raise _BadEvent(f"{what}: expected an int or bytes hash, got {type(value).__name__}")
+
+
+def _hashes(value: Any, width: int | None, what: str) -> tuple[bytes, ...]:
+    if not isinstance(value, list):
+        raise _BadEvent(f"{what}: expected a list of hashes, got {type(value).__name__}")
+    return tuple(_hash(v, width, f"{what}[{i}]") for i, v in enumerate(value))
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise _BadEvent(f"{what}: expected an int, got {type(value).__name__}")
+    return value
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise _BadEvent(f"{what}: expected a string, got {type(value).__name__}")
+
+
+def _tokens(value: Any, bigram: bool) -> list[int]:
+    if not isinstance(value, list):
+        raise _BadEvent(f"token_ids: expected a list, got {type(value).__name__}")
+    if bigram and value and isinstance(value[0], list):
+        # SGLang's EAGLE pages carry (raw[j], raw[j+1]) per position j: the position's token
+        # is the pair's head, so a page of P pairs is the same P tokens as a plain page.
+        heads: list[int] = []
+        for i, pair in enumerate(value):
+            if not isinstance(pair, list) or len(pair) < 2:
+                raise _BadEvent(f"token_ids[{i}]: a bigram pair needs two tokens")
+            heads.append(pair[0])
+        value = heads
+    for i, t in enumerate(value):
+        if type(t) is not int or not 0 <= t < _U64 >> 32:
+            raise _BadEvent(f"token_ids[{i}]: {t!r} is not a token id (uint32)")
+    return value
+
+
+def _split_tokens(tokens: list[int], n_blocks: int, block_size: Any) -> tuple[list[int], ...]:
+    if type(block_size) is not int or block_size < 0:
+        raise _BadEvent(f"block_size: expected a non-negative int, got {block_size!r}")
+    if not tokens:  # offload placeholders: hashes only
+        return tuple([] for _ in range(n_blocks))
+    if block_size == 0:
+        raise _BadEvent("block_size 0 with token ids")
+    full = (n_blocks - 1) * block_size
+    last = len(tokens) - full
+    if not 0 < last <= block_size:
+        raise _BadEvent(
+            f"{len(tokens)} token ids do not split into {n_blocks} block(s) of {block_size}"
+        )
+    return tuple(tokens[i : i + block_size] for i in range(0, len(tokens), block_size))
+
+
+def _extra_item(value: Any, what: str) -> Any:
+    if isinstance(value, (str, bytes)) or type(value) is int:
+        return value
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if not (isinstance(v, (str, bytes)) or type(v) is int):
+                raise _BadEvent(f"{what}[{i}]: unsupported extra key value {type(v).__name__}")
+        return tuple(value)
+    raise _BadEvent(f"{what}: unsupported extra key value {type(value).__name__}")
+
+
+def _extra_keys(value: Any, n_blocks: int) -> tuple[tuple[Any, ...] | None, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n_blocks:
+        raise _BadEvent(f"extra_keys: expected one entry per block ({n_blocks})")
+    out: list[tuple[Any, ...] | None] = []
+    for i, entry in enumerate(value):
+        if entry is None:
+            out.append(None)
+        elif isinstance(entry, list):
+            out.append(tuple(_extra_item(v, f"extra_keys[{i}][{j}]") for j, v in enumerate(entry)))
+        else:
+            out.append((_extra_item(entry, f"extra_keys[{i}]"),))
+    return tuple(out)
+
+
+def _fields(raw: Any) -> tuple[str, Mapping[str, Any]]:
+    """(tag, fields by name) of an event in either encoding."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise _BadEvent("event map without a string 'type'")
+        return tag, raw
+    if isinstance(raw, list) and raw:
+        tag = raw[0]
+        if not isinstance(tag, str):
+            raise _BadEvent("event array whose first slot is not a tag string")
+        if len(raw) < _MIN_SLOTS.get(tag, 1):
+            raise _BadEvent(f"{tag} array has {len(raw)} slots, needs {_MIN_SLOTS[tag]}")
+        names = _REMOVED_POSITIONS if tag == "BlockRemoved" else STORED_POSITIONS
+        return tag, dict(zip(names, raw, strict=False))  # unknown trailing slots are dropped by zip
+    raise _BadEvent(f"an event must be a map or an array, got {type(raw).__name__}")
+
+
+def _level(fields: Mapping[str, Any]) -> int | None:
+    level = medium_level(fields.get("medium"))
+    locality = fields.get("locality")
+    if isinstance(locality, str) and locality.upper() == "REMOTE":
+        return int(CacheLevel.EXTERNAL)
+    return level
+
+
+def _group(fields: Mapping[str, Any]) -> int:
+    group = _opt_int(fields.get("group_idx"), "group_idx")
+    if group is not None and not 0 <= group < 1 << 31:
+        raise _BadEvent(f"group_idx {group} out of range")
+    return group or 0
+
+
+def _stored(fields: Mapping[str, Any], width: int | None, dialect: Dialect) -> WireEvent:
+    if "block_hashes" not in fields or "token_ids" not in fields:
+        raise _BadEvent("BlockStored without block_hashes/token_ids")
+    hashes = _hashes(fields["block_hashes"], width, "block_hashes")
+    parent_raw = fields.get("parent_block_hash")
+    parent = None if parent_raw is None else _hash(parent_raw, width, "parent_block_hash")
+    if not hashes:
+        raise _BadEvent("BlockStored with no block hashes")
+    tokens = _tokens(fields["token_ids"], dialect.bigram_tokens)
+    blocks = _split_tokens(tokens, len(hashes), fields.get("block_size", 0))
+    window = _opt_int(fields.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window")
+    if window is not None and window < 1:
+        raise _BadEvent(f"kv_cache_spec_sliding_window {window} is not positive")
+    lora_id = _opt_int(fields.get("lora_id"), "lora_id")
+    if lora_id is not None and not 0 <= lora_id < _U64:
+        raise _BadEvent(f"lora_id {lora_id} out of range")
+    return WireEvent(
+        kind="stored",
+        block_hashes=hashes,
+        parent_hash=parent,
+        block_tokens=blocks,
+        extra_keys=_extra_keys(fields.get("extra_keys"), len(hashes)),
+        lora_id=lora_id,
+        lora_name=_opt_str(fields.get("lora_name"), "lora_name"),
+        cache_salt=_opt_str(fields.get("cache_salt"), "cache_salt"),
+        cache_level=_level(fields),
+        group=_group(fields),
+        spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        sliding_window=window,
+    )
+
+
+def _removed(fields: Mapping[str, Any], width: int | None) -> WireEvent:
+    if "block_hashes" not in fields:
+        raise _BadEvent("BlockRemoved without block_hashes")
+    hashes = _hashes(fields["block_hashes"], width, "block_hashes")
+    if not hashes:
+        raise _BadEvent("BlockRemoved with no block hashes")
+    return WireEvent(
+        kind="removed", block_hashes=hashes, cache_level=_level(fields), group=_group(fields)
+    )
+
+
+_CLEARED: Final = WireEvent(kind="cleared")
+
+
+def decode_event(raw: Any, width: int | None, dialect: Dialect = VLLM) -> WireEvent:
+    """One event (already msgpack-decoded) as a :class:`WireEvent`; a malformed one comes back
+    with ``kind="malformed"`` and the reason, and unknown tags likewise."""
+    try:
+        tag, fields = _fields(raw)
+        if tag == "BlockStored":
+            return _stored(fields, width, dialect)
+        if tag == "BlockRemoved":
+            return _removed(fields, width)
+        if tag == "AllBlocksCleared":
+            return _CLEARED
+        raise _BadEvent(f"unknown event type {tag!r}")
+    except _BadEvent as exc:
+        return WireEvent(kind="malformed", error=str(exc))
+
+
+@functools.cache
+def _msgpack_decoder() -> Callable[[bytes], Any]:
+    import msgspec
+
+    return msgspec.msgpack.Decoder().decode
+
+
+def decode_payload(payload: bytes, *, width: int | None, dialect: Dialect = VLLM) -> WireBatch:
+    """Decode one ``KVEventBatch`` payload.
+
+    ``width`` is the byte width of the stream's hash algorithm (8 or 32; None when unknown).
+    Raises InteropError when the payload is not msgpack or not a ``[ts, events, rank]``
+    array; malformed single events come back as ``kind="malformed"`` records.
+    """
+    try:
+        obj = _msgpack_decoder()(payload)
+    except Exception as exc:  # msgspec.DecodeError, and anything a hostile payload triggers
+        raise InteropError(f"{dialect.name} payload is not msgpack: {exc}") from None
+    if not isinstance(obj, list) or len(obj) < 2:
+        raise InteropError(f"{dialect.name} payload is not a [ts, events, dp_rank] array")
+    ts, events = obj[0], obj[1]
+    rank = obj[2] if len(obj) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise InteropError(f"{dialect.name} batch timestamp is {type(ts).__name__}, not a number")
+    if not isinstance(events, list):
+        raise InteropError(f"{dialect.name} batch events are {type(events).__name__}, not a list")
+    if rank is not None and (type(rank) is not int or rank < 0):
+        raise InteropError(f"{dialect.name} batch data_parallel_rank {rank!r} is not a rank")
+    return WireBatch(float(ts), [decode_event(e, width, dialect) for e in events], rank)

@@ -1,0 +1,263 @@
+"""Follow an engine's ZMQ KV-event stream without losing anything silently.
+
+vLLM and SGLang publish each batch as three frames ``[topic, seq (8 bytes big-endian),
+payload]`` on a PUB socket per data-parallel rank (port + rank); ``seq`` counts from 0 per
+engine process. PUB drops silently when a subscriber is slow, so :class:`EngineSubscriber`
+tracks ``seq`` per rank and, on a gap, asks the engine's replay ROUTER (port replay + rank)
+for the missing range through a DEALER (peers.md §1.3):
+
+- request ``["", start (8 bytes big-endian)]``; the engine answers every batch it still
+  buffers with ``seq >= start`` as ``["", seq, payload]`` (vLLM <= 0.25) or
+  ``["", topic, seq, payload]`` (vLLM >= 0.26, SGLang), then an end marker with seq -1;
+- what the replay returns fills the gap in order; what it no longer has is reported as a
+  :class:`Gap` (the caller turns it into a ``lost`` marker);
+- ``from=0`` replays everything still buffered before the first live batch;
+- a ``seq`` that goes backwards means the engine restarted: a :class:`Restart` item, then
+  the new process's stream from its seq 0 (replayed when needed).
+
+Items come out of :meth:`EngineSubscriber.next` in order per rank: :class:`Frame`,
+:class:`Gap`, :class:`Restart`, :class:`BadFrame` (frames that are not the protocol; the
+stream goes on). Nothing here decodes payloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvstream.engines.endpoint import EngineEndpoint
+
+__all__ = ["BadFrame", "EngineSubscriber", "Frame", "Gap", "RankStats", "Restart"]
+
+log = logging.getLogger("kvstream.engines.zmq")
+
+_END_SEQ: Final = 2**64 - 1  # -1 as an unsigned 8-byte big-endian value
+_QUEUE_ITEMS: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One engine batch: ``rank``, ``seq``, the msgpack ``payload``; ``replayed`` when it came
+    from the replay socket."""
+
+    rank: int
+    seq: int
+    payload: bytes
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Engine batches ``first_seq .. first_seq+count-1`` of ``rank`` that cannot be had."""
+
+    rank: int
+    first_seq: int
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """``rank``'s engine restarted: its seq went from ``last_seq`` back to ``seq``."""
+
+    rank: int
+    last_seq: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class BadFrame:
+    """Frames on ``rank`` that are not ``[topic, seq, payload]``; ``reason`` says why."""
+
+    rank: int
+    reason: str
+
+
+Item = Frame | Gap | Restart | BadFrame
+
+
+@dataclass(slots=True)
+class RankStats:
+    """Per-rank counters: frames received live / replayed, batches reported missing, bad
+    frames, restarts, replay requests, the last seq and when the last frame arrived."""
+
+    live: int = 0
+    replayed: int = 0
+    missing: int = 0
+    bad_frames: int = 0
+    restarts: int = 0
+    replay_requests: int = 0
+    last_seq: int | None = None
+    last_frame_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineSubscriber:
+    """SUB (and replay DEALER) sockets for every rank of one engine endpoint.
+
+    ``start_seqs`` (rank -> seq) resumes after a checkpoint: that rank's stream is
+    recovered from that seq (through replay) instead of following ``endpoint.start``.
+    Use ``await start()``, then ``await next(timeout)`` until :meth:`aclose`.
+    """
+
+    def __init__(self, endpoint: EngineEndpoint, start_seqs: dict[int, int] | None = None) -> None:
+        self.endpoint = endpoint
+        self.stats = {r: RankStats() for r in range(endpoint.dp_size)}
+        self._start_seqs = dict(start_seqs or {})
+        self._queue: asyncio.Queue[Item] = asyncio.Queue(_QUEUE_ITEMS)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ctx: Any = None
+        self._sockets: list[Any] = []
+        self.started_at = 0.0
+
+    async def start(self) -> None:
+        """Open the sockets (connect, or bind with ``bind=true``) and start following."""
+        import zmq
+        import zmq.asyncio
+
+        if self._ctx is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self.started_at = time.monotonic()
+        ep = self.endpoint
+        for rank in range(ep.dp_size):
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, ep.hwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode())
+            if ep.bind:
+                sock.bind(ep.pub_address(rank))
+            else:
+                sock.connect(ep.pub_address(rank))
+            self._sockets.append(sock)
+            self._tasks.append(asyncio.create_task(self._follow(rank, sock)))
+
+    async def next(self, timeout_s: float | None = None) -> Item | None:
+        """The next item, or None when none came within ``timeout_s``."""
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        try:
+            if timeout_s is None:
+                return await self._queue.get()
+            return await asyncio.wait_for(self._queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+
+    def waiting_ranks(self) -> list[int]:
+        """Ranks that have not delivered a single frame yet (engine not up, wrong port)."""
+        return [r for r, s in self.stats.items() if s.last_frame_at is None]
+
+    async def aclose(self) -> None:
+        """Stop following and close every socket (idempotent)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for sock in self._sockets:
+            sock.close(0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------------ per-rank loop
+
+    async def _follow(self, rank: int, sock: Any) -> None:
+        stats = self.stats[rank]
+        last: int | None = None
+        resume = self._start_seqs.get(rank)
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                stats.bad_frames += 1
+                sizes = [len(f) for f in frames]
+                await self._queue.put(
+                    BadFrame(rank, f"expected [topic, 8-byte seq, payload], got frames {sizes}")
+                )
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if last is not None and seq <= last:
+                stats.restarts += 1
+                log.warning("rank %d: seq went from %d to %d: engine restarted", rank, last, seq)
+                await self._queue.put(Restart(rank, last, seq))
+                last, resume = None, 0
+            if last is None:
+                begin = (
+                    resume if resume is not None else (0 if self.endpoint.start == "0" else None)
+                )
+                if begin is None:
+                    if seq > 0:
+                        await self._gap(rank, 0, seq, f"joined at engine seq {seq} (from=latest)")
+                elif seq > begin:
+                    await self._recover(rank, begin, seq)
+                resume = None
+            elif seq > last + 1:
+                await self._recover(rank, last + 1, seq)
+            stats.live += 1
+            stats.last_seq = last = seq
+            stats.last_frame_at = time.monotonic()
+            await self._queue.put(Frame(rank, seq, frames[2]))
+
+    async def _gap(self, rank: int, first: int, stop: int, reason: str) -> None:
+        self.stats[rank].missing += stop - first
+        log.warning("rank %d: engine batches %d..%d lost: %s", rank, first, stop - 1, reason)
+        await self._queue.put(Gap(rank, first, stop - first, reason))
+
+    async def _recover(self, rank: int, first: int, stop: int) -> None:
+        """Deliver engine batches ``first .. stop-1`` from the replay socket, in order, and
+        report whatever it cannot give as gaps."""
+        address = self.endpoint.replay_address(rank)
+        if address is None:
+            await self._gap(rank, first, stop, "the engine has no replay endpoint (replay=)")
+            return
+        import zmq
+
+        stats = self.stats[rank]
+        stats.replay_requests += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        expected = first
+        reason = "not in the engine's replay buffer any more"
+        try:
+            dealer.connect(address)
+            await dealer.send_multipart([b"", first.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(self.endpoint.replay_timeout_s * 1000):
+                    reason = (
+                        f"replay endpoint {address} did not answer within "
+                        f"{self.endpoint.replay_timeout_s:g} s"
+                    )
+                    break
+                reply = await dealer.recv_multipart()
+                if len(reply) >= 3 and reply[0] == b"":
+                    # the ROUTER's empty delimiter; what remains is [seq, payload] (vLLM
+                    # <= 0.25) or [topic, seq, payload] (vLLM >= 0.26, SGLang)
+                    reply = reply[1:]
+                if len(reply) not in (2, 3) or len(reply[-2]) != 8:
+                    stats.bad_frames += 1
+                    await self._queue.put(
+                        BadFrame(rank, f"bad replay reply of {len(reply)} frames")
+                    )
+                    continue
+                seq = int.from_bytes(reply[-2], "big")
+                if seq == _END_SEQ:
+                    break
+                if seq < expected or seq >= stop:
+                    continue  # already delivered, or will arrive live
+                if seq > expected:
+                    await self._gap(rank, expected, seq, reason)
+                stats.replayed += 1
+                await self._queue.put(Frame(rank, seq, reply[-1], replayed=True))
+                expected = seq + 1
+        finally:
+            dealer.close(0)
+        if expected < stop:
+            await self._gap(rank, expected, stop, reason)

@@ -1,0 +1,122 @@
+"""An event source that follows a live vLLM or SGLang engine over ZMQ.
+
+``open_source("vllm://127.0.0.1:5557?replay=5558&dp_size=2")`` subscribes to every DP rank
+(:mod:`kvstream.engines.zmq_sub`), decodes each payload (:mod:`kvstream.engines.vllm`) and
+turns it into kvstream batches, one source per rank (:mod:`kvstream.engines.stream`):
+
+- batches the engine published but nobody can deliver any more (a gap its replay buffer no
+  longer holds, no replay endpoint, ``from=latest``) become ``lost`` markers with one id per
+  missing engine batch — what was inside them is unknown;
+- a payload that does not decode is counted in ``stats.malformed`` (with ``rank@seq`` and
+  the reason in ``recent_malformed``) and becomes a one-id ``lost`` marker;
+- frames that are not the protocol at all are counted as malformed and skipped;
+- an engine restart starts a new incarnation of that rank's source.
+
+The checkpoint is the last engine seq delivered per rank; a source built with
+``resume_from=checkpoint`` asks the engine's replay buffer for what came after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvstream.engines.endpoint import EngineEndpoint, parse_engine_url
+from kvstream.engines.stream import EngineStream
+from kvstream.engines.vllm import decode_payload
+from kvstream.engines.zmq_sub import BadFrame, EngineSubscriber, Frame, Gap, Restart
+from kvstream.errors import InteropError
+from kvstream.index.errors import SourceError
+from kvstream.index.sources.base import EventSource, SourceItem
+
+__all__ = ["EngineSource"]
+
+
+class EngineSource(EventSource):
+    """Follow one engine endpoint (all its DP ranks); see the module docstring."""
+
+    def __init__(
+        self, endpoint: EngineEndpoint | str, *, resume_from: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.endpoint = parse_engine_url(endpoint) if isinstance(endpoint, str) else endpoint
+        self.name = self.endpoint.describe()
+        self.streams = {
+            r: EngineStream(self.endpoint.instance_id, r, self.endpoint.hash_algo)
+            for r in range(self.endpoint.dp_size)
+        }
+        self._last_seq: dict[int, int] = {}
+        start_seqs = None
+        if resume_from:
+            start_seqs = self._parse_checkpoint(resume_from)
+        self.subscriber = EngineSubscriber(self.endpoint, start_seqs)
+
+    def _parse_checkpoint(self, checkpoint: Mapping[str, Any]) -> dict[int, int]:
+        ranks = checkpoint.get("engine_seq")
+        if not isinstance(ranks, Mapping):
+            raise SourceError(f"{self.name}: not an engine checkpoint: {dict(checkpoint)!r}")
+        out = {}
+        for key, seq in ranks.items():
+            try:
+                rank, last = int(key), int(seq)
+            except (TypeError, ValueError):
+                raise SourceError(f"{self.name}: bad checkpoint entry {key!r}: {seq!r}") from None
+            if not 0 <= rank < self.endpoint.dp_size or last < -1:
+                raise SourceError(f"{self.name}: checkpoint rank {rank} seq {last} out of range")
+            self._last_seq[rank] = last
+            out[rank] = last + 1
+        return out
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+
+    def waiting_ranks(self) -> list[int]:
+        """Ranks from which nothing has arrived yet (the engine is not up, or a wrong port)."""
+        return self.subscriber.waiting_ranks()
+
+    async def read(self, timeout_s: float | None = None) -> SourceItem | None:
+        if self.subscriber._ctx is None:
+            await self.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            item = await self.subscriber.next(left)
+            if item is None:
+                return None
+            out = self._handle(item)
+            if out is not None:
+                self.stats.batches += 1
+                return out
+
+    def _handle(self, item: Frame | Gap | Restart | BadFrame) -> SourceItem | None:
+        if isinstance(item, Frame):
+            stream = self.streams[item.rank]
+            self._last_seq[item.rank] = item.seq
+            try:
+                wire = decode_payload(
+                    item.payload, width=stream.width, dialect=self.endpoint.dialect
+                )
+            except InteropError as exc:
+                self._malformed(f"rank {item.rank}@seq {item.seq}", exc)
+                return SourceItem(stream.lost(1, f"engine batch seq {item.seq}: {exc}"))
+            return SourceItem(stream.convert(wire))
+        if isinstance(item, Gap):
+            stream = self.streams[item.rank]
+            last = item.first_seq + item.count - 1
+            self._last_seq[item.rank] = max(self._last_seq.get(item.rank, -1), last)
+            reason = f"engine batches seq {item.first_seq}..{last} lost: {item.reason}"
+            return SourceItem(stream.lost(item.count, reason))
+        if isinstance(item, Restart):
+            self.streams[item.rank].restart()
+            self._last_seq.pop(item.rank, None)
+            return None
+        self._malformed(f"rank {item.rank}", item.reason)
+        return None
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"engine_seq": {str(r): s for r, s in sorted(self._last_seq.items())}}
+
+    async def aclose(self) -> None:
+        await self.subscriber.aclose()
+        self.ended = True
