@@ -5,7 +5,15 @@ from __future__ import annotations
 import typer
 
 from kvstream import __version__
-from kvstream.cli import demo_cmd, events_cmd, hash_cmd, index_cmd, replay_cmd, schema_cmd
+from kvstream.cli import (
+    bridge_cmd,
+    demo_cmd,
+    events_cmd,
+    hash_cmd,
+    index_cmd,
+    replay_cmd,
+    schema_cmd,
+)
 
 app = typer.Typer(
     name="kvstream",
@@ -20,6 +28,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("demo")(demo_cmd.demo)
+app.command("bridge")(bridge_cmd.bridge)
 app.command("replay")(replay_cmd.replay)
 app.command("index")(index_cmd.index)
 app.add_typer(schema_cmd.app, name="schema")
