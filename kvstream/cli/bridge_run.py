@@ -11,6 +11,7 @@ was lost, counted by source.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from collections.abc import Callable
@@ -126,12 +127,12 @@ class BridgeResult:
 
 def _sink_urls(opts: BridgeOptions) -> list[str]:
     urls = []
-    for url in opts.sinks or ("file",):
-        if url == "file":
+    for spec in opts.sinks or ("file",):
+        if spec == "file":
             out = opts.out_dir or Path(tempfile.mkdtemp(prefix="kvstream-bridge-"))
             out.mkdir(parents=True, exist_ok=True)
-            url = f"file://{out.resolve()}"
-        urls.append(url)
+            spec = f"file://{out.resolve()}"
+        urls.append(spec)
     return urls
 
 
@@ -283,8 +284,6 @@ async def _read_or_stop(source: EventSource, wait: float, stop: asyncio.Event) -
     if read in done:
         return read.result()
     read.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await read
-    except asyncio.CancelledError:
-        pass
     return None
