@@ -131,8 +131,9 @@ def _sink_urls(opts: BridgeOptions) -> list[str]:
         if spec == "file":
             out = opts.out_dir or Path(tempfile.mkdtemp(prefix="kvstream-bridge-"))
             out.mkdir(parents=True, exist_ok=True)
-            spec = f"file://{out.resolve()}"
-        urls.append(spec)
+            urls.append(f"file://{out.resolve()}")
+        else:
+            urls.append(spec)
     return urls
 
 
