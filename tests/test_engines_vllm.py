@@ -291,3 +291,38 @@ def test_stream_turns_model_rejections_into_lost_markers() -> None:
     (e,) = b.events
     assert isinstance(e.data, Lost)
     assert e.event_id == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n_blocks=st.integers(1, 5),
+    block_size=st.integers(1, 8),
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=40, max_size=40),
+    lora=st.one_of(st.none(), st.text(min_size=1, max_size=5)),
+    level=st.sampled_from(["GPU", "CPU", "DISK", "EXTERNAL", None]),
+    extra=st.booleans(),
+)
+def test_trusted_blocks_equal_validated_ones(  # noqa: PLR0917 - hypothesis arguments
+    n_blocks: int,
+    block_size: int,
+    tokens: list[int],
+    lora: str | None,
+    level: str | None,
+    extra: bool,
+) -> None:
+    toks = tokens[: n_blocks * block_size]
+    ev = _stored(
+        block_hashes=list(range(1, n_blocks + 1)),
+        token_ids=toks,
+        block_size=block_size,
+        lora_name=lora,
+        medium=level,
+        extra_keys=[[lora or "x", ["mm", -i]] for i in range(n_blocks)] if extra else None,
+    )
+    (e,) = _stream().convert(decode_payload(_payload([ev]), width=8)).events
+    assert isinstance(e.data, Stored)
+    for i, block in enumerate(e.data.blocks):
+        again = type(block).model_validate(block.model_dump())
+        assert again == block
+        assert repr(again) == repr(block)
+        assert list(block.token_ids) == toks[i * block_size : (i + 1) * block_size]

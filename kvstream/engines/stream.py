@@ -39,8 +39,8 @@ from kvstream.events.model import (
     Removed,
     SourceId,
     Stored,
-    StoredBlock,
 )
+from kvstream.events.trusted import trusted_stored_block
 
 __all__ = ["EngineStream"]
 
@@ -161,21 +161,26 @@ class EngineStream:
         )
 
     def _stored(self, ev: WireEvent) -> KVCacheEvent:
-        level = ev.cache_level or 0
+        # The decoder has checked every value (hash widths, token ranges, extra keys), so
+        # blocks are built without re-validation: this is the bridge's per-block cost.
+        common: dict[str, Any] = {}
+        if ev.cache_level:
+            common["cache_level"] = ev.cache_level
+        if ev.lora_id is not None:
+            common["lora_id"] = ev.lora_id
+        if ev.lora_name is not None:
+            common["lora_name"] = ev.lora_name
+        if ev.cache_salt is not None:
+            common["cache_salt"] = ev.cache_salt
         extra = ev.extra_keys
-        blocks = tuple(
-            StoredBlock(
-                block_hash=h,
-                token_ids=ev.block_tokens[i],
-                lora_id=ev.lora_id,
-                lora_name=ev.lora_name,
-                cache_level=level,
-                cache_salt=ev.cache_salt,
-                extra_keys=extra[i] if extra is not None else None,
-            )
-            for i, h in enumerate(ev.block_hashes)
-        )
-        data = Stored(parent_hash=ev.parent_hash, blocks=blocks)
+        tokens = ev.block_tokens
+        blocks = []
+        for i, h in enumerate(ev.block_hashes):
+            values = {"block_hash": h, "token_ids": tokens[i], **common}
+            if extra is not None and extra[i] is not None:
+                values["extra_keys"] = extra[i]
+            blocks.append(trusted_stored_block(values))
+        data = Stored(parent_hash=ev.parent_hash, blocks=tuple(blocks))
         return self._event(ev.group, self._window(ev.group, ev.sliding_window), data)
 
 

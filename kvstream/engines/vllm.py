@@ -30,11 +30,13 @@ published) when it is 64-bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from array import array
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvstream._types import CacheLevel
+from kvstream._types import CacheLevel, TokenIds
 from kvstream.errors import InteropError
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
 ]
 
 _U64: Final = 1 << 64
+_BIG_ENDIAN: Final = sys.byteorder == "big"
+_NO_TOKENS: Final = TokenIds()
 _I64_MIN: Final = -(1 << 63)
 
 #: ``medium`` strings engines publish -> kvstream cache level (the tiers Dynamo maps them to).
@@ -128,7 +132,7 @@ class WireEvent:
     kind: str
     block_hashes: tuple[bytes, ...] = ()
     parent_hash: bytes | None = None
-    block_tokens: tuple[Sequence[int], ...] = ()
+    block_tokens: tuple[TokenIds, ...] = ()
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     lora_id: int | None = None
     lora_name: str | None = None
@@ -208,7 +212,8 @@ def _opt_str(value: Any, what: str) -> str | None:
     raise _BadEvent(f"{what}: expected a string, got {type(value).__name__}")
 
 
-def _tokens(value: Any, bigram: bool) -> list[int]:
+def _tokens(value: Any, bigram: bool) -> bytes:
+    """The token ids as little-endian uint32 bytes (``TokenIds`` layout)."""
     if not isinstance(value, list):
         raise _BadEvent(f"token_ids: expected a list, got {type(value).__name__}")
     if bigram and value and isinstance(value[0], list):
@@ -220,26 +225,35 @@ def _tokens(value: Any, bigram: bool) -> list[int]:
                 raise _BadEvent(f"token_ids[{i}]: a bigram pair needs two tokens")
             heads.append(pair[0])
         value = heads
-    for i, t in enumerate(value):
-        if type(t) is not int or not 0 <= t < _U64 >> 32:
-            raise _BadEvent(f"token_ids[{i}]: {t!r} is not a token id (uint32)")
-    return value
+    try:
+        packed = array("I", value)  # C-speed range and type check of every id
+    except (OverflowError, TypeError):
+        bad = next(
+            (i, t) for i, t in enumerate(value) if type(t) is not int or not 0 <= t < 1 << 32
+        )
+        raise _BadEvent(f"token_ids[{bad[0]}]: {bad[1]!r} is not a token id (uint32)") from None
+    if _BIG_ENDIAN:  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
 
 
-def _split_tokens(tokens: list[int], n_blocks: int, block_size: Any) -> tuple[list[int], ...]:
+def _split_tokens(raw: bytes, n_blocks: int, block_size: Any) -> tuple[TokenIds, ...]:
     if type(block_size) is not int or block_size < 0:
         raise _BadEvent(f"block_size: expected a non-negative int, got {block_size!r}")
-    if not tokens:  # offload placeholders: hashes only
-        return tuple([] for _ in range(n_blocks))
+    if not raw:  # offload placeholders: hashes only
+        return (_NO_TOKENS,) * n_blocks
     if block_size == 0:
         raise _BadEvent("block_size 0 with token ids")
-    full = (n_blocks - 1) * block_size
-    last = len(tokens) - full
+    n_tokens = len(raw) >> 2
+    last = n_tokens - (n_blocks - 1) * block_size
     if not 0 < last <= block_size:
         raise _BadEvent(
-            f"{len(tokens)} token ids do not split into {n_blocks} block(s) of {block_size}"
+            f"{n_tokens} token ids do not split into {n_blocks} block(s) of {block_size}"
         )
-    return tuple(tokens[i : i + block_size] for i in range(0, len(tokens), block_size))
+    step = block_size * 4
+    if n_blocks == 1:
+        return (TokenIds.from_bytes(raw),)
+    return tuple(TokenIds.from_bytes(raw[i : i + step]) for i in range(0, len(raw), step))
 
 
 def _extra_item(value: Any, what: str) -> Any:
