@@ -285,9 +285,9 @@ def test_stream_lost_markers_and_restart() -> None:
     assert s.convert(decode_payload(_payload([_stored()]), width=8)).events[0].event_id == 0
 
 
-def test_stream_turns_model_rejections_into_lost_markers() -> None:
+def test_int_hashes_on_a_256_bit_stream_become_lost_markers() -> None:
     s = EngineStream("w", 0, "v2_sha256")  # 32-byte algorithm: int hashes cannot be right
-    b = s.convert(decode_payload(_payload([_stored()]), width=None))
+    b = s.convert(decode_payload(_payload([_stored()]), width=s.width))
     (e,) = b.events
     assert isinstance(e.data, Lost)
     assert e.event_id == 0

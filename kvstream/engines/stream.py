@@ -5,7 +5,8 @@ publishes into :class:`~kvstream.events.model.EventBatch`es with the guarantees 
 consumers rely on (DESIGN §2):
 
 - ``event_id`` counts 0, 1, 2, ... per incarnation with no gaps: every engine event becomes
-  exactly one kvstream event, and whatever could not be delivered becomes a ``lost`` marker
+  one kvstream event (consecutive removals of a group become one, as kvstream's emitter
+  batches them), and whatever could not be delivered becomes a ``lost`` marker
   that takes the ids of what it stands for (the marker carries the last id of its range);
 - an engine event that is malformed becomes a ``lost`` marker naming the reason, so a
   consumer knows its view of the worker may be incomplete instead of silently missing
@@ -40,7 +41,7 @@ from kvstream.events.model import (
     SourceId,
     Stored,
 )
-from kvstream.events.trusted import trusted_stored_block
+from kvstream.events.trusted import trusted, trusted_stored_block
 
 __all__ = ["EngineStream"]
 
@@ -93,9 +94,27 @@ class EngineStream:
         self._windows.clear()
 
     def convert(self, wire: WireBatch) -> EventBatch:
-        """The kvstream batch of one engine batch (possibly with no events)."""
+        """The kvstream batch of one engine batch (possibly with no events).
+
+        Consecutive ``BlockRemoved`` events of one layer group and tier become one
+        ``removed`` event (vLLM publishes one per evicted block), as kvstream's own emitter
+        batches removals; every other engine event becomes exactly one kvstream event.
+        """
         events: list[KVCacheEvent] = []
+        removed: list[bytes] = []  # hashes of the removal run being collected
+        run_key: tuple[int, int | None] | None = None
         for ev in wire.events:
+            if ev.kind == "removed":
+                key = (ev.group, ev.cache_level)
+                if key != run_key and removed:
+                    events.append(self._removed(run_key, removed))
+                    removed = []
+                run_key = key
+                removed.extend(ev.block_hashes)
+                continue
+            if removed:
+                events.append(self._removed(run_key, removed))
+                removed, run_key = [], None
             first = self._next_id
             try:
                 events.extend(self._events_of(ev))
@@ -104,7 +123,16 @@ class EngineStream:
                 self.malformed_events += 1
                 reason = str(exc).replace("\n", " ")
                 events.append(self._lost(1, f"malformed engine event: {reason}"))
+        if removed:
+            events.append(self._removed(run_key, removed))
         return self._batch(events, _ts_ns(wire.ts))
+
+    def _removed(self, key: tuple[int, int | None] | None, hashes: list[bytes]) -> KVCacheEvent:
+        assert key is not None
+        group, level = key
+        values = {"block_hashes": tuple(hashes), "cache_level": level}
+        data = trusted(Removed, values) if self.width else Removed(**values)
+        return self._event(group, self._window(group, None), data)
 
     def lost(self, count: int, reason: str) -> EventBatch:
         """A batch holding one ``lost`` marker for ``count`` events that never arrived."""
@@ -141,9 +169,6 @@ class EngineStream:
         kind = ev.kind
         if kind == "stored":
             return [self._stored(ev)]
-        if kind == "removed":
-            data: Any = Removed(block_hashes=ev.block_hashes, cache_level=ev.cache_level)
-            return [self._event(ev.group, self._window(ev.group, None), data)]
         if kind == "cleared":
             groups = sorted(self._windows) or [0]
             windows = self._windows
@@ -152,35 +177,49 @@ class EngineStream:
         return [self._lost(1, f"malformed engine event: {ev.error}")]
 
     def _event(self, group: int, window: int, data: Any) -> KVCacheEvent:
-        return KVCacheEvent(
-            event_id=self._take_id(),
-            hash_algo=self.hash_algo,
-            layer_group_id=group,
-            window_size=window,
-            data=data,
-        )
+        values = {
+            "event_id": self._take_id(),
+            "hash_algo": self.hash_algo,
+            "layer_group_id": group,
+            "window_size": window,
+            "data": data,
+        }
+        if self.width:
+            # Known width: the decoder has made every hash exactly that wide, which is all
+            # the event's validator checks beyond the ranges the decoder checked too.
+            return trusted(KVCacheEvent, values)
+        return KVCacheEvent(**values)
 
     def _stored(self, ev: WireEvent) -> KVCacheEvent:
         # The decoder has checked every value (hash widths, token ranges, extra keys), so
         # blocks are built without re-validation: this is the bridge's per-block cost.
-        common: dict[str, Any] = {}
-        if ev.cache_level:
-            common["cache_level"] = ev.cache_level
-        if ev.lora_id is not None:
-            common["lora_id"] = ev.lora_id
-        if ev.lora_name is not None:
-            common["lora_name"] = ev.lora_name
-        if ev.cache_salt is not None:
-            common["cache_salt"] = ev.cache_salt
+        given = {"block_hash", "token_ids"}
+        for name in ("cache_level", "lora_id", "lora_name", "cache_salt"):
+            if getattr(ev, name):
+                given.add(name)
+        base = frozenset(given)
+        with_extra = base | {"extra_keys"}
+        level = ev.cache_level or 0
+        lora_id, lora_name, salt = ev.lora_id, ev.lora_name, ev.cache_salt
         extra = ev.extra_keys
         tokens = ev.block_tokens
         blocks = []
         for i, h in enumerate(ev.block_hashes):
-            values = {"block_hash": h, "token_ids": tokens[i], **common}
-            if extra is not None and extra[i] is not None:
-                values["extra_keys"] = extra[i]
-            blocks.append(trusted_stored_block(values))
-        data = Stored(parent_hash=ev.parent_hash, blocks=tuple(blocks))
+            keys = None if extra is None else extra[i]
+            blocks.append(
+                trusted_stored_block(
+                    h,
+                    tokens[i],
+                    lora_id=lora_id,
+                    lora_name=lora_name,
+                    cache_level=level,
+                    cache_salt=salt,
+                    extra_keys=keys,
+                    fields_set=base if keys is None else with_extra,
+                )
+            )
+        stored = {"parent_hash": ev.parent_hash, "blocks": tuple(blocks)}
+        data = trusted(Stored, stored) if self.width else Stored(**stored)
         return self._event(ev.group, self._window(ev.group, ev.sliding_window), data)
 
 

@@ -30,6 +30,7 @@ published) when it is 64-bit.
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from array import array
 from collections.abc import Callable, Mapping
@@ -52,25 +53,27 @@ __all__ = [
 
 _U64: Final = 1 << 64
 _BIG_ENDIAN: Final = sys.byteorder == "big"
+_pack = struct.pack
+_EXTERNAL: Final = int(CacheLevel.EXTERNAL)
 _NO_TOKENS: Final = TokenIds()
 _I64_MIN: Final = -(1 << 63)
 
 #: ``medium`` strings engines publish -> kvstream cache level (the tiers Dynamo maps them to).
 MEDIUM_LEVELS: Final[Mapping[str, int]] = {
-    "GPU": CacheLevel.GPU,
-    "DEVICE": CacheLevel.GPU,
-    "CPU": CacheLevel.HOST,
-    "CPU_PINNED": CacheLevel.HOST,
-    "CPU_TIER1": CacheLevel.HOST,
-    "HOST": CacheLevel.HOST,
-    "CPU_TIER2": CacheLevel.DISK,
-    "DISK": CacheLevel.DISK,
-    "NVME": CacheLevel.DISK,
-    "STORAGE": CacheLevel.DISK,
-    "EXTERNAL": CacheLevel.EXTERNAL,
-    "NETWORK": CacheLevel.EXTERNAL,
-    "REMOTE": CacheLevel.EXTERNAL,
-    "SHARED": CacheLevel.EXTERNAL,
+    "GPU": int(CacheLevel.GPU),
+    "DEVICE": int(CacheLevel.GPU),
+    "CPU": int(CacheLevel.HOST),
+    "CPU_PINNED": int(CacheLevel.HOST),
+    "CPU_TIER1": int(CacheLevel.HOST),
+    "HOST": int(CacheLevel.HOST),
+    "CPU_TIER2": int(CacheLevel.DISK),
+    "DISK": int(CacheLevel.DISK),
+    "NVME": int(CacheLevel.DISK),
+    "STORAGE": int(CacheLevel.DISK),
+    "EXTERNAL": int(CacheLevel.EXTERNAL),
+    "NETWORK": int(CacheLevel.EXTERNAL),
+    "REMOTE": int(CacheLevel.EXTERNAL),
+    "SHARED": int(CacheLevel.EXTERNAL),
 }
 
 #: Array-era slot of each ``BlockStored`` field (slot 0 is the tag), vLLM 0.22/0.23 order.
@@ -116,7 +119,7 @@ class Dialect:
 VLLM: Final = Dialect("vllm", "vllm_sha256_64")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: frozen dataclasses pay a setattr per field
 class WireEvent:
     """One engine event, normalised.
 
@@ -251,9 +254,10 @@ def _split_tokens(raw: bytes, n_blocks: int, block_size: Any) -> tuple[TokenIds,
             f"{n_tokens} token ids do not split into {n_blocks} block(s) of {block_size}"
         )
     step = block_size * 4
+    wrap = TokenIds.from_bytes
     if n_blocks == 1:
-        return (TokenIds.from_bytes(raw),)
-    return tuple(TokenIds.from_bytes(raw[i : i + step]) for i in range(0, len(raw), step))
+        return (wrap(raw),)
+    return tuple(wrap(raw[i : i + step]) for i in range(0, len(raw), step))
 
 
 def _extra_item(value: Any, what: str) -> Any:
@@ -385,6 +389,88 @@ def _msgpack_decoder() -> Callable[[bytes], Any]:
     return msgspec.msgpack.Decoder().decode
 
 
+class _NotFast(Exception):
+    """Internal: the payload leaves the fast path's happy case; decode it generically."""
+
+
+def _fast_hashes(values: list[Any], width: int | None) -> tuple[bytes, ...]:
+    n = len(values)
+    if width in (8, None):
+        try:
+            packed = _pack(f">{n}Q", *values)  # non-negative ints only
+        except (struct.error, TypeError):
+            pass
+        else:
+            return tuple(packed[i : i + 8] for i in range(0, 8 * n, 8))
+    try:
+        return tuple(_hash(v, width, "") for v in values)
+    except _BadEvent:
+        raise _NotFast from None
+
+
+def _fast_event(ev: Any, width: int | None, dialect: Dialect, structs: Any) -> WireEvent:
+    # msgspec has checked every field's type; what remains are the value rules.
+    if type(ev) is structs.Cleared:
+        return _CLEARED
+    group = ev.group_idx or 0
+    if not 0 <= group < 1 << 31:
+        raise _NotFast
+    medium = ev.medium
+    level = None if medium is None else MEDIUM_LEVELS.get(medium.upper())
+    if level is None and medium is not None:
+        raise _NotFast
+    if ev.locality is not None and ev.locality.upper() == "REMOTE":
+        level = _EXTERNAL
+    if type(ev) is structs.Removed:
+        if not ev.block_hashes:
+            raise _NotFast
+        hashes = _fast_hashes(ev.block_hashes, width)
+        return WireEvent(kind="removed", block_hashes=hashes, cache_level=level, group=group)
+    n = len(ev.block_hashes)
+    window = ev.kv_cache_spec_sliding_window
+    lora_id = ev.lora_id
+    if not n or (window is not None and window < 1) or (lora_id is not None and lora_id < 0):
+        raise _NotFast
+    parent = ev.parent_block_hash
+    try:
+        tokens = _tokens(ev.token_ids, dialect.bigram_tokens)
+        blocks = _split_tokens(tokens, n, ev.block_size)
+        extra = _extra_keys(ev.extra_keys, n)
+        parent_hash = None if parent is None else _hash(parent, width, "")
+    except _BadEvent:
+        raise _NotFast from None
+    return WireEvent(
+        kind="stored",
+        block_hashes=_fast_hashes(ev.block_hashes, width),
+        parent_hash=parent_hash,
+        block_tokens=blocks,
+        extra_keys=extra,
+        lora_id=lora_id,
+        lora_name=ev.lora_name,
+        cache_salt=ev.cache_salt,
+        cache_level=level,
+        group=group,
+        spec_kind=ev.kv_cache_spec_kind,
+        sliding_window=window,
+    )
+
+
+def _decode_fast(payload: bytes, width: int | None, dialect: Dialect) -> WireBatch:
+    """The map-era happy path (every current engine): typed msgspec decoding, no per-field
+    Python checks. Raises _NotFast for anything else."""
+    from kvstream.engines import _wire_structs as structs
+
+    try:
+        batch = structs.decode(payload)
+    except Exception:  # msgspec's DecodeError/ValidationError: let the generic path say why
+        raise _NotFast from None
+    rank = batch.data_parallel_rank
+    if rank is not None and rank < 0:
+        raise _NotFast
+    events = [_fast_event(ev, width, dialect, structs) for ev in batch.events]
+    return WireBatch(batch.ts, events, rank)
+
+
 def decode_payload(payload: bytes, *, width: int | None, dialect: Dialect = VLLM) -> WireBatch:
     """Decode one ``KVEventBatch`` payload.
 
@@ -392,6 +478,10 @@ def decode_payload(payload: bytes, *, width: int | None, dialect: Dialect = VLLM
     Raises InteropError when the payload is not msgpack or not a ``[ts, events, rank]``
     array; malformed single events come back as ``kind="malformed"`` records.
     """
+    try:
+        return _decode_fast(payload, width, dialect)
+    except _NotFast:
+        pass
     try:
         obj = _msgpack_decoder()(payload)
     except Exception as exc:  # msgspec.DecodeError, and anything a hostile payload triggers

@@ -1,0 +1,51 @@
+"""msgspec declarations of the vLLM-family ``KVEventBatch`` (map era), for the fast path.
+
+Imported lazily by :mod:`kvstream.engines.vllm`. Decoding into these structs checks every
+field's type in C; a payload that does not fit (the array era, an unknown tag, a missing or
+mistyped field, an out-of-range int) is decoded again by the generic path, which names the
+problem per event. Unknown fields are ignored, as newer engines add some. The union of
+every field vLLM and SGLang declare lives in one struct per tag.
+"""
+
+from typing import Any, Union
+
+import msgspec
+
+_Hash = Union[int, bytes]
+
+
+class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[_Hash]
+    token_ids: list[Any]
+    parent_block_hash: Union[_Hash, None] = None
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    extra_keys: Union[list[Any], None] = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+    kv_cache_spec_sliding_window: Union[int, None] = None
+    locality: Union[str, None] = None
+    cache_salt: Union[str, None] = None
+
+
+class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    block_hashes: list[_Hash]
+    medium: Union[str, None] = None
+    group_idx: Union[int, None] = None
+    locality: Union[str, None] = None
+
+
+class Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class Batch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[Stored, Removed, Cleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+decode = msgspec.msgpack.Decoder(Batch).decode
+ValidationError = msgspec.ValidationError
