@@ -40,9 +40,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstream.codec import AvroCodec  # noqa: E402
-from kvstream.engines.stream import EngineStream  # noqa: E402
-from kvstream.engines.vllm import decode_payload  # noqa: E402
+from kvstream.codec import AvroCodec
+from kvstream.engines.stream import EngineStream
+from kvstream.engines.vllm import decode_payload
 
 VOCAB = 128_000
 BLOCK = 16

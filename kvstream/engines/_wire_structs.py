@@ -7,34 +7,34 @@ problem per event. Unknown fields are ignored, as newer engines add some. The un
 every field vLLM and SGLang declare lives in one struct per tag.
 """
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-_Hash = Union[int, bytes]
+_Hash = int | bytes
 
 
 class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     block_hashes: list[_Hash]
     token_ids: list[Any]
-    parent_block_hash: Union[_Hash, None] = None
+    parent_block_hash: _Hash | None = None
     block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Any], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
-    locality: Union[str, None] = None
-    cache_salt: Union[str, None] = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    cache_salt: str | None = None
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
     block_hashes: list[_Hash]
-    medium: Union[str, None] = None
-    group_idx: Union[int, None] = None
-    locality: Union[str, None] = None
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
@@ -43,8 +43,8 @@ class Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False
 
 class Batch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Union[Stored, Removed, Cleared]]
-    data_parallel_rank: Union[int, None] = None
+    events: list[Stored | Removed | Cleared]
+    data_parallel_rank: int | None = None
 
 
 decode = msgspec.msgpack.Decoder(Batch).decode
