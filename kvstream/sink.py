@@ -342,6 +342,7 @@ _BUILTINS: Final[dict[str, str]] = {
     "memory": "kvstream.sinks.memory:MemorySink",
     "file": "kvstream.sinks.file:FileSink",
     "kafka": "kvstream.sinks.kafka:KafkaSink",
+    "vllm": "kvstream.sinks.vllm:VllmSink",
 }
 _registered: dict[str, SinkFactory] = {}
 _entry_points: dict[str, metadata.EntryPoint] = {}
