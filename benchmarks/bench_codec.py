@@ -6,7 +6,7 @@ small as in BPE vocabularies) plus one removed event (4 hashes) per 8 stored eve
 
 Formats, each encoding the same information:
 
-(a) kvstream ``AvroCodec`` (single-object encoding, schema v2) from ``EventBatch`` models;
+(a) kvstream ``AvroCodec`` (single-object encoding, schema v3) from ``EventBatch`` models;
     decode back to validated models (and, for reference, the fastavro stage alone).
 (b) fastavro ``schemaless_writer`` of pre-built plain dicts in a naive row-wise layout (one
     record per block, ``array<long>`` of token ids), decode to dicts.
@@ -345,7 +345,7 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
     data_ms = enc_msgspec.encode(w.vllm)
     if dec_msgspec.decode(data_ms) != w.vllm:
         raise SystemExit("msgspec round trip failed")
-    writer = codec.registry.get(2)
+    writer = codec.schema
     body = split_single_object(data_kv)[1]
     enc = best_time(
         {
@@ -375,7 +375,7 @@ def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float]:
     print(f"\n== {w.name} token ids: {b} blocks/batch, {len(w.batch.events)} events ==")
     print(f"{'format':34s} {'encode blocks/s':>16s} {'decode blocks/s':>16s} {'bytes/block':>12s}")
     rows = [
-        ("kvstream AvroCodec v2 (models)", "kvstream"),
+        ("kvstream AvroCodec v3 (models)", "kvstream"),
         ("fastavro naive row-wise (dicts)", "fastavro"),
         ("msgspec vLLM>=0.24 (structs)", "msgspec"),
     ]

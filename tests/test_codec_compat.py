@@ -13,12 +13,20 @@ import fastavro
 import pytest
 
 from kvstream.codec import AvroCodec, check_compatibility, load_schema_dir, schema_registry
-from kvstream.codec.compat import static_issues
+from kvstream.codec.compat import ambiguous_unions, static_issues
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
-from kvstream.codec.schemas import RELEASED, schema_dir
+from kvstream.codec.schemas import CURRENT_VERSION, RELEASED, schema_dir
 from kvstream.errors import SchemaCompatibilityError
-from kvstream.events.model import Cleared, EventBatch, KVCacheEvent, Lost, Removed, SourceId
+from kvstream.events.model import (
+    CURRENT_SCHEMA_VERSION,
+    Cleared,
+    EventBatch,
+    KVCacheEvent,
+    Lost,
+    Removed,
+    SourceId,
+)
 
 REGISTRY = schema_registry()
 VERSIONS = REGISTRY.versions()
@@ -39,10 +47,10 @@ def _roundtrip(record: dict[str, Any], writer: int, reader: int) -> dict[str, An
 
 
 def test_registry_lists_every_shipped_version() -> None:
-    assert VERSIONS == (1, 2)
-    assert REGISTRY.current.version == 2
+    assert VERSIONS == (1, 2, 3)
+    assert REGISTRY.current.version == 3 == CURRENT_VERSION == CURRENT_SCHEMA_VERSION
     files = sorted(p.name for p in schema_dir().glob("*.avsc"))
-    assert files == ["kv_event_batch.v1.avsc", "kv_event_batch.v2.avsc"]
+    assert files == [f"kv_event_batch.v{v}.avsc" for v in VERSIONS]
 
 
 def test_every_version_is_pinned_and_unchanged() -> None:
@@ -111,7 +119,7 @@ def test_fastavro_round_trip_every_pair(writer: int, reader: int) -> None:
 
 def test_v1_reader_of_v2_data() -> None:
     rich = sample_batches()[1]
-    out = _roundtrip(batch_to_record(rich, 2), 2, 1)
+    out = _roundtrip(batch_to_record(rich, 2, lossy=True), 2, 1)
     kinds = [e["kind"] for e in out["events"]]
     assert kinds == ["CREATED", "STORED", "REMOVED", "UPDATED", "UNKNOWN", "UNKNOWN"]
     assert all("hash_algo" not in e and "layer_group_id" not in e for e in out["events"])
@@ -135,6 +143,28 @@ def test_v2_reader_of_v1_data_gets_defaults() -> None:
     assert stored["lora_name"] is None
     assert stored["cache_salt"] is None
     assert out["events"][2]["removed"]["cache_level"] is None
+
+
+def test_old_readers_of_v3_data_ignore_extra_keys() -> None:
+    rich = sample_batches()[1]
+    record = batch_to_record(rich, 3)
+    assert record["events"][1]["stored"]["extra_keys"]
+    for reader in (1, 2):
+        out = _roundtrip(record, 3, reader)
+        assert "extra_keys" not in out["events"][1]["stored"]
+        assert (
+            out["events"][1]["stored"]["block_hashes"]
+            == (record["events"][1]["stored"]["block_hashes"])
+        )
+    v2 = _roundtrip(record, 3, 2)
+    assert v2["events"][1]["stored"]["mm_keys"] == record["events"][1]["stored"]["mm_keys"]
+
+
+def test_v3_reader_of_older_data_gets_no_extra_keys() -> None:
+    for writer, batch in ((1, sample_batches()[0]), (2, sample_batches()[1])):
+        out = _roundtrip(batch_to_record(batch, writer, lossy=True), writer, 3)
+        stored = next(e["stored"] for e in out["events"] if e["stored"])
+        assert stored["extra_keys"] == []
 
 
 def test_v1_reader_codec_skips_unknown_kinds() -> None:
@@ -163,27 +193,27 @@ def test_v2_reader_skips_created_events_of_v1_data() -> None:
 
 
 def test_future_kind_is_skipped_by_todays_reader(tmp_path: Path) -> None:
-    """A v3 that appends an event kind stays readable: today's reader skips the new kind."""
-    v2 = json.loads((schema_dir() / "kv_event_batch.v2.avsc").read_text())
-    v3 = json.loads(json.dumps(v2))
-    v3["kvstream.schema_version"] = 3
-    event = v3["fields"][3]["type"]["items"]
+    """A v4 that appends an event kind stays readable: today's reader skips the new kind."""
+    current = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
+    v4 = json.loads(json.dumps(current))
+    v4["kvstream.schema_version"] = 4
+    event = v4["fields"][3]["type"]["items"]
     kind = next(f for f in event["fields"] if f["name"] == "kind")
     kind["type"]["symbols"].append("PINNED")
     for p in schema_dir().glob("*.avsc"):
         shutil.copy(p, tmp_path)
-    (tmp_path / "kv_event_batch.v3.avsc").write_text(json.dumps(v3))
+    (tmp_path / "kv_event_batch.v4.avsc").write_text(json.dumps(v4))
     report = check_compatibility(tmp_path)
     assert report.ok, report.render()
-    assert any("v3 is not released" in n for n in report.notes)
+    assert any("v4 is not released" in n for n in report.notes)
     registry = load_schema_dir(tmp_path)
-    record = batch_to_record(sample_batches()[0], 2)
+    record = batch_to_record(sample_batches()[0], 3)
     record["events"][2]["kind"] = "PINNED"
     record["events"][2]["removed"] = None
     buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, registry.get(3).parsed, record)
-    today = AvroCodec(reader_version=2, registry=registry)
-    result = today.decode_body_result(buf.getvalue(), 3)
+    fastavro.schemaless_writer(buf, registry.get(4).parsed, record)
+    today = AvroCodec(reader_version=3, registry=registry)
+    result = today.decode_body_result(buf.getvalue(), 4)
     assert [(s.event_id, s.kind) for s in result.skipped] == [(2, "UNKNOWN")]
     assert len(result.batch.events) == 3
 
@@ -246,10 +276,11 @@ def test_added_union_branch_is_reported(tmp_path: Path) -> None:
     assert [(i.writer, i.reader, i.path, i.rule) for i in static] == [
         (
             2,
-            1,
+            reader,
             "EventBatch.events[].stored.lora_id",
             "writer union branch missing from reader union",
         )
+        for reader in (1, 3)
     ]
     assert any(i.check == "avro" and (i.writer, i.reader) == (2, 1) for i in report.issues)
     # Data-dependent: the runtime round trips only fail if a string is ever written there.
@@ -265,7 +296,8 @@ def test_enum_symbol_without_default_is_reported(tmp_path: Path) -> None:
     report = check_compatibility(_broken_copy(tmp_path, edit, version=1))
     static = [i for i in report.issues if i.check == "static"]
     assert [(i.writer, i.reader, i.path, i.rule) for i in static] == [
-        (2, 1, "EventBatch.events[].kind", "enum symbol missing without default")
+        (writer, 1, "EventBatch.events[].kind", "enum symbol missing without default")
+        for writer in (2, 3)
     ]
     runtime = [i for i in report.issues if i.check == "fastavro" and (i.writer, i.reader) == (2, 1)]
     assert runtime, report.render()
@@ -291,7 +323,36 @@ def test_unloadable_dir_is_reported(tmp_path: Path) -> None:
 def test_missing_released_version_is_reported(tmp_path: Path) -> None:
     shutil.copy(schema_dir() / "kv_event_batch.v2.avsc", tmp_path)
     report = check_compatibility(tmp_path)
-    assert [i.rule for i in report.issues] == ["released version missing from the directory"]
+    assert [(i.writer, i.rule) for i in report.issues] == [
+        (1, "released version missing from the directory"),
+        (3, "released version missing from the directory"),
+    ]
+
+
+def test_union_of_string_and_bytes_is_reported(tmp_path: Path) -> None:
+    """A reader may resolve a writer's bytes branch to its string branch (fastavro takes the
+    first match, promotions included), so such a union is flagged in any version."""
+    v4 = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
+    v4["kvstream.schema_version"] = 4
+    _stored_fields(v4).append(
+        {"name": "blob", "type": ["null", "string", "bytes"], "default": None}
+    )
+    for p in schema_dir().glob("*.avsc"):
+        shutil.copy(p, tmp_path)
+    (tmp_path / "kv_event_batch.v4.avsc").write_text(json.dumps(v4))
+    report = check_compatibility(tmp_path)
+    assert [(i.check, i.writer, i.reader, i.path, i.rule) for i in report.issues] == [
+        (
+            "static",
+            4,
+            None,
+            "EventBatch.events[].stored.blob",
+            "union branches a reader may promote into each other",
+        )
+    ]
+    assert "string and bytes" in report.render()
+    for info in REGISTRY:
+        assert ambiguous_unions(info.schema_json) == []
 
 
 def test_missing_avro_is_a_note_or_an_issue(monkeypatch: pytest.MonkeyPatch) -> None:

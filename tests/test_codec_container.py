@@ -40,7 +40,7 @@ def test_plain_fastavro_reads_our_files(tmp_path: Path, codec: str) -> None:
         reader = fastavro.reader(fo)
         records = list(reader)
         assert reader.metadata["avro.codec"] == codec
-        assert reader.metadata["kvstream.schema_version"] == "2"
+        assert reader.metadata["kvstream.schema_version"] == "3"
     assert len(records) == 50
     assert [len(r["events"]) for r in records[:3]] == [len(b.events) for b in SAMPLES]
     assert list(read_container(path)) == _many(50)
@@ -72,7 +72,7 @@ def test_v1_files_and_reader_details(tmp_path: Path) -> None:
 
 def test_files_written_by_plain_fastavro_are_readable(tmp_path: Path) -> None:
     path = tmp_path / "foreign.avro"
-    for version in (1, 2):
+    for version in (1, 2, 3):
         info = schema_registry().get(version)
         records = [batch_to_record(b, version, lossy=True) for b in SAMPLES]
         with path.open("wb") as fo:
@@ -89,12 +89,12 @@ def test_append_reuses_header(tmp_path: Path) -> None:
         w.write_many(_many(3))
     with ContainerWriter(path) as w:
         assert w.codec == "deflate"
-        assert w.schema_version == 2
+        assert w.schema_version == 3
         w.write_many(_many(4))
     assert list(read_container(path)) == _many(3) + _many(4)
     with path.open("rb") as fo:
         assert len(list(fastavro.reader(fo))) == 7
-    with pytest.raises(EncodeError, match="v1 batches to a v2 file"):
+    with pytest.raises(EncodeError, match="v1 batches to a v3 file"):
         ContainerWriter(path, schema_version=1)
     with pytest.raises(EncodeError, match="codec 'null'"):
         ContainerWriter(path, codec="null")
@@ -188,7 +188,7 @@ def test_torn_header_and_empty_files() -> None:
             read_container(io.BytesIO(data[:cut]))
     reader = read_container(io.BytesIO(data))
     assert list(reader) == []
-    assert reader.writer_version == 2
+    assert reader.writer_version == 3
 
 
 def test_not_a_container() -> None:
@@ -205,18 +205,18 @@ def test_block_size_limit() -> None:
 
 
 def test_unknown_later_version_is_resolved(tmp_path: Path) -> None:
-    """A file from a later kvstream (unknown schema, header says v3) is still readable."""
-    v3 = json.loads((schema_dir() / "kv_event_batch.v2.avsc").read_text())
-    v3["kvstream.schema_version"] = 3
-    lost = next(f for f in v3["fields"][3]["type"]["items"]["fields"] if f["name"] == "lost")
+    """A file from a later kvstream (unknown schema, header says v4) is still readable."""
+    v4 = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
+    v4["kvstream.schema_version"] = 4
+    lost = next(f for f in v4["fields"][3]["type"]["items"]["fields"] if f["name"] == "lost")
     lost["type"][1]["fields"].append({"name": "detail", "type": "string", "default": ""})
-    path = tmp_path / "v3.avro"
-    records = [batch_to_record(b, 2) for b in SAMPLES]
+    path = tmp_path / "v4.avro"
+    records = [batch_to_record(b, 3) for b in SAMPLES]
     with path.open("wb") as fo:
-        fastavro.writer(fo, fastavro.parse_schema(v3), records)
+        fastavro.writer(fo, fastavro.parse_schema(v4), records)
     reader = read_container(path)
-    assert list(reader) == [b.model_copy(update={"schema_version": 3}) for b in SAMPLES]
-    assert reader.writer_version == 3
+    assert list(reader) == [b.model_copy(update={"schema_version": 4}) for b in SAMPLES]
+    assert reader.writer_version == 4
 
 
 def test_unsupported_codec() -> None:

@@ -16,6 +16,7 @@ from kvstream.errors import DecodeError
 from kvstream.events.model import EventBatch
 
 CODEC = AvroCodec()
+CODEC_V2 = AvroCodec(2, lossy=True)
 CODEC_V1 = AvroCodec(1, lossy=True)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -26,10 +27,12 @@ def _container(data: bytes, tolerant: bool = False) -> None:
 
 DECODERS: dict[str, Callable[[bytes], object]] = {
     "single_object": CODEC.decode,
-    "confluent": lambda d: CODEC.decode_confluent(d, lambda i: 1 + i % 2),
+    "confluent": lambda d: CODEC.decode_confluent(d, lambda i: 1 + i % 3),
     "body_v1": lambda d: CODEC.decode_body(d, 1),
     "body_v2": lambda d: CODEC.decode_body(d, 2),
+    "body_v3": lambda d: CODEC.decode_body(d, 3),
     "v1_reader": AvroCodec(reader_version=1).decode,
+    "v2_reader": AvroCodec(reader_version=2).decode,
     "container": _container,
 }
 
@@ -47,10 +50,12 @@ def _encodings(batch: EventBatch) -> dict[str, bytes]:
     write_container(buf, [batch, batch], codec="deflate")
     return {
         "single_object": CODEC.encode(batch),
-        "confluent": CODEC.encode_confluent(batch, 1),
+        "confluent": CODEC.encode_confluent(batch, 2),  # id 2: schema v3
         "body_v1": CODEC_V1.encode_body(batch),
-        "body_v2": CODEC.encode_body(batch),
+        "body_v2": CODEC_V2.encode_body(batch),
+        "body_v3": CODEC.encode_body(batch),
         "v1_reader": CODEC.encode(batch),
+        "v2_reader": CODEC.encode(batch),
         "container": buf.getvalue(),
     }
 
@@ -68,7 +73,7 @@ def test_arbitrary_bytes(name: str, data: bytes) -> None:
 def test_arbitrary_bytes_behind_valid_headers(name: str, data: bytes) -> None:
     prefix = {
         "single_object": CODEC.encode(sample_batches()[2])[:10],
-        "confluent": b"\x00\x00\x00\x00\x02",
+        "confluent": b"\x00\x00\x00\x00\x02",  # id 2: schema v3
         "container": _encodings(sample_batches()[2])["container"][:-40],
     }.get(name, b"")
     only_decode_errors(DECODERS[name], prefix + data)
@@ -121,6 +126,7 @@ def test_torn_container_tail_never_raises(batch: EventBatch, cut: int) -> None:
         b"\xc3\x01" + bytes.fromhex("f9e9d3199857e8b2") + b"\xff" * 20,
         # A v2 body claiming a 2**62-byte string: must not try to allocate it.
         b"\xc3\x01" + bytes.fromhex("f9e9d3199857e8b2") + b"\xfe\xff\xff\xff\xff\xff\xff\xff\x7f",
+        b"\xc3\x01" + bytes.fromhex("479674ac542f98fe") + b"\xfe\xff\xff\xff\xff\xff\xff\xff\x7f",
     ],
 )
 def test_hostile_inputs(data: bytes) -> None:

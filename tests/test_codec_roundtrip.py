@@ -1,4 +1,7 @@
-"""AvroCodec round trips, framings, the fast encoder against fastavro, older-version writing."""
+"""AvroCodec round trips, framings, the fast encoder against fastavro, older-version writing.
+
+(Schema v3 specifics, the engine extra keys, are in test_codec_v3.py.)
+"""
 
 from __future__ import annotations
 
@@ -32,8 +35,11 @@ from kvstream.events.model import (
 )
 
 CODEC = AvroCodec()
+CODEC_V2 = AvroCodec(2)
+CODEC_V2_LOSSY = AvroCodec(2, lossy=True)
 CODEC_V1 = AvroCodec(1)
 CODEC_V1_LOSSY = AvroCodec(1, lossy=True)
+CURRENT = CODEC.schema_version
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -42,6 +48,23 @@ def fastavro_body(batch: EventBatch, version: int, *, lossy: bool = False) -> by
     record = batch_to_record(batch, version, lossy=lossy)
     fastavro.schemaless_writer(buf, schema_registry().get(version).parsed, record)
     return buf.getvalue()
+
+
+def without_extra_keys(data: Stored) -> Stored:
+    return data.model_copy(
+        update={"blocks": tuple(b.model_copy(update={"extra_keys": None}) for b in data.blocks)}
+    )
+
+
+def as_v2_sees_it(batch: EventBatch, schema_version: int = 2) -> EventBatch:
+    """What a v3 reader gets back from v2 data (or a v2 reader from v3 data): no extra keys."""
+    events = tuple(
+        ev.model_copy(update={"data": without_extra_keys(ev.data)})
+        if isinstance(ev.data, Stored)
+        else ev
+        for ev in batch.events
+    )
+    return batch.model_copy(update={"events": events, "schema_version": schema_version})
 
 
 def as_v1_sees_it(batch: EventBatch) -> EventBatch:
@@ -63,6 +86,7 @@ def as_v1_sees_it(batch: EventBatch) -> EventBatch:
                                 "cache_salt": None,
                                 "mm_keys": (),
                                 "token_extra_ids": None,
+                                "extra_keys": None,
                             }
                         )
                         for b in data.blocks
@@ -91,10 +115,11 @@ def as_v1_sees_it(batch: EventBatch) -> EventBatch:
 def test_single_object_round_trip(batch: EventBatch) -> None:
     data = CODEC.encode(batch)
     assert data[:2] == b"\xc3\x01"
-    assert data[2:10] == schema_registry().get(2).fingerprint
+    assert CURRENT == 3
+    assert data[2:10] == schema_registry().get(3).fingerprint
     result = CODEC.decode_result(data)
     assert result.batch == batch
-    assert result.writer_version == 2
+    assert result.writer_version == 3
     assert result.skipped == ()
 
 
@@ -104,19 +129,47 @@ def test_confluent_round_trip(batch: EventBatch, schema_id: int) -> None:
     data = CODEC.encode_confluent(batch, schema_id)
     assert data[0] == 0
     assert struct.unpack(">I", data[1:5])[0] == schema_id
-    assert CODEC.decode_confluent(data, {schema_id: 2}) == batch
-    assert CODEC.decode_confluent(data, lambda i: 2) == batch
+    assert CODEC.decode_confluent(data, {schema_id: 3}) == batch
+    assert CODEC.decode_confluent(data, lambda i: 3) == batch
 
 
 @SETTINGS
 @given(batches())
 def test_body_round_trip_and_matches_fastavro_byte_for_byte(batch: EventBatch) -> None:
     body = CODEC.encode_body(batch)
-    assert body == fastavro_body(batch, 2)
-    assert CODEC.decode_body(body, 2) == batch
+    assert body == fastavro_body(batch, 3)
+    assert CODEC.decode_body(body, 3) == batch
     # fastavro with the writer schema alone (no kvstream code) reads it too.
-    record = fastavro.schemaless_reader(io.BytesIO(body), schema_registry().get(2).parsed, None)
+    record = fastavro.schemaless_reader(io.BytesIO(body), schema_registry().get(3).parsed, None)
     assert len(record["events"]) == len(batch.events)
+
+
+@SETTINGS
+@given(batches())
+def test_v2_lossy_body_matches_fastavro(batch: EventBatch) -> None:
+    assert encode_batch_body(batch, 2, lossy=True) == fastavro_body(batch, 2, lossy=True)
+
+
+@SETTINGS
+@given(batches())
+def test_v2_round_trip_keeps_everything_but_extra_keys(batch: EventBatch) -> None:
+    data = CODEC_V2_LOSSY.encode(batch)
+    assert data[2:10] == schema_registry().get(2).fingerprint
+    result = CODEC.decode_result(data)
+    assert result.writer_version == 2
+    assert result.batch == as_v2_sees_it(batch)
+    assert result.skipped == ()
+    has_keys = any(
+        b.extra_keys is not None
+        for ev in batch.events
+        if isinstance(ev.data, Stored)
+        for b in ev.data.blocks
+    )
+    if has_keys:
+        with pytest.raises(EncodeError, match="extra_keys"):
+            CODEC_V2.encode(batch)
+    else:
+        assert CODEC_V2.encode(batch) == data
 
 
 @SETTINGS
@@ -151,7 +204,8 @@ def test_sample_batches_round_trip() -> None:
 
 def test_schema_version_field_is_the_writers() -> None:
     batch = sample_batches()[0].model_copy(update={"schema_version": 1})
-    assert CODEC.decode(CODEC.encode(batch)).schema_version == 2
+    assert CODEC.decode(CODEC.encode(batch)).schema_version == 3
+    assert CODEC.decode(CODEC_V2.encode(batch)).schema_version == 2
     assert CODEC.decode(CODEC_V1.encode(batch)).schema_version == 1
 
 
@@ -182,7 +236,7 @@ def test_v1_rejects_what_it_would_misstate(event: KVCacheEvent) -> None:
 
 def test_unknown_writer_version_is_rejected() -> None:
     with pytest.raises(UnknownSchemaError):
-        AvroCodec(3)
+        AvroCodec(4)
 
 
 def test_confluent_schema_id_range() -> None:
@@ -230,7 +284,7 @@ def test_single_object_readable_by_apache_avro() -> None:
     batch = sample_batches()[1]
     data = CODEC.encode(batch)
     fingerprint, body = split_single_object(data)
-    reader = avro_io.DatumReader(avro.schema.parse(schema_registry().get(2).schema_text))
+    reader = avro_io.DatumReader(avro.schema.parse(schema_registry().get(3).schema_text))
     record = reader.read(avro_io.BinaryDecoder(io.BytesIO(body)))
     assert [e["kind"] for e in record["events"]] == [
         "CREATED",
@@ -240,7 +294,17 @@ def test_single_object_readable_by_apache_avro() -> None:
         "CLEARED",
         "LOST",
     ]
-    assert fingerprint == schema_registry().get(2).fingerprint
+    assert fingerprint == schema_registry().get(3).fingerprint
+    # The engine extra keys as any Avro library sees them: one-field records for bytes and
+    # for 2^64 - 1, arrays for tuples, the long branch for negative offsets.
+    stored = record["events"][1]["stored"]
+    assert [e["block_index"] for e in stored["extra_keys"]] == [0, 2]
+    keys = stored["extra_keys"][0]["keys"]
+    assert keys[1] == ["img-1", -3]
+    assert keys[3] == {"value": sample_batches()[1].events[1].data.blocks[0].extra_keys[3]}
+    assert keys[4] == {"value": -1}
+    assert keys[7] == ["u64", {"value": -(2**63)}, {"value": b""}]
+    assert stored["extra_keys"][1]["keys"] == []
 
 
 def test_framing_errors_say_what_is_wrong() -> None:
@@ -253,7 +317,7 @@ def test_framing_errors_say_what_is_wrong() -> None:
         CODEC.decode(good[:2] + b"\x00" * 8 + good[10:])
     with pytest.raises(DecodeError, match="left over"):
         CODEC.decode(good + b"\x00")
-    with pytest.raises(DecodeError, match="not a valid schema v2 record"):
+    with pytest.raises(DecodeError, match="not a valid schema v3 record"):
         CODEC.decode(good[:-3])
     with pytest.raises(DecodeError, match="Confluent"):
         CODEC.decode_confluent(b"\x01\x00\x00\x00\x01", {1: 2})
@@ -264,12 +328,12 @@ def test_framing_errors_say_what_is_wrong() -> None:
 # -------------------------------------------------------------------- decoder validation
 
 
-def _v2_body(record_edit: object) -> bytes:
+def _v3_body(record_edit: object) -> bytes:
     """A body of sample batch 1 with ``record_edit(record)`` applied before writing."""
-    record = batch_to_record(sample_batches()[1], 2)
+    record = batch_to_record(sample_batches()[1], 3)
     record_edit(record)  # type: ignore[operator]
     buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, schema_registry().get(2).parsed, record)
+    fastavro.schemaless_writer(buf, schema_registry().get(3).parsed, record)
     return buf.getvalue()
 
 
@@ -297,6 +361,8 @@ def _stored(record: dict) -> dict:  # type: ignore[type-arg]
             lambda r: _stored(r)["token_extra_ids"].append(_stored(r)["token_extra_ids"][0]),
             "repeated",
         ),
+        (lambda r: _stored(r)["extra_keys"][1].update(block_index=3), "extra_keys"),
+        (lambda r: _stored(r)["extra_keys"].reverse(), "extra_keys: block_index 0 repeated"),
         (lambda r: r["events"][1].update(kind="REMOVED"), "'stored' payload is set"),
         (lambda r: r["events"][2].update(removed=None), "payload is null"),
         (lambda r: _stored(r).update(priorities=[500, 1, 2]), "event model"),
@@ -304,15 +370,15 @@ def _stored(record: dict) -> dict:  # type: ignore[type-arg]
     ],
 )
 def test_decoder_rejects_inconsistent_records(edit: object, message: str) -> None:
-    body = _v2_body(edit)
+    body = _v3_body(edit)
     with pytest.raises(DecodeError, match=message):
-        CODEC.decode_body(body, 2)
+        CODEC.decode_body(body, 3)
 
 
 def test_model_errors_are_chained() -> None:
-    body = _v2_body(lambda r: r["source"].update(instance_id=""))
+    body = _v3_body(lambda r: r["source"].update(instance_id=""))
     with pytest.raises(DecodeError) as info:
-        CODEC.decode_body(body, 2)
+        CODEC.decode_body(body, 3)
     assert info.value.__cause__ is not None
 
 
@@ -335,7 +401,7 @@ def test_irregular_and_partial_layouts() -> None:
 
     for sizes in ([4, 4, 4], [4, 4, 2], [4], [2, 4, 4], [0, 0], [4, 4, 2, 4]):
         batch = EventBatch(source=SourceId(instance_id="w"), ts_ns=0, events=(event(sizes),))
-        record = batch_to_record(batch, 2)["events"][0]["stored"]
+        record = batch_to_record(batch, 3)["events"][0]["stored"]
         irregular = sizes[:-1].count(sizes[0]) != len(sizes) - 1
         assert (record["block_sizes"] is not None) == irregular
         assert CODEC.decode(CODEC.encode(batch)) == batch

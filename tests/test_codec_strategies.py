@@ -50,12 +50,24 @@ token_id = st.one_of(
 )
 
 
+# Engine extra keys (vLLM ``extra_keys``): scalars and tuples of scalars, integers over the
+# whole model range (negative offsets, beyond a signed long), empty strings/bytes/tuples.
+extra_atom = st.one_of(
+    small_text,
+    st.integers(-(2**63), 2**64 - 1),
+    st.sampled_from([-(2**63), -1, 0, 2**63 - 1, 2**63, 2**64 - 1]),
+    st.binary(max_size=40),
+)
+extra_key = st.one_of(extra_atom, st.lists(extra_atom, max_size=3).map(tuple))
+extra_keys = st.one_of(st.none(), st.lists(extra_key, max_size=4).map(tuple))
+
+
 def token_ids(n: int) -> st.SearchStrategy[TokenIds]:
     return st.lists(token_id, min_size=n, max_size=n).map(TokenIds)
 
 
 @st.composite
-def stored(draw: st.DrawFn, width: int) -> Stored:
+def stored(draw: st.DrawFn, width: int, with_extra_keys: bool = True) -> Stored:
     n = draw(st.integers(1, 5))
     size = draw(st.integers(0, 9))
     shape = draw(st.sampled_from(["uniform", "partial_last", "irregular"]))
@@ -78,6 +90,7 @@ def stored(draw: st.DrawFn, width: int) -> Stored:
                     "cache_salt",
                     "mm_keys",
                     "extra",
+                    "extra_keys",
                 ]
             )
         )
@@ -97,6 +110,7 @@ def stored(draw: st.DrawFn, width: int) -> Stored:
             ),
             max_size=2,
         ).map(tuple),
+        "extra_keys": extra_keys if with_extra_keys else st.none(),
     }
     uniform = {k: draw(v) for k, v in values.items() if k not in per_block}
     blocks = []
@@ -119,13 +133,15 @@ def stored(draw: st.DrawFn, width: int) -> Stored:
 
 
 @st.composite
-def event_data(draw: st.DrawFn, width: int, kinds: tuple[str, ...]) -> Any:
+def event_data(
+    draw: st.DrawFn, width: int, kinds: tuple[str, ...], with_extra_keys: bool = True
+) -> Any:
     kind = draw(st.sampled_from(kinds))
     hashes = st.binary(min_size=width, max_size=width)
     diff = st.builds(EventDiff, old_value=st.integers(0, I32), new_value=st.integers(0, I32))
     prio = st.builds(EventDiff, old_value=st.integers(0, 100), new_value=st.integers(0, 100))
     if kind == "stored":
-        return draw(stored(width))
+        return draw(stored(width, with_extra_keys))
     if kind == "removed":
         return Removed(
             block_hashes=tuple(draw(st.lists(hashes, min_size=1, max_size=4))),
@@ -164,7 +180,7 @@ def events(draw: st.DrawFn, kinds: tuple[str, ...] = ALL_KINDS, v1: bool = False
         hash_algo=algo,
         layer_group_id=0 if v1 else draw(st.integers(0, I32)),
         window_size=draw(st.integers(1, I64)),
-        data=draw(event_data(width, kinds)),
+        data=draw(event_data(width, kinds, with_extra_keys=not v1)),
     )
 
 
@@ -184,7 +200,8 @@ def batches(draw: st.DrawFn, max_events: int = 6) -> EventBatch:
 
 @st.composite
 def v1_batches(draw: st.DrawFn, max_events: int = 6) -> EventBatch:
-    """Batches whose events schema v1 can carry (no cleared/lost, v1_block_key hashes)."""
+    """Batches whose events schema v1 can carry (no cleared/lost, v1_block_key hashes, no
+    engine extra keys)."""
     return EventBatch(
         source=SourceId(
             instance_id=draw(st.text(min_size=1, max_size=20)),
@@ -205,3 +222,9 @@ def test_strategy_builds_valid_batches(batch: EventBatch) -> None:
 @given(v1_batches())
 def test_v1_strategy_stays_inside_v1(batch: EventBatch) -> None:
     assert all(ev.hash_algo == "v1_block_key" and ev.kind.value in V1_KINDS for ev in batch.events)
+    assert all(
+        b.extra_keys is None
+        for ev in batch.events
+        if isinstance(ev.data, Stored)
+        for b in ev.data.blocks
+    )

@@ -119,7 +119,7 @@ async def test_cache_manager_to_kafka_and_back(kafka: KafkaEnv) -> None:
         got[b.source].extend(b.events)
         assert r.key == source_key(b.source)
         headers = dict(r.headers)
-        assert headers[HEADER_SCHEMA_VERSION] == b"2"
+        assert headers[HEADER_SCHEMA_VERSION] == str(CODEC.schema_version).encode()
         assert headers[HEADER_SCHEMA_FINGERPRINT] == CODEC.schema.fingerprint_hex.encode()
         assert headers[HEADER_HASH_ALGO] == b"v2_sha256_64"
         assert headers[HEADER_ENCODING] == b"avro-single-object"
@@ -146,7 +146,7 @@ async def test_confluent_wire_format(kafka: KafkaEnv) -> None:
         await reader.stop()
     values = [r.value for r in sorted(reader.records, key=lambda r: r.offset)]
     assert all(v[:5] == b"\x00\x00\x00\x00\x2a" for v in values)
-    assert [CODEC.decode_confluent(v, {42: 2}) for v in values] == batches
+    assert [CODEC.decode_confluent(v, {42: CODEC.schema_version}) for v in values] == batches
     assert dict(reader.records[0].headers)[HEADER_ENCODING] == b"confluent"
 
 

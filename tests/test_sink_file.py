@@ -41,7 +41,7 @@ async def test_files_are_plain_avro_containers(tmp_path: Path) -> None:
         reader = fastavro.reader(fh)
         records = list(reader)
         assert reader.metadata["avro.codec"] == "deflate"
-        assert reader.metadata["kvstream.schema_version"] == "2"
+        assert reader.metadata["kvstream.schema_version"] == "3"
     assert len(records) == 10
     assert list(read_dir(tmp_path, tolerate_torn_tail=False)) == batches
 

@@ -16,9 +16,10 @@ record per batch; the token ids of all its stored events in one packed ``TokenPa
 ``kind`` with default ``UNKNOWN`` (so older readers skip kinds added later) and one nullable
 payload record per kind; stored payloads are columnar: hashes concatenated in one ``bytes``,
 block sizes and per-block attributes stored once when uniform, per-block arrays only when they
-differ, multimodal keys and extra token ids as sparse arrays. Encoding writes Avro binary
-directly (byte-identical to fastavro, several times faster); decoding uses fastavro's schema
-resolution, then validates every length and count and the event model.
+differ, multimodal keys, extra token ids and the engines' extra keys (v3) as sparse arrays.
+Encoding writes Avro binary directly (byte-identical to fastavro, several times faster);
+decoding uses fastavro's schema resolution, then validates every length and count and the
+event model.
 """
 
 from kvstream.codec.codec import AvroCodec, SchemaIdResolver

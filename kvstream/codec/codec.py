@@ -26,9 +26,10 @@ class AvroCodec:
     """Encode batches with one schema version; decode any known version into the model.
 
     ``schema_version`` selects the writer schema (default: the current one). Writing an older
-    version drops what it cannot carry and raises EncodeError for events it would misstate
-    (``cleared``/``lost``, non-``v1_block_key`` hashes in v1) unless ``lossy=True``, which
-    leaves those events out; see :mod:`kvstream.codec.downgrade`. The batch's own
+    version drops what it merely lacks room for and raises EncodeError for what it would lose
+    or misstate unless ``lossy=True``: blocks' ``extra_keys`` in v1/v2 (lossy: written
+    without them), ``cleared``/``lost`` events and non-``v1_block_key`` hashes in v1 (lossy:
+    those events are left out); see :mod:`kvstream.codec.downgrade`. The batch's own
     ``schema_version`` field is ignored on encode and set to the writer's version on decode.
 
     Decoding resolves the writer's schema into the current one (or ``reader_version``, to

@@ -3,7 +3,10 @@
 For every ordered pair (writer, reader) of versions:
 
 1. ``static``: kvstream's own walk of the Avro resolution rules, which names the field path
-   and the rule broken (e.g. ``reader field has no default``);
+   and the rule broken (e.g. ``reader field has no default``); per version it also flags a
+   union holding two branches a reader may promote into each other (``string`` and ``bytes``,
+   ``int`` and ``long``, ...): fastavro resolves a writer's branch to the *first* reader branch
+   that matches, promotions included, so bytes could come back as a string;
 2. ``avro``: Apache avro's ``ReaderWriterCompatibilityChecker`` (the optional
    ``schema-check`` extra; imported lazily here only);
 3. ``fastavro``: round trips of sample data, written with the writer schema and read with the
@@ -27,13 +30,20 @@ from typing import Any, Final
 import fastavro
 from fastavro.utils import generate_many
 
+from kvstream.codec.downgrade import WRITABLE_VERSIONS
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
 from kvstream.codec.schemas import RELEASED, SchemaInfo, load_schema_dir
 from kvstream.codec.schemas import schema_dir as _default_schema_dir
 from kvstream.errors import CodecError
 
-__all__ = ["CompatIssue", "CompatReport", "check_compatibility", "static_issues"]
+__all__ = [
+    "CompatIssue",
+    "CompatReport",
+    "ambiguous_unions",
+    "check_compatibility",
+    "static_issues",
+]
 
 _PRIMITIVES: Final = frozenset(
     {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
@@ -280,6 +290,45 @@ def static_issues(writer_json: Any, reader_json: Any) -> list[tuple[str, str, st
     return s.issues
 
 
+def _walk_unions(schema: Any, path: str, seen: set[int], out: list[tuple[str, str, str]]) -> None:
+    if isinstance(schema, list):
+        kinds = [_kind(b) if not isinstance(b, str) or b in _PRIMITIVES else b for b in schema]
+        for i, a in enumerate(kinds):
+            for b in kinds[i + 1 :]:
+                if b in _PROMOTIONS.get(a, ()) or a in _PROMOTIONS.get(b, ()):
+                    out.append(
+                        (
+                            path,
+                            "union branches a reader may promote into each other",
+                            f"{a} and {b}: fastavro resolves to the first branch that matches",
+                        )
+                    )
+        for branch in schema:
+            _walk_unions(branch, path, seen, out)
+        return
+    if not isinstance(schema, dict) or id(schema) in seen:
+        return
+    seen.add(id(schema))
+    t = schema.get("type")
+    if isinstance(t, (dict, list)):
+        _walk_unions(t, path, seen, out)
+    elif t in ("record", "error"):
+        for f in schema.get("fields", ()):
+            _walk_unions(f["type"], f"{path}.{f['name']}" if path else f["name"], seen, out)
+    elif t == "array":
+        _walk_unions(schema["items"], f"{path}[]", seen, out)
+    elif t == "map":
+        _walk_unions(schema["values"], f"{path}{{}}", seen, out)
+
+
+def ambiguous_unions(schema_json: Any) -> list[tuple[str, str, str]]:
+    """(field path, rule, detail) for every union of ``schema_json`` holding two branches of
+    which one promotes to the other (e.g. ``string`` and ``bytes``)."""
+    out: list[tuple[str, str, str]] = []
+    _walk_unions(schema_json, str(schema_json.get("name", "")), set(), out)
+    return out
+
+
 # ------------------------------------------------------------------------- Apache avro
 
 
@@ -354,7 +403,7 @@ def _avro_issues(
 
 def _samples(writer: SchemaInfo) -> Iterator[tuple[str, Any]]:
     """(label, record) pairs of the writer schema: kvstream samples, then random records."""
-    if writer.version in (1, 2):
+    if writer.version in WRITABLE_VERSIONS:
         for i, batch in enumerate(sample_batches()):
             yield f"sample batch {i}", batch_to_record(batch, writer.version, lossy=True)
     state = random.getstate()
@@ -501,6 +550,9 @@ def check_compatibility(
     else:
         checks.insert(2, "avro")
     pairs = [(w.version, r.version) for w in infos for r in infos]
+    for info in infos:
+        for path, rule, detail in ambiguous_unions(info.schema_json):
+            issues.append(CompatIssue("static", info.version, None, path, rule, detail))
     for w in infos:
         for r in infos:
             if w.version != r.version:

@@ -18,8 +18,8 @@ from operator import attrgetter
 from typing import Any, Final
 
 from kvstream._types import TokenIds
-from kvstream.codec.binary import encode_bytes, encode_long, encode_string
-from kvstream.codec.downgrade import events_for_version
+from kvstream.codec.binary import LONG_MAX, encode_bytes, encode_long, encode_string
+from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, WRITABLE_VERSIONS, events_for_version
 from kvstream.codec.tokens import pack_tokens
 from kvstream.errors import EncodeError
 from kvstream.events.model import (
@@ -39,7 +39,7 @@ from kvstream.events.model import (
 __all__ = ["ENCODED_VERSIONS", "encode_batch_body"]
 
 #: Versions this encoder writes.
-ENCODED_VERSIONS: Final = (1, 2)
+ENCODED_VERSIONS: Final = WRITABLE_VERSIONS
 
 _NULL: Final = b"\x00"
 _BRANCH1: Final = b"\x02"  # union branch 1 (the non-null one of ["null", T])
@@ -56,6 +56,13 @@ _KIND: Final = {
     "cleared": b"\x0a",
     "lost": b"\x0c",
 }
+# Extra-key union branches (zig-zag encoded): string, long, ExtraKeyBytes, ExtraKeyUInt64 (both
+# one-field records, so encoded as their field), array of scalars.
+_KEY_STRING: Final = b"\x00"
+_KEY_LONG: Final = b"\x02"
+_KEY_BYTES: Final = b"\x04"
+_KEY_UINT64: Final = b"\x06"
+_KEY_TUPLE: Final = b"\x08"
 # AttentionKind symbols: UNKNOWN, FULL_ATTENTION, SLIDING_WINDOW.
 _ATTENTION: Final = {AttentionKind.FULL: b"\x02", AttentionKind.SLIDING_WINDOW: b"\x04"}
 _PAYLOAD_ORDER: Final = ("created", "stored", "removed", "updated", "lost")
@@ -77,6 +84,7 @@ _ATTRS = attrgetter(
     "cache_salt",
     "token_extra_ids",
     "mm_keys",
+    "extra_keys",
 )
 _DEFAULT_BLOCK = StoredBlock(block_hash=b"\x00" * 8, token_ids=())
 _DEFAULT_CACHE_LEVEL: Final = _DEFAULT_BLOCK.cache_level
@@ -85,17 +93,22 @@ _DEFAULT_ATTRS: Final = _ATTRS(_DEFAULT_BLOCK)
 
 
 class _Cache(dict[Any, bytes]):
-    """Memo of encoded values that repeat (sizes, window sizes, names); bounded."""
+    """Memo of encoded values that repeat (sizes, window sizes, names); bounded. When full it
+    stops adding, or with ``refresh`` starts over (for values that drift over time)."""
 
-    def __init__(self, encode: Any, limit: int = 4096) -> None:
+    def __init__(self, encode: Any, limit: int = 4096, *, refresh: bool = False) -> None:
         super().__init__()
         self._encode = encode
         self._limit = limit
+        self._refresh = refresh
 
     def __missing__(self, key: Any) -> bytes:
         value: bytes = self._encode(key)
-        if len(self) < self._limit:
-            self[key] = value
+        if len(self) >= self._limit:
+            if not self._refresh:
+                return value
+            self.clear()
+        self[key] = value
         return value
 
 
@@ -129,6 +142,12 @@ _DEFAULT_ATTR_FIELDS: Final = {
     + encode_long(_DEFAULT_PRIORITY)
     + _NULL * 7
     + _EMPTY_ARRAY * 2,
+    # ... + extra_keys
+    3: encode_long(_DEFAULT_CACHE_LEVEL)
+    + _NULL
+    + encode_long(_DEFAULT_PRIORITY)
+    + _NULL * 7
+    + _EMPTY_ARRAY * 3,
 }
 
 # ... followed by the payload fields after ``stored`` (removed, updated[, lost]: all null).
@@ -157,6 +176,35 @@ def _opt_u64(value: int | None) -> bytes:
     return _BRANCH1 + encode_long(value - _U64 if value >= 2**63 else value)
 
 
+def _extra_atom(atom: Any) -> bytes:
+    # bool is not a model atom (strict int), so int here is a plain integer.
+    if isinstance(atom, str):
+        return _KEY_STRING + _STRING[atom]
+    if isinstance(atom, bytes):
+        return _KEY_BYTES + encode_bytes(atom)
+    if isinstance(atom, int):
+        if atom > LONG_MAX:
+            return _KEY_UINT64 + encode_long(atom - _U64)
+        return _KEY_LONG + encode_long(atom)
+    raise EncodeError(f"extra key item {atom!r} is not a str, int or bytes")
+
+
+def _extra_key(key: Any) -> bytes:
+    if isinstance(key, tuple):
+        return _KEY_TUPLE + _array([_extra_atom(a) for a in key])
+    return _extra_atom(key)
+
+
+def _extra_keys(keys: tuple[Any, ...]) -> bytes:
+    return _array([_extra_key(k) for k in keys])
+
+
+# A block's whole extra keys, encoded: the blocks of one request share them (LoRA name, salt).
+# Keys are tuples of str/int/bytes (the model rejects bool and float, which would compare
+# equal to ints), so equal keys have equal encodings.
+_EXTRA_KEYS = _Cache(_extra_keys, refresh=True)
+
+
 def _uniform_or_column(
     column: tuple[Any, ...], default: Any, scalar: Any, item: Any, out: list[bytes]
 ) -> None:
@@ -175,7 +223,9 @@ def _block_attrs(blocks: tuple[StoredBlock, ...], version: int, out: list[bytes]
     if rows.count(_DEFAULT_ATTRS) == len(rows):
         out.append(_DEFAULT_ATTR_FIELDS[version])
         return
-    levels, priorities, lora_ids, lora_names, salts, extra_ids, mm_keys = zip(*rows, strict=True)
+    levels, priorities, lora_ids, lora_names, salts, extra_ids, mm_keys, extra_keys = zip(
+        *rows, strict=True
+    )
     _uniform_or_column(levels, _DEFAULT_CACHE_LEVEL, encode_long, encode_long, out)
     _uniform_or_column(priorities, _DEFAULT_PRIORITY, encode_long, encode_long, out)
     _uniform_or_column(lora_ids, None, _opt_u64, _opt_u64, out)
@@ -193,6 +243,12 @@ def _block_attrs(blocks: tuple[StoredBlock, ...], version: int, out: list[bytes]
         encode_long(i) + encode_bytes(ids.raw) for i, ids in enumerate(extra_ids) if ids is not None
     ]
     out.append(_array(extra_items))
+    if version < EXTRA_KEYS_SINCE:
+        return
+    key_items = [
+        _LONG[i] + _EXTRA_KEYS[keys] for i, keys in enumerate(extra_keys) if keys is not None
+    ]
+    out.append(_array(key_items))
 
 
 class _Blocks:
@@ -331,7 +387,7 @@ def _events(events: tuple[KVCacheEvent, ...], version: int, out: list[bytes]) ->
 def encode_batch_body(
     batch: EventBatch, version: int, *, lossy: bool = False, prefix: bytes = b""
 ) -> bytes:
-    """The schemaless Avro body of ``batch`` under schema ``version`` (1 or 2), after
+    """The schemaless Avro body of ``batch`` under schema ``version`` (1, 2 or 3), after
     ``prefix`` (a framing header, joined in the same copy).
 
     Older versions drop or reject what they cannot carry (see :mod:`.downgrade`). Raises

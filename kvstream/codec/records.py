@@ -1,6 +1,6 @@
 """Model <-> Avro record (the plain dicts fastavro reads and writes).
 
-* :func:`batch_to_record` builds the record of a batch for schema v1 or v2. It is the
+* :func:`batch_to_record` builds the record of a batch for schema v1, v2 or v3. It is the
   reference for the fast encoder (:mod:`.encoder`, which must write the same bytes) and feeds
   fastavro where a record is needed (compatibility checks, tests).
 * :func:`record_to_batch` turns a record read with a reader schema (normally the current
@@ -19,7 +19,7 @@ from itertools import accumulate, pairwise
 from typing import Any, Final
 
 from kvstream._types import TokenIds
-from kvstream.codec.downgrade import events_for_version
+from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, WRITABLE_VERSIONS, events_for_version
 from kvstream.codec.tokens import pack_tokens, unpack_tokens
 from kvstream.errors import DecodeError, EncodeError, EventValidationError
 from kvstream.events.model import (
@@ -28,6 +28,7 @@ from kvstream.events.model import (
     Created,
     EventBatch,
     EventDiff,
+    ExtraKey,
     KVCacheEvent,
     Lost,
     Removed,
@@ -65,6 +66,23 @@ def _signed(u64: int | None) -> int | None:
     if u64 is None:
         return None
     return u64 - _U64 if u64 > _I64_MAX else u64
+
+
+def _extra_atom_record(atom: Any) -> Any:
+    """An extra-key scalar as its union branch: a str or long as itself, bytes and integers
+    above 2^63 - 1 as the one-field records ExtraKeyBytes and ExtraKeyUInt64."""
+    if isinstance(atom, bytes):
+        return {"value": atom}
+    if isinstance(atom, int) and atom > _I64_MAX:
+        return {"value": atom - _U64}
+    return atom
+
+
+def _extra_key_record(key: ExtraKey) -> Any:
+    # A list, never a tuple: fastavro reads a tuple in a union as (branch name, value).
+    if isinstance(key, tuple):
+        return [_extra_atom_record(a) for a in key]
+    return _extra_atom_record(key)
 
 
 def _column(values: Sequence[Any], default: Any, rec: dict[str, Any], one: str, many: str) -> None:
@@ -108,6 +126,12 @@ def _stored_record(data: Stored, version: int, tokens: list[bytes]) -> dict[str,
             {"block_index": i, "ids": b.token_extra_ids.raw}
             for i, b in enumerate(blocks)
             if b.token_extra_ids is not None
+        ]
+    if version >= EXTRA_KEYS_SINCE:
+        rec["extra_keys"] = [
+            {"block_index": i, "keys": [_extra_key_record(k) for k in b.extra_keys]}
+            for i, b in enumerate(blocks)
+            if b.extra_keys is not None
         ]
     return rec
 
@@ -163,7 +187,7 @@ def batch_to_record(batch: EventBatch, version: int, *, lossy: bool = False) -> 
     Same rules as the fast encoder: older versions drop or reject what they cannot carry
     (:mod:`kvstream.codec.downgrade`). Raises EncodeError.
     """
-    if version not in (1, 2):
+    if version not in WRITABLE_VERSIONS:
         raise EncodeError(f"cannot build a schema v{version} record")
     events = events_for_version(batch, version, lossy=lossy)
     tokens: list[bytes] = []
@@ -212,6 +236,21 @@ def _per_block(
     if len(values) != n:
         raise DecodeError(f"{where}.{many} has {len(values)} entries for {n} blocks")
     return list(values)
+
+
+def _extra_atom(value: Any) -> Any:
+    if isinstance(value, dict):  # ExtraKeyBytes or ExtraKeyUInt64
+        inner = value["value"]
+        if isinstance(inner, bytes):
+            return inner
+        return inner + _U64 if inner < 0 else inner
+    return value
+
+
+def _extra_key(value: Any) -> Any:
+    if isinstance(value, list):  # the tuple (array) branch
+        return tuple(map(_extra_atom, value))
+    return _extra_atom(value)
 
 
 def _unsigned(value: int | None) -> int | None:
@@ -303,6 +342,15 @@ def _stored_data(rec: Mapping[str, Any], tokens: _Tokens, where: str) -> dict[st
                 f"{len(ids)} bytes of extra ids (need 4 per token)"
             )
         blocks[i]["token_extra_ids"] = TokenIds.from_bytes(ids)
+    last = -1
+    for entry in rec.get("extra_keys", ()):
+        i = entry["block_index"]
+        if not last < i < n:
+            raise DecodeError(
+                f"{where}.extra_keys: block_index {i} repeated, out of order or outside 0..{n - 1}"
+            )
+        last = i
+        blocks[i]["extra_keys"] = tuple(map(_extra_key, entry["keys"]))
     parent = rec["parent_hash"]
     if parent is not None and len(parent) != len(hashes[0]):
         raise DecodeError(

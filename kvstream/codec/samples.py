@@ -40,7 +40,8 @@ def _tokens(start: int, n: int, step: int = 1) -> TokenIds:
 
 def sample_batches() -> list[EventBatch]:
     """A few batches: every kind, 8- and 32-byte hashes, uniform and per-block attributes,
-    partial and irregular blocks, multimodal keys, extra token ids, large token ids."""
+    partial and irregular blocks, multimodal keys, extra token ids, large token ids, engine
+    extra keys of every shape (absent, empty, scalars and tuples, integers beyond a long)."""
     plain = EventBatch(
         source=SourceId(instance_id="worker-0", attention_dp_rank=1, incarnation=7),
         ts_ns=1_700_000_000_000_000_000,
@@ -103,6 +104,17 @@ def sample_batches() -> list[EventBatch]:
                             priority=90,
                             mm_keys=(MmKey(hash=_h32(9), start_offset=3, uuid="img-1"),),
                             cache_salt="tenant-a",
+                            extra_keys=(
+                                "adapter-a",
+                                ("img-1", -3),
+                                "tenant-a",
+                                _h32(11),
+                                2**64 - 1,
+                                -(2**63),
+                                2**63 - 1,
+                                ("u64", 2**63, b""),
+                                (),
+                            ),
                         ),
                         StoredBlock(
                             block_hash=_h32(2),
@@ -114,7 +126,7 @@ def sample_batches() -> list[EventBatch]:
                                 MmKey(hash=_h32(10), start_offset=12),
                             ),
                         ),
-                        StoredBlock(block_hash=_h32(3), token_ids=()),
+                        StoredBlock(block_hash=_h32(3), token_ids=(), extra_keys=()),
                     ),
                 ),
             ),

@@ -26,6 +26,7 @@ import fastavro
 from fastavro.schema import to_parsing_canonical_form
 
 from kvstream.errors import SchemaCompatibilityError, UnknownSchemaError
+from kvstream.events.model import CURRENT_SCHEMA_VERSION
 
 __all__ = [
     "CURRENT_VERSION",
@@ -46,8 +47,9 @@ __all__ = [
 SCHEMA_FILE_RE: Final = re.compile(r"^kv_event_batch\.v([1-9][0-9]*)\.avsc$")
 #: Top-level schema property holding the version number.
 VERSION_PROPERTY: Final = "kvstream.schema_version"
-#: The version written by default: the highest registered one.
-CURRENT_VERSION: Final = 2
+#: The version written by default: the highest registered one (the model's
+#: ``CURRENT_SCHEMA_VERSION``, the default ``EventBatch.schema_version``).
+CURRENT_VERSION: Final[int] = CURRENT_SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ RELEASED: Final[Mapping[int, ReleasedSchema]] = {
     2: ReleasedSchema(
         fingerprint="f9e9d3199857e8b2",
         resolution_digest="23769e9be387328152e769609ac57528d526d309355275bae19a4e76f00744cd",
+    ),
+    3: ReleasedSchema(
+        fingerprint="479674ac542f98fe",
+        resolution_digest="3fbf8f5cfcdaf938a2cd19efb14a379a751977185cbe90e06938ddcfd983274b",
     ),
 }
 

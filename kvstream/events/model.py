@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: The schema version this library writes by default (see ``schemas/``).
-CURRENT_SCHEMA_VERSION: Final = 2
+CURRENT_SCHEMA_VERSION: Final = 3
 #: What a missing ``hash_algo`` means (TensorRT-LLM V1 events carry none).
 DEFAULT_HASH_ALGO: Final = "v1_block_key"
 #: ``window_size`` of a full-attention group whose producer did not say its maximum sequence
@@ -164,9 +164,11 @@ class MmKey(_Frozen):
 #: (``BlockStored.extra_keys``): a LoRA name or cache salt (str), a multimodal
 #: ``(identifier, offset)`` pair, a prompt-embeds digest (bytes), an int. Nested tuples hold
 #: scalars only.
-ExtraKeyAtom: TypeAlias = Annotated[str, Field(strict=True)] | Annotated[
-    int, Field(ge=-(2**63), le=_U64_MAX, strict=True)
-] | Annotated[bytes, Field(strict=True)]
+ExtraKeyAtom: TypeAlias = (
+    Annotated[str, Field(strict=True)]
+    | Annotated[int, Field(ge=-(2**63), le=_U64_MAX, strict=True)]
+    | Annotated[bytes, Field(strict=True)]
+)
 ExtraKey: TypeAlias = ExtraKeyAtom | tuple[ExtraKeyAtom, ...]
 
 
