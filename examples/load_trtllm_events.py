@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstream.events.trtllm_json import from_trtllm_events, to_trtllm_events
+from kvstream.engines.trtllm import from_trtllm_events, to_trtllm_events
 
 SAMPLE = [
     {

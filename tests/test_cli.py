@@ -25,7 +25,7 @@ def test_help_lists_commands() -> None:
 def test_version() -> None:
     result = runner.invoke(app, ["version"])
     assert result.exit_code == 0
-    assert "schema v2" in result.output
+    assert "schema v3" in result.output
 
 
 def test_hash_matches_reference_vector() -> None:
@@ -56,11 +56,11 @@ def test_schema_check_passes_on_shipped_schemas() -> None:
 def test_schema_check_reports_a_breaking_version(tmp_path: Path) -> None:
     for f in SCHEMAS.glob("*.avsc"):
         shutil.copy(f, tmp_path / f.name)
-    v2 = json.loads((tmp_path / "kv_event_batch.v2.avsc").read_text())
-    # Release a v3 that adds a field without a default: v3 cannot read v1/v2 data.
-    v2["fields"].append({"name": "must_have", "type": "long"})
-    v2["kvstream.schema_version"] = 3
-    (tmp_path / "kv_event_batch.v3.avsc").write_text(json.dumps(v2))
+    v3 = json.loads((tmp_path / "kv_event_batch.v3.avsc").read_text())
+    # Release a v4 that adds a field without a default: v4 cannot read v1..v3 data.
+    v3["fields"].append({"name": "must_have", "type": "long"})
+    v3["kvstream.schema_version"] = 4
+    (tmp_path / "kv_event_batch.v4.avsc").write_text(json.dumps(v3))
     result = runner.invoke(app, ["schema", "check", str(tmp_path)])
     assert result.exit_code == 1
     assert "must_have" in result.output

@@ -1,4 +1,4 @@
-"""kvstream.events.trtllm_json: TensorRT-LLM JSON events <-> kvstream's event model."""
+"""kvstream.engines.trtllm: TensorRT-LLM JSON events <-> kvstream's event model."""
 
 from __future__ import annotations
 
@@ -17,9 +17,17 @@ from hypothesis import strategies as st
 
 from kvstream._types import TOKEN_ID_MAX, hash_from_hex, hash_from_int
 from kvstream.clock import ManualClock
+from kvstream.engines.trtllm import (
+    TrtllmEventReader,
+    from_trtllm_event,
+    from_trtllm_events,
+    to_trtllm_event,
+    to_trtllm_events,
+)
 from kvstream.errors import ConfigError, InteropError
 from kvstream.events.model import (
     CURRENT_SCHEMA_VERSION,
+    UNBOUNDED_WINDOW,
     AttentionKind,
     Cleared,
     Created,
@@ -33,13 +41,6 @@ from kvstream.events.model import (
     Stored,
     StoredBlock,
     Updated,
-)
-from kvstream.events.trtllm_json import (
-    TrtllmEventReader,
-    from_trtllm_event,
-    from_trtllm_events,
-    to_trtllm_event,
-    to_trtllm_events,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -274,11 +275,11 @@ def test_fanout_all_cleared() -> None:
 
 def test_all_cleared_id_and_window_fallbacks() -> None:
     marker = {"data": {"type": "all_cleared"}}
-    # nothing known: id 0, window from default_window_size, else an error
+    # nothing known: id 0, window from default_window_size, else UNBOUNDED_WINDOW
     (batch,) = read([marker], default_window_size=512)
     assert (batch.events[0].event_id, batch.events[0].window_size) == (0, 512)
-    with pytest.raises(InteropError, match=r"^event\[0\]\.window_size: all_cleared"):
-        read([marker])
+    (batch,) = read([marker])
+    assert (batch.events[0].event_id, batch.events[0].window_size) == (0, UNBOUNDED_WINDOW)
     # explicit fields win
     (batch,) = read([{**marker, "event_id": 9, "window_size": 7}], default_window_size=512)
     assert (batch.events[0].event_id, batch.events[0].window_size) == (9, 7)
@@ -288,9 +289,10 @@ def test_all_cleared_id_and_window_fallbacks() -> None:
     assert first[0].ts_ns == 5
     (later,) = reader.read([marker, marker])
     assert [(e.event_id, e.window_size) for e in later.events] == [(5, 64), (6, 64)]
-    # a single event has nothing to infer from
+    # a single event has nothing to number it from
     with pytest.raises(InteropError, match=r"^event\.event_id: missing"):
         from_trtllm_event(marker, default_window_size=4)
+    assert from_trtllm_event({**marker, "event_id": 3}).event.window_size == UNBOUNDED_WINDOW
     assert from_trtllm_event({**marker, "event_id": 1, "window_size": 4}).event.data == Cleared()
 
 
@@ -658,16 +660,6 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("missing type", [with_data(blocks=[])], r"^event\[0\]\.data\.type: missing required field"),
     ("unknown type", [with_data(type="evicted")], r"^event\[0\]\.data\.type: unknown event type"),
     (
-        "missing event_id",
-        [with_data(type="cleared"), {"window_size": 4, "data": {"type": "cleared"}}],
-        r"^event\[1\]\.event_id: missing required field",
-    ),
-    (
-        "missing window_size",
-        [{"event_id": 0, "data": {"type": "cleared"}}],
-        r"^event\[0\]\.window_size: missing, and no default_window_size",
-    ),
-    (
         "short hex hash",
         [
             with_data(type="cleared"),
@@ -735,9 +727,14 @@ MALFORMED: list[tuple[str, Any, str]] = [
         r"^event\[0\]\.data\.blocks\[1\]\.cache_salt: expected a string, got int 7",
     ),
     (
-        "mm_key without start_offset",
-        [v2_stored(mm_keys=[{"type": "mm_key", "hash": "00" * 32}])],
-        r"^event\[0\]\.data\.blocks\[1\]\.mm_keys\[0\]\.start_offset: missing required field",
+        "mm_key start_offset negative",
+        [v2_stored(mm_keys=[{"type": "mm_key", "hash": "00" * 32, "start_offset": -1}])],
+        r"^event\[0\]\.data\.blocks\[1\]\.mm_keys\[0\]\.start_offset: -1 is outside",
+    ),
+    (
+        "64-bit extra id on a text token",
+        [v2_stored(tokens=[{"token_id": 5, "token_extra_id": 2**63}])],
+        r"^event\[0\]\.data\.blocks\[1\]\.tokens\[0\]\.token_extra_id: 9223372036854775808",
     ),
     (
         "mm_key uuid contradicts",
@@ -880,7 +877,8 @@ I63 = st.integers(0, 2**63 - 1)
 TEXT = st.text(max_size=12)
 # A real digest is never all zero; kvstream uses that value for "only the uuid is known".
 DIGEST = st.binary(min_size=32, max_size=32).filter(any)
-UUID = st.text(min_size=1, max_size=12).filter(lambda s: not re.fullmatch(r"[0-9a-fA-F]{64}", s))
+# A uuid in place of the hash that is all hex reads as a (short) digest: real uuids are not.
+UUID = st.text(min_size=1, max_size=12).filter(lambda s: not re.fullmatch(r"[0-9a-fA-F]+", s))
 
 
 def mm_keys_st() -> st.SearchStrategy[MmKey]:

@@ -43,8 +43,8 @@ def from_trtllm(
 ) -> None:
     """Convert TensorRT-LLM KV-cache event JSON into an Avro container file."""
     from kvstream.codec import CURRENT_VERSION, write_container
+    from kvstream.engines.trtllm import TrtllmEventReader
     from kvstream.errors import KVStreamError
-    from kvstream.events.trtllm_json import TrtllmEventReader
 
     text = sys.stdin.read() if str(source) == "-" else source.read_text()
     try:
@@ -93,8 +93,8 @@ def dump(
 ) -> None:
     """Print every event of an Avro container file as JSON Lines (one event per line)."""
     from kvstream.codec import read_container
+    from kvstream.engines.trtllm import to_trtllm_events
     from kvstream.errors import KVStreamError
-    from kvstream.events.trtllm_json import to_trtllm_events
 
     try:
         for batch in read_container(path, tolerate_torn_tail=tolerate_torn_tail):

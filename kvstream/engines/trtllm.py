@@ -1,4 +1,4 @@
-"""Conversion both ways between kvstream's event model and TensorRT-LLM's JSON KV-cache events.
+"""TensorRT-LLM's JSON KV-cache events: conversion both ways, and an in-process pump.
 
 TensorRT-LLM's ``LLM.get_kv_cache_events()`` and ``POST /kv_cache_events`` return a list of
 dicts shaped by its ``KVCacheEventSerializer``::
@@ -12,7 +12,12 @@ dicts shaped by its ``KVCacheEventSerializer``::
 objects (one per attention-DP rank), :func:`to_trtllm_events` writes batches back in the same
 shape. :func:`from_trtllm_event` / :func:`to_trtllm_event` convert one event, and
 :class:`TrtllmEventReader` keeps the little state that matters across successive reads of one
-engine (each ``POST /kv_cache_events`` drains the engine's queue).
+engine (each ``POST /kv_cache_events`` drains the engine's queue). :func:`pump` polls a live
+``LLM`` in-process, as NVIDIA Dynamo's TensorRT-LLM worker does, and hands the batches to a
+pipeline.
+
+Every shape the serializers, managers and bridges have published is read; the corpus under
+``tests/data/trtllm/shapes/`` (with its manifest naming each source) pins them.
 
 Contracts
 =========
@@ -24,19 +29,38 @@ message starts with the location, e.g.
 or ``TypeError``. A value the event model rejects (:class:`~kvstream.errors.EventValidationError`)
 is re-raised as an ``InteropError`` with the same location prefix (the original is chained as
 ``__cause__``). Bad *arguments* (an empty ``instance_id``, ``tokens_per_block=0``) raise
-:class:`~kvstream.errors.ConfigError`.
+:class:`~kvstream.errors.ConfigError`. :meth:`TrtllmEventReader.read_tolerant` keeps the good
+events of a list and reports each bad one instead of failing the whole list.
 
 Defaults when reading (what TensorRT-LLM omits or leaves null):
 
 - ``hash_algo`` missing or null: ``data.hash_algo`` (TensorRT-LLM's router reads that too),
   else ``"v1_block_key"`` (V1 C++ events carry none).
 - ``layer_group_id`` missing or null: 0. ``attention_dp_rank`` missing or null: no rank.
-- ``window_size`` missing: the ``default_window_size`` argument (serializers before
-  TensorRT-LLM #5580 had none), else an error.
+- ``event_id`` missing or null (OpenEngine-servicer and bridge shapes, the fan-out's
+  ``all_cleared`` marker): numbered by the reader, see "Event ids" below.
+- ``window_size`` missing, null or 0 (serializers before TensorRT-LLM #5580, OpenEngine
+  shapes; V2 managers built without a window publish 0): the ``default_window_size`` argument,
+  else for an ``all_cleared`` marker the largest window the reader has seen (TensorRT-LLM's
+  fan-out only forwards the largest window), else
+  :data:`~kvstream.events.model.UNBOUNDED_WINDOW` (a full-attention group of unknown length).
 - In a stored block: ``token_extra_id`` 0, ``cache_level`` 0, ``priority`` 35, ``mm_keys`` [],
   ``cache_salt`` null, ``parent_hash`` null. All-zero extra ids become
   ``token_extra_ids=None``; a ``type`` tag may be omitted but must be right when present.
+- ``lora_id``, ``lora_name`` and ``cache_salt`` may also sit on the stored event's ``data``
+  (bridges put them there; TensorRT-LLM's OpenEngine servicer and Dynamo read them there): a
+  block without its own value takes the ``data``-level one; a block's own value wins.
+- In an ``mm_key``: ``start_offset`` 0 (as TensorRT-LLM's OpenEngine servicer reads it).
 - Unknown keys are ignored (newer serializers may add fields).
+
+Event ids. TensorRT-LLM numbers events from 0 per producer and attention-DP rank. Events
+without ``event_id`` are numbered per rank, contiguously, continuing across successive reads
+of one :class:`TrtllmEventReader`: a run of ``k`` such events after the rank's previous event
+``p`` (from this read or an earlier one; none: -1) and before its next numbered event ``n`` in
+the same read takes ``n-k .. n-1`` when those lie above ``p`` (so ids stay strictly increasing
+and the fan-out's ``all_cleared`` marker lands on the last lost id, right before the events it
+precedes), else ``p+1 .. p+k`` (also when no numbered event follows). :func:`from_trtllm_event`
+has no stream and requires ``event_id``.
 
 Hashes (TensorRT-LLM reference §1.3). An int is a 64-bit hash: the unsigned form (which may
 exceed 2^63) or the signed int64 wire form (wrapped to unsigned). A str is hex. The width is
@@ -49,7 +73,12 @@ known algorithm gets TensorRT-LLM's representation.
 
 Tokens. ``token_id`` ints must fit in uint32; negative int32 ids are wrapped to uint32 (as
 ``v1_block_key`` hashes them). ``token_extra_id`` must fit in uint32 (kvstream stores extra ids
-as uint32; TensorRT-LLM's type is wider but no producer uses that range).
+as uint32), with one exception: the older V2 manager (``kv_cache_manager_v2/_events.py``)
+published a multimodal digest token as ``token_id`` 0 with the digest's first 8 bytes,
+little-endian, as a 64-bit ``token_extra_id``. Such a token (id 0, extra id above 2^32-1) is
+kept as token id 0 and its item as a partial digest (the 8 bytes, zero-filled to 32) in
+``mm_keys`` with ``start_offset`` 0 when the block lists none; the 64-bit extra id itself is
+dropped (it does not fit, and the digest's other 24 bytes were never published).
 
 V2 multimodal tokens (reference §3.3). TensorRT-LLM V2 puts a multimodal item into the token
 stream as its raw 32-byte digest (JSON: a 64-char hex ``token_id``) followed by item tokens
@@ -73,13 +102,21 @@ uint32, so with ``mm_token_id_offset`` given:
 When writing with ``mm_token_id_offset``, the k-th token equal to the offset becomes the hex of
 the block's k-th ``mm_key`` with ``start_offset == 0``; without it token ids are written as ints.
 
-``mm_key`` uuids. V2 publishes ``{"hash": <digest hex>, "start_offset", "uuid"?}`` (additive).
-V1's serializer puts the uuid *in place of* the digest (``"hash": "<uuid>"``). A ``hash`` that is
-not 64 hex chars is read as such a uuid; the digest is then unknown and stored as 32 zero bytes
-(``MmKey.hash == bytes(32)`` with ``uuid`` set means "peer published only the uuid"). A key with
-the zero digest and a uuid is always written back in the uuid-replaces-hash form; other keys
-follow ``mm_uuid_mode`` (``"additive"`` by default, or ``"replaces_hash"``). A uuid that is
-itself 64 hex chars cannot be told from a digest and is read as one.
+``mm_key`` hashes and uuids. V2 publishes ``{"hash": <digest hex>, "start_offset", "uuid"?}``
+(additive uuid). V1's serializer puts the uuid *in place of* the digest (``"hash": "<uuid>"``).
+
+- 64 hex chars: the digest.
+- Shorter hex (e.g. a 16-char routing hash): a short mm hash. TensorRT-LLM's OpenEngine
+  servicer and Dynamo read ``int(h[:16], 16)`` as the item's 64-bit hash; kvstream keeps that
+  value as the digest's first 8 bytes (big-endian), zero-filled to 32, and sets no uuid. It is
+  written back as 64 hex chars.
+- Anything else (not hex): a uuid published in place of the digest; the digest is then unknown
+  and stored as 32 zero bytes (``MmKey.hash == bytes(32)`` with ``uuid`` set means "peer
+  published only the uuid"). A uuid that happens to be hex cannot be told from a (short) digest
+  and is read as one.
+
+A key with the zero digest and a uuid is always written back in the uuid-replaces-hash form;
+other keys follow ``mm_uuid_mode`` (``"additive"`` by default, or ``"replaces_hash"``).
 
 ``created``. TensorRT-LLM does not publish ``tokens_per_block``; the ``tokens_per_block``
 argument supplies it (no inference from stored blocks: V1 publishes partial blocks, so a
@@ -90,12 +127,11 @@ Kinds TensorRT-LLM lacks. ``cleared`` is written ``{"type": "cleared"}`` and ``l
 ``{"type": "lost", "first_event_id", "count", "reason"}``; ``include_kvstream_kinds=False``
 drops them (their ids then show as gaps, which TensorRT-LLM's own fan-out treats as lost
 state). Both are accepted when reading, and so is ``{"type": "all_cleared"}``, which
-TensorRT-LLM's ``KvEventFanout`` injects on an id gap, read as ``cleared``. Those markers carry
-no ``event_id`` and no ``window_size``: :class:`TrtllmEventReader` gives one the id before the
-rank's next event in the same read (the last lost id; ids stay monotonic), else the rank's
-previous id + 1, else 0; and the window ``default_window_size``, else the largest
-``window_size`` the reader has seen (the fan-out only forwards the largest window), else an
-error. :func:`from_trtllm_event` requires both fields.
+TensorRT-LLM's ``KvEventFanout`` injects on an id gap (with no ``event_id`` and no
+``window_size``), read as ``cleared``. The fan-out stamps its marker with
+``attention_dp_rank`` 0 even for an engine without attention DP, whose events carry no rank:
+so a reader that has seen events without rank and none of rank 0 gives such a marker to the
+rank-less source.
 
 kvstream extensions (written only with ``extensions=True``, always accepted when reading):
 ``created.tokens_per_block``, ``created.attention_kind`` and ``removed.cache_level``.
@@ -112,8 +148,9 @@ key written in ``replaces_hash`` mode, and batch boundaries (batches of the same
 ``to_trtllm_events(from_trtllm_events(json)) == json`` for well-formed TensorRT-LLM JSON up to
 normalisation: defaults filled in, ``layer_group_id`` and ``hash_algo`` always present (unless
 ``include_hash_algo=False``), signed hashes and negative token ids unsigned, hex lowercase,
-derived ``mm_keys`` filled in, unknown keys dropped, and ``all_cleared`` written as
-``cleared`` with the inferred id and window.
+derived ``mm_keys`` filled in, ``data``-level LoRA/salt moved onto the blocks, short mm hashes
+zero-filled, 64-bit extra ids dropped, unknown keys dropped, and ``all_cleared`` written as
+``cleared`` with the assigned id and window.
 
 Grouping. Events are grouped by ``attention_dp_rank`` (missing/null is one more source, without
 rank) into one batch per rank; batches come in the order each rank is first seen and each keeps
@@ -122,11 +159,14 @@ its rank's events in input order (TensorRT-LLM's ids are monotonic per rank only
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Literal, NamedTuple, NoReturn, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, NamedTuple, NoReturn, Protocol, TypeVar
 
 from kvstream._types import (
     PRIORITY_DEFAULT,
@@ -143,6 +183,7 @@ from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import ConfigError, EventValidationError, InteropError
 from kvstream.events.model import (
     DEFAULT_HASH_ALGO,
+    UNBOUNDED_WINDOW,
     AttentionKind,
     Cleared,
     Created,
@@ -160,11 +201,16 @@ from kvstream.events.model import (
 )
 
 __all__ = [
+    "BatchSubmitter",
+    "KvEventsLLM",
     "MmUuidMode",
+    "PumpStats",
     "RankedEvent",
+    "TolerantRead",
     "TrtllmEventReader",
     "from_trtllm_event",
     "from_trtllm_events",
+    "pump",
     "to_trtllm_event",
     "to_trtllm_events",
 ]
@@ -323,14 +369,24 @@ def _parse_diff(obj: Mapping[str, Any], key: str, path: str, lo: int, hi: int) -
     return _build(EventDiff, p, old_value=old, new_value=new)
 
 
+def _partial_digest(first8: bytes) -> bytes:
+    """A 32-byte digest of which only the first 8 bytes are known (the rest zero)."""
+    return first8 + bytes(_DIGEST_LEN - len(first8))
+
+
 def _parse_mm_key(value: Any, path: str) -> MmKey:
     obj = _obj(value, path)
     _check_tag(obj, "mm_key", path)
     hash_text = _str(_req(obj, "hash", path), f"{path}.hash")
-    start = _int(_req(obj, "start_offset", path), f"{path}.start_offset", 0, _I32_MAX)
+    start_value = obj.get("start_offset")
+    start = 0 if start_value is None else _int(start_value, f"{path}.start_offset", 0, _I32_MAX)
     uuid = _opt_str(obj, "uuid", path)
     if _is_hex(hash_text, 2 * _DIGEST_LEN):
         digest = bytes.fromhex(hash_text)
+    elif _is_hex(hash_text):
+        # A short hex mm hash: TensorRT-LLM's and Dynamo's consumers take int(h[:16], 16) as the
+        # item's 64-bit hash, i.e. the first 8 bytes of the digest.
+        digest = _partial_digest(int(hash_text[:16], 16).to_bytes(8, "big"))
     else:  # TensorRT-LLM V1: the uuid replaces the digest hex
         if not hash_text:
             _fail(f"{path}.hash", "expected a 64-char hex digest or a uuid, got an empty string")
@@ -348,15 +404,44 @@ def _parse_mm_key(value: Any, path: str) -> MmKey:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _PendingClear:
-    """An ``all_cleared`` marker whose event_id and/or window_size is inferred after the pass."""
+@dataclass(slots=True)
+class _Pending:
+    """An event whose ``event_id`` (and, for an ``all_cleared`` marker, ``window_size``) is
+    assigned by :class:`TrtllmEventReader` once the whole read is known."""
 
     path: str
     event_id: int | None
     window_size: int | None
     hash_algo: str
     layer_group_id: int
+    data: EventData
+
+
+@dataclass(slots=True, frozen=True)
+class _BlockDefaults:
+    """Stored-event (``data``-level) values that fill blocks lacking their own."""
+
+    lora_id: int | None
+    lora_name: str | None
+    cache_salt: str | None
+
+
+class _Parsed(NamedTuple):
+    rank: int | None
+    event: KVCacheEvent | _Pending
+    #: The ``window_size`` the event itself carried (None: absent, null or 0).
+    window_size: int | None
+    #: An ``all_cleared`` marker (TensorRT-LLM's fan-out makes them).
+    marker: bool
+
+
+class TolerantRead(NamedTuple):
+    """What :meth:`TrtllmEventReader.read_tolerant` made of one list: the batches of every
+    event that converted and one located :class:`~kvstream.errors.InteropError` per event that
+    did not."""
+
+    batches: list[EventBatch]
+    errors: list[InteropError]
 
 
 def _check_config(
@@ -373,6 +458,27 @@ def _check_config(
             isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi
         ):
             raise ConfigError(f"{name} must be an int in {lo}..{hi} or None, got {value!r}")
+
+
+def _make_event(
+    path: str,
+    *,
+    event_id: int,
+    hash_algo: str,
+    layer_group_id: int,
+    window_size: int,
+    data: EventData,
+) -> KVCacheEvent:
+    try:
+        return KVCacheEvent(
+            event_id=event_id,
+            hash_algo=hash_algo,
+            layer_group_id=layer_group_id,
+            window_size=window_size,
+            data=data,
+        )
+    except EventValidationError as exc:
+        raise InteropError(f"{path}: {exc}") from exc
 
 
 class _Parser:
@@ -421,13 +527,12 @@ class _Parser:
 
     # -- envelope ----------------------------------------------------------------------------
 
-    def parse(
-        self, value: Any, path: str, *, allow_pending: bool
-    ) -> tuple[int | None, KVCacheEvent | _PendingClear]:
-        """Parse one event dict into (attention_dp_rank, event).
+    def parse(self, value: Any, path: str, *, allow_pending: bool) -> _Parsed:
+        """Parse one event dict.
 
-        With ``allow_pending``, an ``all_cleared`` marker missing its ``event_id`` or
-        ``window_size`` comes back as a :class:`_PendingClear` for the caller to complete.
+        With ``allow_pending``, an event without ``event_id`` (or an ``all_cleared`` marker
+        without ``window_size``) comes back as a :class:`_Pending` for the reader to number;
+        without it a missing ``event_id`` is an error.
         """
         obj = _obj(value, path)
         rank = _opt_int(obj, "attention_dp_rank", path, 0, _I32_MAX)
@@ -446,29 +551,31 @@ class _Parser:
             _fail(algo_path, f"expected 1..64 chars, got {len(hash_algo)}")
         layer_group_id = _opt_int(obj, "layer_group_id", path, 0, _I32_MAX) or 0
         event_id = _opt_int(obj, "event_id", path, 0, _I64_MAX)
-        window = _opt_int(obj, "window_size", path, 1, _I64_MAX)
-        if window is None:
-            window = self.default_window_size
-
-        if kind == "all_cleared" and allow_pending and (event_id is None or window is None):
-            return rank, _PendingClear(path, event_id, window, hash_algo, layer_group_id)
-        if event_id is None:
-            _fail(f"{path}.event_id", "missing required field")
-        if window is None:
-            _fail(f"{path}.window_size", "missing, and no default_window_size was given")
+        explicit_window = _opt_int(obj, "window_size", path, 0, _I64_MAX) or None
+        window = self.default_window_size if explicit_window is None else explicit_window
+        if window is None and (kind != "all_cleared" or not allow_pending):
+            window = UNBOUNDED_WINDOW
+        if event_id is None and not allow_pending:
+            _fail(
+                f"{path}.event_id",
+                "missing, and one event alone has no stream to number it in (read it with "
+                "a TrtllmEventReader)",
+            )
 
         payload = self._parse_data(kind, data, dpath, hash_algo)
-        try:
-            event = KVCacheEvent(
-                event_id=event_id,
-                hash_algo=hash_algo,
-                layer_group_id=layer_group_id,
-                window_size=window,
-                data=payload,
-            )
-        except EventValidationError as exc:
-            raise InteropError(f"{path}: {exc}") from exc
-        return rank, event
+        marker = kind == "all_cleared"
+        if event_id is None or window is None:
+            pending = _Pending(path, event_id, window, hash_algo, layer_group_id, payload)
+            return _Parsed(rank, pending, explicit_window, marker)
+        event = _make_event(
+            path,
+            event_id=event_id,
+            hash_algo=hash_algo,
+            layer_group_id=layer_group_id,
+            window_size=window,
+            data=payload,
+        )
+        return _Parsed(rank, event, explicit_window, marker)
 
     # -- payloads ----------------------------------------------------------------------------
 
@@ -550,15 +657,25 @@ class _Parser:
         raw_blocks = _list(_req(data, "blocks", dpath), bpath)
         if not raw_blocks:
             _fail(bpath, "expected at least one stored_block")
+        defaults = _BlockDefaults(
+            lora_id=_opt_int(data, "lora_id", dpath, 0, _U64_MAX),
+            lora_name=_opt_str(data, "lora_name", dpath),
+            cache_salt=_opt_str(data, "cache_salt", dpath),
+        )
         item = self._mm_item_after(hash_algo, parent) if self.mm_offset is not None else None
         blocks: list[StoredBlock] = []
         for j, raw in enumerate(raw_blocks):
-            block, item = self._parse_block(raw, f"{bpath}[{j}]", hash_algo, item)
+            block, item = self._parse_block(raw, f"{bpath}[{j}]", hash_algo, item, defaults)
             blocks.append(block)
         return _build(Stored, dpath, parent_hash=parent, blocks=tuple(blocks))
 
     def _parse_block(
-        self, value: Any, path: str, hash_algo: str, item: bytes | None
+        self,
+        value: Any,
+        path: str,
+        hash_algo: str,
+        item: bytes | None,
+        defaults: _BlockDefaults,
     ) -> tuple[StoredBlock, bytes | None]:
         """Parse one stored_block; ``item`` is the most recent multimodal item before it.
 
@@ -618,9 +735,24 @@ class _Parser:
                             derived.append((item, tid - offset))
                 ids.append(tid)
             extra = tok.get("token_extra_id")
-            extras.append(
-                0 if extra is None else _int(extra, f"{p}.token_extra_id", 0, TOKEN_ID_MAX)
-            )
+            if extra is None:
+                extras.append(0)
+            elif (
+                token_id == 0
+                and not isinstance(token_id, bool)
+                and isinstance(extra, int)
+                and not isinstance(extra, bool)
+                and TOKEN_ID_MAX < extra <= _U64_MAX
+            ):
+                # The older V2 manager's multimodal digest token: token id 0 and the digest's
+                # first 8 bytes, little-endian, as the extra id. The extra id is dropped (it
+                # does not fit in uint32); the item is kept as a partial digest.
+                item = _partial_digest(extra.to_bytes(8, "little"))
+                derived.append((item, 0))
+                in_run = True
+                extras.append(0)
+            else:
+                extras.append(_int(extra, f"{p}.token_extra_id", 0, TOKEN_ID_MAX))
 
         mm_value = obj.get("mm_keys")
         mpath = f"{path}.mm_keys"
@@ -638,17 +770,25 @@ class _Parser:
                 _build(MmKey, f"{mpath}(derived)[{i}]", hash=d, start_offset=s)
                 for i, (d, s) in enumerate(derived)
             ]
+        elif not mm_keys and derived:  # 64-bit digest tokens, no offset to find continuations
+            mm_keys = [
+                _build(MmKey, f"{mpath}(derived)[{i}]", hash=d, start_offset=s)
+                for i, (d, s) in enumerate(derived)
+            ]
         if offset is not None and item is not None:
             self._mm_remember(hash_algo, block_hash, item)
 
+        lora_id = _opt_int(obj, "lora_id", path, 0, _U64_MAX)
+        lora_name = _opt_str(obj, "lora_name", path)
+        cache_salt = _opt_str(obj, "cache_salt", path)
         block = _build(
             StoredBlock,
             path,
             block_hash=block_hash,
             token_ids=TokenIds(ids),
             token_extra_ids=TokenIds(extras) if any(extras) else None,
-            lora_id=_opt_int(obj, "lora_id", path, 0, _U64_MAX),
-            lora_name=_opt_str(obj, "lora_name", path),
+            lora_id=defaults.lora_id if lora_id is None else lora_id,
+            lora_name=defaults.lora_name if lora_name is None else lora_name,
             cache_level=_opt_int(obj, "cache_level", path, 0, _I32_MAX) or 0,
             priority=(
                 PRIORITY_DEFAULT
@@ -656,7 +796,7 @@ class _Parser:
                 else _int(obj["priority"], f"{path}.priority", PRIORITY_MIN, PRIORITY_MAX)
             ),
             mm_keys=tuple(mm_keys),
-            cache_salt=_opt_str(obj, "cache_salt", path),
+            cache_salt=defaults.cache_salt if cache_salt is None else cache_salt,
         )
         return block, item
 
@@ -667,16 +807,27 @@ def _event_list(events: Any) -> Sequence[Any]:
     return events if isinstance(events, (list, tuple)) else list(events)
 
 
+def _first_ids(count: int, prev_id: int | None, next_id: int | None) -> int:
+    """The first of ``count`` consecutive ids for events without ``event_id`` that follow
+    ``prev_id`` (None: nothing before) and precede an event with ``next_id`` (None: none)."""
+    low = -1 if prev_id is None else prev_id
+    if next_id is not None and next_id - count > low:
+        return next_id - count
+    return low + 1
+
+
 class TrtllmEventReader:
     """Reads successive TensorRT-LLM event lists of one engine into :class:`EventBatch` objects.
 
     One reader per engine process (``instance_id``, ``incarnation``). Each :meth:`read` converts
     one list (one ``get_kv_cache_events()`` result or ``POST /kv_cache_events`` drain). Between
-    reads it keeps, per attention-DP rank, the last event id; the largest ``window_size`` seen;
-    and, LRU-bounded by ``mm_state_capacity``, the most recent multimodal item at the end of each
+    reads it keeps, per attention-DP rank, the last event id (so events without ``event_id`` are
+    numbered on from it, see the module docs); the largest ``window_size`` seen; and,
+    LRU-bounded by ``mm_state_capacity``, the most recent multimodal item at the end of each
     multimodal block (so ``mm_keys`` of a block continuing an item can be derived later). State
     changes only when a read succeeds, except the multimodal memory, which holds facts that are
-    true whatever happens to the rest of the read.
+    true whatever happens to the rest of the read. :meth:`numbering_state` /
+    :meth:`restore_numbering` save and restore the ids and window (not the multimodal memory).
 
     Raises :class:`~kvstream.errors.ConfigError` for bad arguments.
     """
@@ -718,6 +869,40 @@ class TrtllmEventReader:
             self._sources[rank] = source
         return source
 
+    def _stamp(self, ts_ns: int | None) -> int:
+        if ts_ns is None:
+            return self._clock.time_ns()
+        if isinstance(ts_ns, bool) or not isinstance(ts_ns, int) or not 0 <= ts_ns <= _I64_MAX:
+            raise ConfigError(f"ts_ns must be an int in 0..{_I64_MAX} or None, got {ts_ns!r}")
+        return ts_ns
+
+    def numbering_state(self) -> dict[str, Any]:
+        """The JSON-able state that numbers events without ``event_id`` and windows markers:
+        ``{"last_ids": [[rank, id], ...], "max_window": int | None}`` (rank null: no rank)."""
+        return {
+            "last_ids": [[rank, event_id] for rank, event_id in self._last_ids.items()],
+            "max_window": self._max_window,
+        }
+
+    def restore_numbering(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`numbering_state` (e.g. a source resuming from a checkpoint).
+
+        Raises :class:`~kvstream.errors.ConfigError` for a malformed state.
+        """
+        try:
+            pairs = state["last_ids"]
+            last_ids: dict[int | None, int] = {}
+            for rank, event_id in pairs:
+                if rank is not None:
+                    _int(rank, "rank", 0, _I32_MAX)
+                last_ids[rank] = _int(event_id, "event_id", 0, _I64_MAX)
+            window = state.get("max_window")
+            max_window = None if window is None else _int(window, "max_window", 1, _I64_MAX)
+        except (KeyError, TypeError, ValueError, InteropError) as exc:
+            raise ConfigError(f"not a TensorRT-LLM reader numbering state: {state!r}") from exc
+        self._last_ids = last_ids
+        self._max_window = max_window
+
     def read(
         self, events: Iterable[Mapping[str, Any]], *, ts_ns: int | None = None
     ) -> list[EventBatch]:
@@ -730,24 +915,64 @@ class TrtllmEventReader:
         Raises :class:`~kvstream.errors.InteropError` naming ``event[i]`` and the field path
         for malformed input; then no batch is returned.
         """
-        if ts_ns is not None and (
-            isinstance(ts_ns, bool) or not isinstance(ts_ns, int) or not 0 <= ts_ns <= _I64_MAX
-        ):
-            raise ConfigError(f"ts_ns must be an int in 0..{_I64_MAX} or None, got {ts_ns!r}")
-        items = _event_list(events)
-        per_rank: dict[int | None, list[KVCacheEvent | _PendingClear]] = {}
-        max_window = self._max_window
-        for i, raw in enumerate(items):
-            rank, event = self._parser.parse(raw, f"event[{i}]", allow_pending=True)
-            per_rank.setdefault(rank, []).append(event)
-            if isinstance(event, KVCacheEvent) and (
-                max_window is None or event.window_size > max_window
-            ):
-                max_window = event.window_size
-        if not per_rank:
-            return []
+        stamp = self._stamp(ts_ns)
+        return self._read(_event_list(events), 0, stamp)
 
-        stamp = self._clock.time_ns() if ts_ns is None else ts_ns
+    def read_tolerant(
+        self, events: Iterable[Mapping[str, Any]], *, ts_ns: int | None = None
+    ) -> TolerantRead:
+        """Like :meth:`read`, but a malformed event costs only itself.
+
+        When the whole list converts, this is :meth:`read`. Otherwise each event is read on
+        its own (so events without ``event_id`` are numbered without look-ahead) and the
+        events that convert are grouped into one batch per rank, in order; each event that
+        does not gives one ``InteropError`` naming ``event[i]``. Used by bridges (file sources,
+        the in-process pump) that must count bad input and go on.
+        """
+        stamp = self._stamp(ts_ns)
+        try:
+            items = _event_list(events)
+        except InteropError as exc:
+            return TolerantRead([], [exc])
+        try:
+            return TolerantRead(self._read(items, 0, stamp), [])
+        except InteropError:
+            pass
+        per_rank: dict[int | None, list[KVCacheEvent]] = {}
+        errors: list[InteropError] = []
+        for i, raw in enumerate(items):
+            try:
+                for batch in self._read([raw], i, stamp):
+                    per_rank.setdefault(batch.source.attention_dp_rank, []).extend(batch.events)
+            except InteropError as exc:
+                errors.append(exc)
+        batches = [
+            EventBatch(source=self._source(rank), ts_ns=stamp, events=tuple(evs))
+            for rank, evs in per_rank.items()
+        ]
+        return TolerantRead(batches, errors)
+
+    def _read(self, items: Sequence[Any], base: int, stamp: int) -> list[EventBatch]:
+        parsed = [
+            self._parser.parse(raw, f"event[{base + i}]", allow_pending=True)
+            for i, raw in enumerate(items)
+        ]
+        if not parsed:
+            return []
+        # TensorRT-LLM's fan-out stamps rank 0 on its all_cleared marker even when the engine
+        # runs without attention DP (its events carry no rank): the marker is then the rank-less
+        # source's.
+        ranks = {p.rank for p in parsed if not p.marker}.union(self._last_ids)
+        marker_rank_zero_is_none = None in ranks and 0 not in ranks
+        per_rank: dict[int | None, list[KVCacheEvent | _Pending]] = {}
+        max_window = self._max_window
+        for p in parsed:
+            rank = None if p.marker and p.rank == 0 and marker_rank_zero_is_none else p.rank
+            per_rank.setdefault(rank, []).append(p.event)
+            window = p.window_size
+            if window is not None and (max_window is None or window > max_window):
+                max_window = window
+
         batches: list[EventBatch] = []
         last_ids: dict[int | None, int] = {}
         for rank, pending in per_rank.items():
@@ -762,44 +987,46 @@ class TrtllmEventReader:
 
     @staticmethod
     def _resolve(
-        events: list[KVCacheEvent | _PendingClear], prev_id: int | None, max_window: int | None
+        events: list[KVCacheEvent | _Pending], prev_id: int | None, max_window: int | None
     ) -> list[KVCacheEvent]:
         out: list[KVCacheEvent] = []
-        for j, ev in enumerate(events):
+        j = 0
+        while j < len(events):
+            ev = events[j]
             if isinstance(ev, KVCacheEvent):
                 out.append(ev)
                 prev_id = ev.event_id
+                j += 1
                 continue
-            event_id = ev.event_id
-            if event_id is None:
-                next_id = next(
-                    (e.event_id for e in events[j + 1 :] if isinstance(e, KVCacheEvent)), None
+            k = j
+            if ev.event_id is None:  # a run of events without ids, up to the next id
+                while (
+                    k < len(events)
+                    and isinstance(events[k], _Pending)
+                    and events[k].event_id is None
+                ):
+                    k += 1
+                next_id = events[k].event_id if k < len(events) else None
+                first = _first_ids(k - j, prev_id, next_id)
+            else:  # a marker with an id but no window
+                k, first = j + 1, ev.event_id
+            for n, pending in enumerate(events[j:k]):
+                assert isinstance(pending, _Pending)
+                window = pending.window_size
+                if window is None:  # all_cleared: the fan-out forwards the largest window
+                    window = UNBOUNDED_WINDOW if max_window is None else max_window
+                out.append(
+                    _make_event(
+                        pending.path,
+                        event_id=first + n,
+                        hash_algo=pending.hash_algo,
+                        layer_group_id=pending.layer_group_id,
+                        window_size=window,
+                        data=pending.data,
+                    )
                 )
-                if next_id is not None and next_id - 1 > (-1 if prev_id is None else prev_id):
-                    event_id = next_id - 1
-                elif prev_id is not None:
-                    event_id = prev_id + 1
-                else:
-                    event_id = 0
-            window = ev.window_size if ev.window_size is not None else max_window
-            if window is None:
-                _fail(
-                    f"{ev.path}.window_size",
-                    "all_cleared carries no window_size; pass default_window_size= (no event "
-                    "with a window_size has been seen to infer it from)",
-                )
-            try:
-                event = KVCacheEvent(
-                    event_id=event_id,
-                    hash_algo=ev.hash_algo,
-                    layer_group_id=ev.layer_group_id,
-                    window_size=window,
-                    data=Cleared(),
-                )
-            except EventValidationError as exc:
-                raise InteropError(f"{ev.path}: {exc}") from exc
-            out.append(event)
-            prev_id = event_id
+            prev_id = out[-1].event_id
+            j = k
         return out
 
 
@@ -821,8 +1048,9 @@ def from_trtllm_events(
     gets ``SourceId(instance_id, rank, incarnation)`` and ``ts_ns`` (default: now).
     ``tokens_per_block`` is required when the list holds ``created`` events;
     ``mm_token_id_offset`` when it holds V2 multimodal (hex) tokens; ``default_window_size``
-    when events lack ``window_size``. A one-shot :class:`TrtllmEventReader`: use a reader to
-    keep state across successive lists. See the module docs for every rule.
+    is the window of events without ``window_size``. A one-shot :class:`TrtllmEventReader`:
+    use a reader to keep state (event numbering, multimodal items) across successive lists.
+    See the module docs for every rule.
 
     Raises :class:`~kvstream.errors.InteropError` (location-prefixed) for malformed input and
     :class:`~kvstream.errors.ConfigError` for bad arguments.
@@ -847,9 +1075,11 @@ def from_trtllm_event(
     """Convert one TensorRT-LLM event dict into ``(attention_dp_rank, KVCacheEvent)``.
 
     Same rules as :func:`from_trtllm_events`, except that nothing is inferred from other
-    events: an ``all_cleared`` marker needs its ``event_id`` and a ``window_size`` (or
-    ``default_window_size``), and multimodal items continued from an ancestor block cannot be
-    resolved unless the block lists its ``mm_keys``. Errors are located under ``event``.
+    events: the event must carry its ``event_id`` (one event alone has no stream to number it
+    in), an ``all_cleared`` marker without ``window_size`` gets ``default_window_size`` else
+    :data:`~kvstream.events.model.UNBOUNDED_WINDOW`, and multimodal items continued from an
+    ancestor block cannot be resolved unless the block lists its ``mm_keys``. Errors are
+    located under ``event``.
     """
     parser = _Parser(
         tokens_per_block=tokens_per_block,
@@ -857,9 +1087,9 @@ def from_trtllm_event(
         default_window_size=default_window_size,
         mm_state_capacity=0,
     )
-    rank, ev = parser.parse(event, "event", allow_pending=False)
-    assert isinstance(ev, KVCacheEvent)  # allow_pending=False never defers
-    return RankedEvent(rank, ev)
+    parsed = parser.parse(event, "event", allow_pending=False)
+    assert isinstance(parsed.event, KVCacheEvent)  # allow_pending=False never defers
+    return RankedEvent(parsed.rank, parsed.event)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1111,3 +1341,200 @@ def to_trtllm_events(
                 )
             )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# In-process pump
+# --------------------------------------------------------------------------------------------
+
+log = logging.getLogger("kvstream.engines.trtllm")
+
+#: How many malformed events :class:`PumpStats` remembers (all are counted).
+_RECENT_MALFORMED: Final = 100
+
+
+class BatchSubmitter(Protocol):
+    """What :func:`pump` uses of a pipeline: :meth:`kvstream.pipeline.Pipeline.submit`
+    (thread-safe; True when every sink's queue took the batch)."""
+
+    def submit(self, batch: EventBatch) -> bool: ...
+
+
+class KvEventsLLM(Protocol):
+    """What :func:`pump` uses of TensorRT-LLM's ``LLM``: ``get_kv_cache_events_async(timeout)``,
+    which returns an async iterable of event dicts (an ``IterationResult``, or an async
+    generator in proxies and tests); an awaitable list is accepted too."""
+
+    def get_kv_cache_events_async(self, timeout: float | None) -> Any: ...
+
+
+@dataclass
+class PumpStats:
+    """What :func:`pump` did: ``polls`` of the engine, ``events`` received, ``batches``
+    submitted, ``refused`` batches (``submit`` returned False: a sink's queue dropped them and
+    the pipeline put a ``lost`` marker in their place), ``malformed`` events skipped (the most
+    recent messages in ``recent_malformed``) and ``poll_errors`` (polls that raised; logged)."""
+
+    polls: int = 0
+    events: int = 0
+    batches: int = 0
+    refused: int = 0
+    malformed: int = 0
+    poll_errors: int = 0
+    recent_malformed: deque[str] = field(default_factory=lambda: deque(maxlen=_RECENT_MALFORMED))
+
+
+class _Pump:
+    """One :func:`pump` run: polls, converts, submits."""
+
+    def __init__(
+        self,
+        llm: KvEventsLLM,
+        pipeline: BatchSubmitter,
+        reader: TrtllmEventReader,
+        stats: PumpStats,
+        *,
+        poll_timeout_s: float | None,
+        max_events_per_read: int,
+    ) -> None:
+        self.llm = llm
+        self.pipeline = pipeline
+        self.reader = reader
+        self.stats = stats
+        self.poll_timeout_s = poll_timeout_s
+        self.max_events_per_read = max_events_per_read
+
+    def flush(self, events: list[Any]) -> None:
+        """Convert one drain's events (malformed ones counted, never raised) and submit."""
+        if not events:
+            return
+        self.stats.events += len(events)
+        result = self.reader.read_tolerant(events)
+        for error in result.errors:
+            self.stats.malformed += 1
+            self.stats.recent_malformed.append(str(error))
+            log.warning("TensorRT-LLM pump: skipping a malformed event: %s", error)
+        for batch in result.batches:
+            self.stats.batches += 1
+            if not self.pipeline.submit(batch):
+                self.stats.refused += 1
+
+    async def poll(self) -> int:
+        """One ``get_kv_cache_events_async`` drain; returns how many events it brought."""
+        self.stats.polls += 1
+        events: list[Any] = []
+        received = 0
+        try:
+            result = self.llm.get_kv_cache_events_async(self.poll_timeout_s)
+            if hasattr(result, "__aiter__"):
+                async for event in result:
+                    events.append(event)
+                    received += 1
+                    if len(events) >= self.max_events_per_read:
+                        self.flush(events)
+                        events = []
+            else:
+                drained = await result
+                events.extend(drained or ())
+                received += len(events)
+        except (asyncio.TimeoutError, TimeoutError, asyncio.QueueEmpty):
+            pass  # nothing (more) arrived within the timeout
+        except asyncio.CancelledError:
+            self.flush(events)  # what was drained is the engine's only copy
+            raise
+        except Exception as exc:  # a failing poll must not end the pump
+            self.stats.poll_errors += 1
+            log.warning("TensorRT-LLM pump: get_kv_cache_events_async failed: %r", exc)
+        self.flush(events)
+        return received
+
+
+async def _idle(stop: asyncio.Event | None, seconds: float) -> None:
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def pump(
+    llm: KvEventsLLM,
+    pipeline: BatchSubmitter,
+    *,
+    instance_id: str,
+    incarnation: int = 0,
+    tokens_per_block: int | None = None,
+    mm_token_id_offset: int | None = None,
+    default_window_size: int | None = None,
+    stop: asyncio.Event | None = None,
+    poll_timeout_s: float | None = 0.0,
+    min_sleep_s: float = 0.005,
+    max_sleep_s: float = 0.02,
+    backoff: float = 1.5,
+    max_events_per_read: int = 4096,
+    reader: TrtllmEventReader | None = None,
+    stats: PumpStats | None = None,
+) -> PumpStats:
+    """Stream a live TensorRT-LLM ``LLM``'s KV-cache events into ``pipeline``, in-process.
+
+    The loop is NVIDIA Dynamo's TensorRT-LLM publisher's: call
+    ``llm.get_kv_cache_events_async(poll_timeout_s)`` (default 0: return at once), iterate the
+    result asynchronously, treat ``TimeoutError``/``QueueEmpty`` as "nothing more", and when a
+    poll brought nothing sleep ``min_sleep_s``, growing by ``backoff`` up to ``max_sleep_s``
+    (reset by the next event). Each drain (at most ``max_events_per_read`` events) is converted
+    by one :class:`TrtllmEventReader` (``instance_id``, ``incarnation``, ``tokens_per_block``,
+    ``mm_token_id_offset``, ``default_window_size``; or pass ``reader``) with
+    :meth:`~TrtllmEventReader.read_tolerant` and each resulting batch is handed to
+    ``pipeline.submit`` (any object with ``submit(batch) -> bool``;
+    :class:`kvstream.pipeline.Pipeline` is one). Called on the pipeline's own event loop,
+    ``Pipeline.submit`` never waits, so a ``block`` sink's full queue drops (and the pipeline
+    accounts for it) rather than stalling; run the pump on another loop or thread to get
+    backpressure.
+
+    Never ended by bad input: a malformed event is counted and logged and the rest of its
+    drain delivered; a poll that raises is counted and logged, and polling goes on. Ends when
+    ``stop`` is set (checked between polls and during the idle sleep) and returns the
+    :class:`PumpStats` (``stats`` if given, updated live); on cancellation the events already
+    drained are submitted before ``CancelledError`` propagates.
+
+    Raises :class:`~kvstream.errors.ConfigError` for bad arguments.
+    """
+    for name, value in (
+        ("min_sleep_s", min_sleep_s),
+        ("max_sleep_s", max_sleep_s),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not backoff >= 1:
+        raise ConfigError(f"backoff must be a number >= 1, got {backoff!r}")
+    if (
+        isinstance(max_events_per_read, bool)
+        or not isinstance(max_events_per_read, int)
+        or max_events_per_read < 1
+    ):
+        raise ConfigError(f"max_events_per_read must be an int >= 1, got {max_events_per_read!r}")
+    if reader is None:
+        reader = TrtllmEventReader(
+            instance_id=instance_id,
+            incarnation=incarnation,
+            tokens_per_block=tokens_per_block,
+            mm_token_id_offset=mm_token_id_offset,
+            default_window_size=default_window_size,
+        )
+    stats = PumpStats() if stats is None else stats
+    run = _Pump(
+        llm,
+        pipeline,
+        reader,
+        stats,
+        poll_timeout_s=poll_timeout_s,
+        max_events_per_read=max_events_per_read,
+    )
+    sleep_s = float(min_sleep_s)
+    while stop is None or not stop.is_set():
+        if await run.poll():
+            sleep_s = float(min_sleep_s)
+            continue
+        await _idle(stop, sleep_s)
+        sleep_s = min(float(max_sleep_s), sleep_s * backoff)
+    return stats

@@ -1,6 +1,6 @@
 """Events: the typed model (:mod:`.model`), the emitter the cache records into
-(:mod:`.emitter`), deferred batches that build the models off the engine thread
-(:mod:`.deferred`) and conversions to and from peers' formats (:mod:`.trtllm_json`)."""
+(:mod:`.emitter`) and deferred batches that build the models off the engine thread
+(:mod:`.deferred`). Engines' own formats live in :mod:`kvstream.engines`."""
 
 from kvstream.events.deferred import AnyBatch, DeferredBatch, EventSpan
 from kvstream.events.dp_gather import gather_attention_dp

@@ -1,8 +1,9 @@
-"""Event sources for consumers: Kafka topics, file-sink files, the memory sink.
+"""Event sources for consumers: Kafka topics, file-sink files, the memory sink, engines.
 
 :func:`open_source` builds one from a string: ``kafka://host:port/topic?...`` (see
 :meth:`~kvstream.index.sources.kafka.KafkaSource.from_url`; aiokafka is imported only then),
-or a file sink directory / file path. The memory source takes a sink object.
+an engine URL, TensorRT-LLM JSON (:mod:`.trtllm`), or a file sink directory / file path. The
+memory source takes a sink object.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def open_source(
     **kwargs: Any,
 ) -> EventSource:
     """A source for ``spec``: a ``kafka://`` URL, a live engine (``vllm://HOST:PORT?...``,
-    ``sglang://...``: see :mod:`kvstream.engines.endpoint`) or a file sink directory/file.
+    ``sglang://...``: see :mod:`kvstream.engines.endpoint`), TensorRT-LLM JSON (a
+    ``.json``/``.jsonl``/``.ndjson`` file, ``-`` for stdin, ``trtllm+file://PATH`` or
+    ``trtllm:-``: see :mod:`kvstream.index.sources.trtllm`) or a file sink directory/file.
 
     ``follow``: keep waiting for new data (files: poll; Kafka: without it the source stops at
     the end offsets it saw when it started). ``resume_from``: a checkpoint of the same kind.
@@ -54,6 +57,10 @@ def open_source(
         from kvstream.index.sources.engine import EngineSource
 
         return EngineSource(text, resume_from=resume_from, **kwargs)
+    from kvstream.index.sources.trtllm import TrtllmSource, is_trtllm_spec
+
+    if is_trtllm_spec(text):
+        return TrtllmSource.from_spec(text, follow=follow, resume_from=resume_from, **kwargs)
     if text.startswith("kafka://"):
         from kvstream.index.sources.kafka import KafkaSource
 
