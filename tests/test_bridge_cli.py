@@ -155,3 +155,62 @@ async def test_bridge_vllm_to_kafka_and_back(kafka: KafkaEnv, tmp_path: Path) ->
         while (item := await src.read(10)) is not None:
             got.append(item.batch)
     assert _stored_hashes(got) == {0: [1, 2, 3, 4, 5]}
+
+
+TRTLLM_EVENTS = [
+    {
+        "event_id": 0,
+        "data": {"type": "created", "num_blocks_per_cache_level": [4096, 0]},
+        "window_size": 4096,
+    },
+    {
+        "event_id": 1,
+        "data": {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [
+                {
+                    "type": "stored_block",
+                    "block_hash": 924206229973855,
+                    "tokens": [
+                        {"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                        for t in (1, 2, 3, 4)
+                    ],
+                    "cache_level": 0,
+                    "priority": 35,
+                    "mm_keys": [],
+                }
+            ],
+        },
+        "window_size": 4096,
+    },
+    {
+        "event_id": 2,
+        "data": {"type": "removed", "block_hashes": [924206229973855]},
+        "window_size": 4096,
+    },
+]
+
+
+@pytest.mark.parametrize("via_stdin", [False, True], ids=["file", "stdin"])
+def test_bridge_trtllm_json_to_files(tmp_path: Path, via_stdin: bool) -> None:
+    lines = "".join(json.dumps([e]) + "\n" for e in TRTLLM_EVENTS) + "not json\n"
+    src = tmp_path / "events.jsonl"
+    src.write_text(lines)
+    out = tmp_path / "out"
+    args = [*KVSTREAM, "bridge", "-" if via_stdin else str(src), "-o", str(out), "--json"]
+    proc = subprocess.run(
+        [*args, "--tokens-per-block", "4"],
+        input=lines if via_stdin else None,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["stop_reason"] == "source ended"
+    assert summary["source_stats"]["malformed"] == 1  # the bad line, counted, not fatal
+    batches = list(read_dir(out))
+    assert [e.event_id for b in batches for e in b.events] == [0, 1, 2]
+    assert _stored_hashes(batches) == {None: [924206229973855]}

@@ -55,9 +55,14 @@ def bridge(
         int | None, typer.Option("--max-batches", min=1, help="Stop after N batches.")
     ] = None,
     follow: Annotated[
-        bool,
-        typer.Option(help="Keep waiting for new data in Kafka topics and growing files."),
-    ] = True,
+        bool | None,
+        typer.Option(
+            "--follow/--no-follow",
+            help="Keep waiting for new data (default: yes for Kafka topics, no for files; "
+            "engines are always followed).",
+            show_default=False,
+        ),
+    ] = None,
     overflow: Annotated[
         str | None,
         typer.Option(help="Full sink queue: block, drop_oldest or drop_newest (pipeline)."),

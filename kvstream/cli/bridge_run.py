@@ -40,7 +40,7 @@ class BridgeOptions:
     out_dir: Path | None = None
     idle_exit_s: float | None = None
     max_batches: int | None = None
-    follow: bool = True
+    follow: bool | None = None  # None: follow Kafka topics, read files to their end
     config: PipelineConfig = field(default_factory=PipelineConfig)
     metrics_port: int | None = None
     source_options: dict[str, Any] = field(default_factory=dict)
@@ -170,7 +170,8 @@ def _open(opts: BridgeOptions) -> EventSource:
     text = opts.source
     if text.startswith(("vllm://", "sglang://")):
         return open_source(text, **kwargs)
-    return open_source(text, follow=opts.follow, **kwargs)
+    follow = opts.follow if opts.follow is not None else text.startswith("kafka://")
+    return open_source(text, follow=follow, **kwargs)
 
 
 def _waiting_text(source: EventSource) -> str:
