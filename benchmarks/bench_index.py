@@ -3,7 +3,7 @@ against the naive index TensorRT-LLM's router keeps (a flat set of hashes per wo
 by walking each worker's set until the first miss), measured in the same run.
 
     python benchmarks/bench_index.py [--workers 64] [--tokens 8192] [--block-size 32]
-        [--requests 48] [--queries 2000] [--repeat 3] [--seed 0]
+        [--requests 48] [--queries 2000] [--repeat 3] [--seed 0] [--key-mode engine|tokens]
 
 Workload: ``--requests`` distinct requests per worker drawn from a pool that shares a few
 system prompts (a quarter of each request); every worker caches a random-length prefix of
@@ -11,6 +11,10 @@ each of its requests, announced as an engine would (only blocks it did not hold,
 parent). Batches are built (and validated) before timing: ingest measures the index, not
 decoding. Queries are requests of the pool; each worker holds a different prefix of them,
 which is the hard case for the index's search (many distinct depths).
+
+``--key-mode tokens`` measures the token-keyed index (``PrefixIndex(key_mode="tokens")``):
+ingest then hashes every stored block's tokens (each block's tokens derive from its identity,
+so shared blocks share tokens), and queries are the requests' canonical keys.
 
 Targets (issue 6): ingest >= 1M stored blocks/s on one core, match p99 <= 50 us. Match
 latency is the index lookup of already-hashed request blocks ("hash once per algorithm and
@@ -41,13 +45,19 @@ from kvstream.events.model import (
     StoredBlock,
 )
 from kvstream.hashing import get_hasher, split_blocks
-from kvstream.index import DomainKey, PrefixIndex, Router, RouterConfig, WorkerKey
+from kvstream.index import CANONICAL_ALGO, DomainKey, PrefixIndex, Router, RouterConfig, WorkerKey
+from kvstream.index.keys import request_keys
 
 ALGO = "blake3_64"
 
 
 def block_hash(*key: int) -> bytes:
     return hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+
+
+def block_tokens(h: bytes, tpb: int) -> TokenIds:
+    """The block's token ids: derived from its hash, so equal blocks have equal tokens."""
+    return TokenIds.from_bytes(hashlib.shake_128(h).digest(4 * tpb))
 
 
 class Pool:
@@ -67,7 +77,7 @@ def build_stream(
     pool: Pool, workers: int, per_worker: int, tpb: int, rng: random.Random, *, evict: bool
 ) -> tuple[list[EventBatch], int, int]:
     """Batches of every worker; returns (batches, stored blocks, removed blocks)."""
-    tok = TokenIds([1] * tpb)
+    toks: dict[bytes, TokenIds] = {}
     out: list[EventBatch] = []
     stored = removed = 0
     for w in range(workers):
@@ -91,7 +101,11 @@ def build_stream(
             new = chain[k:]
             if new:
                 blocks = tuple(
-                    StoredBlock.model_construct(block_hash=h, token_ids=tok, cache_level=0)
+                    StoredBlock.model_construct(
+                        block_hash=h,
+                        token_ids=toks.get(h) or toks.setdefault(h, block_tokens(h, tpb)),
+                        cache_level=0,
+                    )
                     for h in new
                 )
                 data = Stored.model_construct(
@@ -141,8 +155,8 @@ def build_stream(
     return out, stored, removed
 
 
-def ingest_index(batches: list[EventBatch]) -> tuple[float, PrefixIndex]:
-    idx = PrefixIndex()
+def ingest_index(batches: list[EventBatch], mode: str) -> tuple[float, PrefixIndex]:
+    idx = PrefixIndex(key_mode=mode)
     gc.collect()
     t0 = time.perf_counter()
     for b in batches:
@@ -201,7 +215,9 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--key-mode", choices=("engine", "tokens"), default="engine")
     args = ap.parse_args()
+    mode = args.key_mode
     rng = random.Random(args.seed)
     tpb = args.block_size
     n_blocks = args.tokens // tpb
@@ -209,7 +225,8 @@ def main() -> None:
 
     print(
         f"workers {args.workers}, {args.tokens}-token requests = {n_blocks} blocks of {tpb}, "
-        f"{args.requests} cached requests per worker, python {sys.version.split()[0]}"
+        f"{args.requests} cached requests per worker, key mode {mode}, "
+        f"python {sys.version.split()[0]}"
     )
     print("\n== ingest (one core; batches prebuilt) ==")
     print(f"{'stream':36} {'blocks':>9} {'index M/s':>10} {'naive M/s':>10} {'index/naive':>12}")
@@ -220,7 +237,7 @@ def main() -> None:
         batches, stored, removed = build_stream(
             pool, args.workers, args.requests, tpb, random.Random(args.seed), evict=evict
         )
-        t_idx = [ingest_index(batches)[0] for _ in range(args.repeat)]
+        t_idx = [ingest_index(batches, mode)[0] for _ in range(args.repeat)]
         t_nv = [ingest_naive(batches)[0] for _ in range(args.repeat)]
         total = stored + removed
         label = "stored blocks" if not evict else "stored + removed blocks"
@@ -234,24 +251,31 @@ def main() -> None:
             )
         if not evict:
             best_store = stored / min(t_idx)
-            _, keep = ingest_index(batches)
+            _, keep = ingest_index(batches, mode)
             _, sets = ingest_naive(batches)
     assert keep is not None
 
     print(f"\n== match: {args.queries} queries over {args.workers} workers (hashes precomputed) ==")
-    domain = DomainKey(ALGO, tpb, 0)
-    queries = [pool.chains[rng.randrange(len(pool.chains))] for _ in range(args.queries)]
-    for q in queries[:50]:  # the two must agree
-        got = {str(k): v for k, v in keep.match_hashes(domain, q).items()}
-        want = {f"{k}/-": v for k, v in naive_match(sets, q).items()}
+    domain = DomainKey(ALGO if mode == "engine" else CANONICAL_ALGO, tpb, 0)
+    picks = [rng.randrange(len(pool.chains)) for _ in range(args.queries)]
+    queries = [pool.chains[r] for r in picks]
+    keyed = queries  # what the index is queried with: engine hashes, or canonical keys
+    if mode == "tokens":
+        keys = [
+            request_keys(b"".join(block_tokens(h, tpb).raw for h in c), tpb) for c in pool.chains
+        ]
+        keyed = [keys[r] for r in picks]
+    for q, k in zip(queries[:50], keyed[:50], strict=True):  # the two must agree
+        got = {str(w): v for w, v in keep.match_hashes(domain, k).items()}
+        want = {f"{w}/-": v for w, v in naive_match(sets, q).items()}
         assert got == want, "index and naive disagree"
     clock = time.perf_counter_ns
 
-    def timed(fn: object) -> list[float]:
+    def timed(fn: object, qs: list[list[bytes]]) -> list[float]:
         lat = []
         gc.disable()
         try:
-            for q in queries:
+            for q in qs:
                 t0 = clock()
                 fn(q)  # type: ignore[operator]
                 lat.append((clock() - t0) / 1e3)
@@ -261,11 +285,11 @@ def main() -> None:
 
     # each in its own loop (interleaving them evicts each other's dicts from the CPU caches);
     # several rounds, the best round of each by median (other processes share this machine)
-    rounds_i = [timed(lambda q: keep.match_hashes(domain, q)) for _ in range(args.repeat)]
-    rounds_n = [timed(lambda q: naive_match(sets, q)) for _ in range(args.repeat)]
+    rounds_i = [timed(lambda q: keep.match_hashes(domain, q), keyed) for _ in range(args.repeat)]
+    rounds_n = [timed(lambda q: naive_match(sets, q), queries) for _ in range(args.repeat)]
     lat_i = min(rounds_i, key=lambda xs: pct(xs, 0.5))
     lat_n = min(rounds_n, key=lambda xs: pct(xs, 0.5))
-    matched = [len(keep.match_hashes(domain, q)) for q in queries]
+    matched = [len(keep.match_hashes(domain, q)) for q in keyed]
     print(f"best of {args.repeat} rounds")
     print(f"{'':30} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
     for name, lat in (("index (mask search)", lat_i), ("naive (walk each set)", lat_n)):
@@ -289,17 +313,21 @@ def main() -> None:
     t0 = time.perf_counter()
     n = 50
     for _ in range(n):
-        hasher.chain_bytes(split_blocks(toks, tpb))
+        if mode == "engine":
+            hasher.chain_bytes(split_blocks(toks, tpb))
+        else:
+            request_keys(TokenIds(toks).raw, tpb)
     hash_us = (time.perf_counter() - t0) / n * 1e6
     # a real index of hashed requests for the router: 64 workers holding prefixes of 8 prompts
-    idx = PrefixIndex()
+    idx = PrefixIndex(key_mode=mode)
     prompts = [[(p * 1000003 + i) % 32000 for i in range(args.tokens)] for p in range(8)]
     chains = [hasher.chain_bytes(split_blocks(p, tpb)) for p in prompts]
-    tok = TokenIds([1] * tpb)
     for w in range(args.workers):
         c = chains[w % 8][: rng.randint(1, n_blocks)]
+        parts = split_blocks(prompts[w % 8], tpb)
         blocks = tuple(
-            StoredBlock.model_construct(block_hash=h, token_ids=tok, cache_level=0) for h in c
+            StoredBlock.model_construct(block_hash=h, token_ids=b, cache_level=0)
+            for h, b in zip(c, parts, strict=False)
         )
         idx.apply(
             EventBatch(
@@ -327,7 +355,8 @@ def main() -> None:
     for i in range(n):
         router.route(prompts[i % 8])
     route_us = (time.perf_counter() - t0) / n * 1e6
-    print(f"hash an {args.tokens}-token request ({ALGO}, {n_blocks} blocks): {hash_us:9.1f} us")
+    algo = ALGO if mode == "engine" else CANONICAL_ALGO
+    print(f"hash an {args.tokens}-token request ({algo}, {n_blocks} blocks): {hash_us:9.1f} us")
     print(f"router.route() incl. hashing and {args.workers} worker scores: {route_us:9.1f} us")
 
 

@@ -24,6 +24,7 @@ from kvstream.index import (
     HashConfigMismatchError,
     HashRequest,
     IndexConsumer,
+    KeyMode,
     MatchResult,
     PrefixIndex,
     SnapshotError,
@@ -103,6 +104,14 @@ def index(
         str | None,
         typer.Option(help="Expected hash algorithm; a worker publishing another is an error."),
     ] = None,
+    key_mode: Annotated[
+        str,
+        typer.Option(
+            help="How blocks are keyed: engine (the engine's hashes; requests hashed with each "
+            "worker's algorithm) or tokens (a canonical hash of the tokens: one index across "
+            "engines and algorithms; needs token ids in the events)."
+        ),
+    ] = "engine",
     follow: Annotated[
         bool, typer.Option(help="Keep reading new data until --idle-timeout passes without any.")
     ] = False,
@@ -127,7 +136,8 @@ def index(
         qs = [_Query(_parse_tokens(q), HashRequest()) for q in query or []]
         if queries is not None:
             qs += _load_queries(queries)
-        consumer = _consumer(stream, follow, idle_timeout, group_id, snapshot, block_size)
+        mode = KeyMode.parse(key_mode)
+        consumer = _consumer(stream, follow, idle_timeout, group_id, snapshot, block_size, mode)
         asyncio.run(_build(consumer, max_batches, snapshot_every))
         results = [
             consumer.index.match(
@@ -158,6 +168,7 @@ def _consumer(
     group_id: str | None,
     snapshot: Path | None,
     block_size: int | None,
+    key_mode: KeyMode,
 ) -> IndexConsumer:
     def make(ckpt: dict[str, Any] | None) -> EventSource:
         kw: dict[str, Any] = {}
@@ -169,10 +180,15 @@ def _consumer(
         return open_source(stream, resume_from=ckpt, follow=follow, **kw)
 
     def fresh() -> PrefixIndex:
-        return PrefixIndex(default_tokens_per_block=block_size)
+        return PrefixIndex(default_tokens_per_block=block_size, key_mode=key_mode)
 
     if snapshot is not None:
         consumer = IndexConsumer.resume(snapshot, make, index_factory=fresh)
+        if consumer.index.key_mode is not key_mode:
+            raise ConfigError(
+                f"snapshot {snapshot} holds a {consumer.index.key_mode.value}-keyed index; "
+                f"pass --key-mode {consumer.index.key_mode.value} (or start a new snapshot)"
+            )
         if block_size is not None:
             consumer.index.default_tokens_per_block = block_size
         return consumer

@@ -50,6 +50,13 @@ def replay(
     hash_algo: Annotated[str, typer.Option(help="Block hash algorithm of the workers.")] = (
         "blake3_64"
     ),
+    key_mode: Annotated[
+        str,
+        typer.Option(
+            help="How the index keys blocks: engine (the workers' hashes) or tokens (a "
+            "canonical hash of the tokens, as for a fleet mixing engines)."
+        ),
+    ] = "engine",
     sink: Annotated[
         str,
         typer.Option(help="Event transport: memory, or kafka://HOST:PORT/TOPIC."),
@@ -91,6 +98,7 @@ def replay(
         router=router,
         overlap_weight=overlap_weight,
         hash_algo=hash_algo,
+        key_mode=key_mode,
         sink=sink,
         prefill_tokens_per_s=prefill_tps,
         decode_ms_per_token=decode_ms,

@@ -63,6 +63,7 @@ class ReplayOptions:
     router: str = "kv"
     overlap_weight: float = 1.0
     hash_algo: str = "blake3_64"
+    key_mode: str = "engine"
     sink: str = "memory"
     prefill_tokens_per_s: float = 10_000.0
     decode_ms_per_token: float = 20.0
@@ -348,7 +349,7 @@ async def run_replay(
         for k in keys
     ]
     result.workers = [WorkerSummary(str(k)) for k in keys]
-    index = PrefixIndex()
+    index = PrefixIndex(key_mode=opts.key_mode)
     router = Router(
         index,
         keys,

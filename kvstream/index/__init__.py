@@ -12,7 +12,9 @@ aiokafka only inside :mod:`kvstream.index.sources.kafka`).
     decision = router.route(prompt_tokens)                # worker + per-worker matches
 
 Modules: :mod:`.index` (the index and its rules), :mod:`.table` (one worker's prefix tree in
-flat arrays), :mod:`.domain` (the shared block -> workers masks and the prefix search),
+flat arrays), :mod:`.keys` and :mod:`.token_table` (token-derived keys: one index across
+engines and hash algorithms, ``PrefixIndex(key_mode="tokens")``), :mod:`.domain` (the shared
+block -> workers masks and the prefix search),
 :mod:`.matching` (request hashing, match results), :mod:`.router`, :mod:`.load` (active load),
 :mod:`.snapshot` (versioned snapshot files), :mod:`.consumer` (source -> index, snapshots,
 commits), :mod:`.sources` (Kafka, files, memory), :mod:`.stats`, :mod:`.errors`,
@@ -27,6 +29,7 @@ from kvstream.index.errors import (
     SourceError,
 )
 from kvstream.index.index import GroupInfo, PrefixIndex, WorkerInfo
+from kvstream.index.keys import CANONICAL_ALGO, KeyMode
 from kvstream.index.load import LoadTracker, WorkerLoad
 from kvstream.index.matching import HashRequest, MatchResult, RequestHasher, WorkerMatch
 from kvstream.index.router import (
@@ -48,6 +51,7 @@ from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = [
+    "CANONICAL_ALGO",
     "DEFAULT_TIER_WEIGHTS",
     "ConsumerReport",
     "DomainKey",
@@ -58,6 +62,7 @@ __all__ = [
     "HashRequest",
     "IndexConsumer",
     "IndexStats",
+    "KeyMode",
     "LoadTracker",
     "MatchResult",
     "MemorySource",

@@ -13,6 +13,17 @@ State per worker (an event source: instance and attention-DP rank) and layer gro
 the same algorithm, block size and group id share a :class:`~kvstream.index.domain.HashDomain`
 that answers matches for all their workers at once.
 
+Key modes (``key_mode``):
+
+- ``"engine"`` (default): blocks are keyed by the engine's hash, and a request is hashed with
+  each worker's advertised algorithm (which must be reproducible from a request).
+- ``"tokens"``: blocks are keyed by a canonical hash of their tokens, their parent's key and
+  their scope (:mod:`kvstream.index.keys`); the engine's hash is only the id that removals
+  and updates resolve through (:mod:`kvstream.index.token_table`). Workers of every engine
+  and algorithm with the same block size and group id share one domain, and a request is
+  hashed once per block size, without knowing any worker's algorithm. Exact when events
+  carry token ids (see ``docs/index.md``).
+
 Rules (DESIGN §7), per worker:
 
 - **Sequencing.** Event ids must follow one another. An id already applied is a duplicate
@@ -42,6 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstream.errors import ConfigError
 from kvstream.events.model import (
     Cleared,
     Created,
@@ -54,9 +66,18 @@ from kvstream.events.model import (
 )
 from kvstream.index.domain import HashDomain, expand_depths
 from kvstream.index.errors import HashConfigMismatchError
+from kvstream.index.keys import (
+    CANONICAL_ALGO,
+    KeyMode,
+    lora_scopes,
+    request_keys,
+    request_mm,
+    request_raw,
+)
 from kvstream.index.matching import HashRequest, MatchResult, RequestHasher, WorkerMatch
 from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.table import GroupTable
+from kvstream.index.token_table import TokenGroupTable
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
@@ -78,7 +99,7 @@ class _Group:
         "window_size",
     )
 
-    def __init__(self, gid: int, bit: int) -> None:
+    def __init__(self, gid: int, bit: int, tokens: bool = False) -> None:
         self.gid = gid
         self.hash_algo: str | None = None
         self.tokens_per_block: int | None = None
@@ -88,7 +109,7 @@ class _Group:
         #: blocks the group can hold (all tiers); more cached blocks mean missed removals
         self.limit = 1 << 62
         self.max_block_tokens = 0
-        self.table = GroupTable(bit)
+        self.table = TokenGroupTable(bit) if tokens else GroupTable(bit)
         self.domain: HashDomain | None = None
 
 
@@ -163,7 +184,9 @@ class PrefixIndex:
     ``default_tokens_per_block``: the block size of groups that never advertised one (e.g.
     schema-v1 data, whose ``created`` events carry none); None leaves them unmatchable.
     ``hasher_params``: algorithm-level hasher parameters for matching (events do not carry
-    them), e.g. ``{"vllm_sha256_cbor": {"seed": "..."}}``.
+    them), e.g. ``{"vllm_sha256_cbor": {"seed": "..."}}`` (engine mode only).
+    ``key_mode``: ``"engine"`` or ``"tokens"`` (see the module docstring); ConfigError for
+    anything else.
     """
 
     def __init__(
@@ -171,12 +194,15 @@ class PrefixIndex:
         *,
         default_tokens_per_block: int | None = None,
         hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
+        key_mode: KeyMode | str = KeyMode.ENGINE,
     ) -> None:
         if default_tokens_per_block is not None and default_tokens_per_block < 1:
             raise ValueError(
                 f"default_tokens_per_block must be >= 1, got {default_tokens_per_block}"
             )
         self.default_tokens_per_block = default_tokens_per_block
+        self.key_mode = KeyMode.parse(key_mode)
+        self._tokens = self.key_mode is KeyMode.TOKENS
         self.hasher = RequestHasher(hasher_params)
         self._sources: dict[tuple[str, int | None], _Source] = {}
         self._slots: list[WorkerKey] = []
@@ -268,7 +294,7 @@ class PrefixIndex:
         return s
 
     def _add_group(self, s: _Source, gid: int) -> _Group:
-        g = _Group(gid, s.bit)
+        g = _Group(gid, s.bit, self._tokens)
         s.groups[gid] = g
         if s.stale:
             s.pending_clear.add(gid)
@@ -388,7 +414,7 @@ class PrefixIndex:
         tpb = g.tokens_per_block or self.default_tokens_per_block
         if g.hash_algo is None or tpb is None:
             return None
-        return DomainKey(g.hash_algo, tpb, g.gid)
+        return DomainKey(CANONICAL_ALGO if self._tokens else g.hash_algo, tpb, g.gid)
 
     def _bind(self, s: _Source, g: _Group) -> None:
         """Attach the group's table to the domain its metadata names (or detach it)."""
@@ -520,6 +546,22 @@ class PrefixIndex:
         g = None if s is None else s.groups.get(layer_group_id)
         return None if g is None or g.domain is None else g.domain.key
 
+    def block_key(
+        self,
+        worker: WorkerKey | tuple[str, int | None],
+        block_hash: bytes,
+        layer_group_id: int = 0,
+    ) -> bytes | None:
+        """The key ``worker``'s block ``block_hash`` is matched under: the hash itself in
+        engine mode (when known), its canonical key in token mode (None when the block, or
+        its key, is not known)."""
+        t = self.table(worker, layer_group_id)
+        if t is None:
+            return None
+        if isinstance(t, TokenGroupTable):
+            return t.key_of(block_hash)
+        return block_hash if block_hash in t.ids else None
+
     def domains(self) -> list[DomainKey]:
         """Domains with at least one member."""
         return [k for k, d in self._domains.items() if d.members]
@@ -574,7 +616,10 @@ class PrefixIndex:
 
         Candidates are ``workers`` (default: every known worker), reported in that order.
         The request is hashed once per domain with the algorithm and block size the workers
-        advertised. ``hash_algo``/``tokens_per_block``, when given, are what the caller
+        advertised (token mode: once per block size with the canonical chain, and once per
+        LoRA scope when ``request`` names the adapter by both name and id; a ``salt_id``
+        raises ConfigError there, as events identify salts by their string).
+        ``hash_algo``/``tokens_per_block``, when given, are what the caller
         expects every candidate to use: a candidate advertising something else raises
         HashConfigMismatchError rather than being matched with the wrong hashes. Stale
         workers are matched too but flagged untrusted.
@@ -610,12 +655,21 @@ class PrefixIndex:
             if g.domain is not None:
                 k = g.domain.key
                 by_domain[k] = by_domain.get(k, 0) | s.bit
-        hashes_of: dict[DomainKey, list[bytes]] = {}
+        chains_of = self._request_chains(tokens, req, by_domain)
         depth: dict[int, int] = {}
+        pick: dict[int, int] = {}  # slot -> the chain (LoRA scope) it matched deepest
         slots = range(len(self._slots))
         for k, allowed in by_domain.items():
-            hs = hashes_of[k] = self.hasher.hashes(tokens, k.hash_algo, k.tokens_per_block, req)
-            depth.update(expand_depths(self._domains[k].depths(hs, allowed), slots))
+            chains = chains_of[k]
+            dom = self._domains[k]
+            if len(chains) == 1:
+                depth.update(expand_depths(dom.depths(chains[0], allowed), slots))
+                continue
+            for i, hs in enumerate(chains):
+                for slot, d in expand_depths(dom.depths(hs, allowed), slots).items():
+                    if d > depth.get(slot, 0):
+                        depth[slot] = d
+                        pick[slot] = i
         n_tokens = _count_tokens(tokens)
         out: list[WorkerMatch] = []
         for w, g in zip(cands, groups, strict=True):
@@ -632,7 +686,7 @@ class PrefixIndex:
                 out.append(WorkerMatch(w, 0, 0.0, 0, g.tokens_per_block, g.hash_algo, False, why))
                 continue
             k = g.domain.key
-            hs = hashes_of[k]
+            hs = chains_of[k][pick.get(s.slot, 0)]
             d = depth.get(s.slot, 0)
             out.append(
                 WorkerMatch(
@@ -648,6 +702,37 @@ class PrefixIndex:
             )
         return MatchResult(tuple(out), n_tokens)
 
+    def _request_chains(
+        self, tokens: Any, req: HashRequest, domains: Iterable[DomainKey]
+    ) -> dict[DomainKey, list[list[bytes]]]:
+        """The request's block keys per domain (one chain per LoRA scope in token mode)."""
+        out: dict[DomainKey, list[list[bytes]]] = {}
+        if not self._tokens:
+            for k in domains:
+                out[k] = [self.hasher.hashes(tokens, k.hash_algo, k.tokens_per_block, req)]
+            return out
+        if req.salt_id is not None:
+            raise ConfigError(
+                "a token-keyed index identifies a cache salt by its string (events carry "
+                "cache_salt); pass cache_salt, not salt_id"
+            )
+        raw = b""
+        scopes: list[Any] = []
+        per_size: dict[int, list[list[bytes]]] = {}
+        for k in domains:
+            tpb = k.tokens_per_block
+            chains = per_size.get(tpb)
+            if chains is None:
+                if not scopes:
+                    raw = request_raw(tokens, req.drop_last_token)
+                    scopes = lora_scopes(req.lora_name, req.lora_id)
+                mm = request_mm(req.mm_keys, len(raw) // (4 * tpb))
+                chains = per_size[tpb] = [
+                    request_keys(raw, tpb, scope, req.cache_salt, mm) for scope in scopes
+                ]
+            out[k] = chains
+        return out
+
     # ------------------------------------------------------------------ state
 
     def canonical_state(self) -> dict[str, Any]:
@@ -655,7 +740,7 @@ class PrefixIndex:
         with equal canonical states answer every query and every future event alike)."""
         out: dict[str, Any] = {}
         for s in self._sources.values():
-            groups = {}
+            groups: dict[int, dict[str, Any]] = {}
             for gid, g in sorted(s.groups.items()):
                 groups[gid] = {
                     "hash_algo": g.hash_algo,
@@ -667,6 +752,8 @@ class PrefixIndex:
                     "domain": None if g.domain is None else tuple(g.domain.key),
                     "nodes": g.table.nodes(),
                 }
+                if isinstance(g.table, TokenGroupTable):
+                    groups[gid]["keys"] = g.table.keys()
             out[str(s.key)] = {
                 "incarnation": s.incarnation,
                 "next_id": s.next_id,
@@ -709,6 +796,7 @@ class PrefixIndex:
             )
         return {
             "default_tokens_per_block": self.default_tokens_per_block,
+            "key_mode": self.key_mode.value,
             "slots": [[k.instance_id, k.dp_rank] for k in self._slots],
             "workers": workers,
         }
@@ -721,15 +809,18 @@ class PrefixIndex:
     def from_state(
         cls,
         state: Mapping[str, Any],
-        tables: Mapping[tuple[WorkerKey, int], tuple[list[bytes], list[int], list[int]]],
+        tables: Mapping[tuple[WorkerKey, int], Sequence[Any]],
         *,
         hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> PrefixIndex:
-        """Rebuild an index from :meth:`export_state` and per-table node dumps
-        (``GroupTable.dump_nodes`` output keyed by worker and group id)."""
+        """Rebuild an index from :meth:`export_state` and per-table dumps keyed by worker
+        and group id: ``GroupTable.dump_nodes`` output, followed in token mode by
+        ``TokenGroupTable.dump_keys`` output (5 items). A state without ``key_mode`` is an
+        engine-mode one. ValueError when a dump does not fit its table."""
         idx = cls(
             default_tokens_per_block=state.get("default_tokens_per_block"),
             hasher_params=hasher_params,
+            key_mode=state.get("key_mode", KeyMode.ENGINE),
         )
         for inst, rank in state["slots"]:
             idx._slots.append(WorkerKey(inst, rank))
@@ -748,7 +839,7 @@ class PrefixIndex:
             if not s.stale:
                 idx._trusted |= s.bit
             for gd in w["groups"]:
-                g = _Group(int(gd["layer_group_id"]), s.bit)
+                g = _Group(int(gd["layer_group_id"]), s.bit, idx._tokens)
                 g.hash_algo = gd["hash_algo"]
                 g.tokens_per_block = gd["tokens_per_block"]
                 g.window_size = gd["window_size"]
@@ -759,8 +850,16 @@ class PrefixIndex:
                 s.groups[g.gid] = g
                 dump = tables.get((key, g.gid))
                 if dump is not None:
-                    hs, ps, rs = dump
-                    g.table.load_nodes(list(zip(hs, ps, rs, strict=True)))
+                    if len(dump) != (5 if idx._tokens else 3):
+                        raise ValueError(
+                            f"a {idx.key_mode.value}-keyed table dump has "
+                            f"{5 if idx._tokens else 3} parts, got {len(dump)}"
+                        )
+                    nodes = list(zip(dump[0], dump[1], dump[2], strict=True))
+                    if isinstance(g.table, TokenGroupTable):
+                        g.table.load_keyed(nodes, dump[3], dump[4])
+                    else:
+                        g.table.load_nodes(nodes)
                 idx._bind(s, g)
         return idx
 
@@ -773,10 +872,8 @@ class PrefixIndex:
                 g.table.check()
                 if g.domain is not None:
                     m = expect[g.domain.key]
-                    t = g.table
-                    for h, n in t.ids.items():
-                        if t.rooted[n]:
-                            m[h] = m.get(h, 0) | s.bit
+                    for h in g.table.mirrored():
+                        m[h] = m.get(h, 0) | s.bit
         for k, d in self._domains.items():
             assert d.masks == expect[k], f"domain {k} masks differ from its tables"
 

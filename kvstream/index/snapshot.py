@@ -4,20 +4,31 @@ A consumer that restarts loads the snapshot and resumes reading its source from 
 positions, instead of replaying the whole stream; the restored index equals one rebuilt from
 the start (``PrefixIndex.canonical_state()`` compares equal).
 
-File format (version 1), all integers little-endian::
+File format (versions 1 and 2), all integers little-endian::
 
     magic    8 bytes  b"KVSIDX\\r\\n"
-    version  u16      1
+    version  u16      1 (an engine-keyed index) or 2 (a token-keyed one)
     hlen     u32      length of the header
     header   hlen     UTF-8 JSON: format version, creation time, source positions, user
-                      metadata, the index's per-worker state and the list of tables with
-                      their node counts
+                      metadata, the index's per-worker state (with its ``key_mode``) and the
+                      list of tables with their node counts (and, version 2, pending counts)
     tables            per table, in header order:
                         n bytes     hash lengths
                         sum(len)    hashes, concatenated
                         8n bytes    parent index per node (i64; -1 root, -2 unknown)
                         8n bytes    packed tier reference counts per node (u64)
+                      version 2 only, then:
+                        n bytes     canonical key lengths (0: not known yet, else 16)
+                        sum(len)    canonical keys, concatenated
+                        4m bytes    node index of each of the m pending payloads (u32)
+                        m bytes     1 when that payload is a scoped one, else 0
+                        4m bytes    payload lengths (u32)
+                        sum(len)    payloads, concatenated
     digest   32 bytes SHA-256 of everything before it
+
+Version 2 differs only by the token-keyed tables, so an engine-keyed index is still written
+as version 1 (readable by every release); a version-1 reader refuses a token-keyed snapshot
+by its version instead of misreading it.
 
 Writes are atomic (a temporary file in the same directory, fsync, rename, fsync of the
 directory), so a crash leaves the previous snapshot intact. Reading checks the magic, the
@@ -40,6 +51,8 @@ from typing import Any, Final
 
 from kvstream.index.errors import SnapshotError
 from kvstream.index.index import PrefixIndex
+from kvstream.index.keys import KeyMode
+from kvstream.index.token_table import TokenGroupTable
 from kvstream.index.types import WorkerKey
 
 __all__ = [
@@ -53,7 +66,9 @@ __all__ = [
 ]
 
 MAGIC: Final = b"KVSIDX\r\n"
-FORMAT_VERSION: Final = 1
+#: The newest format this module reads and writes (engine-keyed indexes are written as 1).
+FORMAT_VERSION: Final = 2
+_VERSIONS: Final = (1, 2)
 _DIGEST: Final = 32
 _HEAD: Final = struct.Struct("<8sHI")
 _LITTLE: Final = sys.byteorder == "little"
@@ -93,21 +108,35 @@ def encode_snapshot(
     """The snapshot file's bytes for ``index`` and ``positions`` (see the module doc)."""
     tables_meta = []
     chunks: list[bytes] = []
+    keyed = index.key_mode is KeyMode.TOKENS
+    version = 2 if keyed else 1
     for worker, gid, table in index.tables():
         hashes, parents, refs = table.dump_nodes()
-        tables_meta.append(
-            {
-                "instance_id": worker.instance_id,
-                "dp_rank": worker.dp_rank,
-                "layer_group_id": gid,
-                "nodes": len(hashes),
-            }
-        )
+        meta_t: dict[str, Any] = {
+            "instance_id": worker.instance_id,
+            "dp_rank": worker.dp_rank,
+            "layer_group_id": gid,
+            "nodes": len(hashes),
+        }
         lengths = bytes(len(h) for h in hashes)
         chunks += [lengths, b"".join(hashes), _le(parents, "q"), _le(refs, "Q")]
+        if keyed:
+            if not isinstance(table, TokenGroupTable):  # pragma: no cover - by construction
+                raise SnapshotError(f"table of {worker} group {gid} is not token-keyed")
+            keys, pending = table.dump_keys()
+            meta_t["pending"] = len(pending)
+            chunks += [
+                bytes(len(k) for k in keys),
+                b"".join(keys),
+                _le([i for i, _, _ in pending], "I"),
+                bytes(1 if scoped else 0 for _, _, scoped in pending),
+                _le([len(payload) for _, payload, _ in pending], "I"),
+                b"".join(payload for _, payload, _ in pending),
+            ]
+        tables_meta.append(meta_t)
     header = {
         "format": "kvstream-index",
-        "version": FORMAT_VERSION,
+        "version": version,
         "created_ns": time.time_ns(),
         "positions": None if positions is None else dict(positions),
         "meta": dict(meta or {}),
@@ -115,7 +144,7 @@ def encode_snapshot(
         "tables": tables_meta,
     }
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    body = b"".join([_HEAD.pack(MAGIC, FORMAT_VERSION, len(head)), head, *chunks])
+    body = b"".join([_HEAD.pack(MAGIC, version, len(head)), head, *chunks])
     return body + hashlib.sha256(body).digest()
 
 
@@ -156,6 +185,22 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         os.close(fd)
 
 
+def _blobs(body: bytes, pos: int, n: int) -> tuple[list[bytes], int]:
+    """``n`` byte strings stored as n length bytes then the strings; SnapshotError when the
+    data ends early. Returns them and the position after them."""
+    lengths = body[pos : pos + n]
+    pos += n
+    if len(lengths) != n:
+        raise SnapshotError("snapshot table data is truncated")
+    out = []
+    for ln in lengths:
+        out.append(bytes(body[pos : pos + ln]))
+        pos += ln
+    if pos > len(body):
+        raise SnapshotError("snapshot table data is truncated")
+    return out, pos
+
+
 def decode_snapshot(
     data: bytes, *, hasher_params: Mapping[str, Mapping[str, Any]] | None = None
 ) -> Snapshot:
@@ -165,9 +210,10 @@ def decode_snapshot(
     magic, version, hlen = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise SnapshotError(f"not a kvstream index snapshot (magic {magic!r})")
-    if version != FORMAT_VERSION:
+    if version not in _VERSIONS:
         raise SnapshotError(
-            f"snapshot format version {version} is not supported (this reader: {FORMAT_VERSION})"
+            f"snapshot format version {version} is not supported (this reader: "
+            f"{', '.join(map(str, _VERSIONS))})"
         )
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
@@ -178,30 +224,48 @@ def decode_snapshot(
     except ValueError as exc:
         raise SnapshotError(f"snapshot header is not JSON: {exc}") from None
     pos += hlen
-    tables: dict[tuple[WorkerKey, int], tuple[list[bytes], list[int], list[int]]] = {}
+    tables: dict[tuple[WorkerKey, int], tuple[Any, ...]] = {}
     try:
+        mode = header["index"].get("key_mode", KeyMode.ENGINE.value)
+        keyed = KeyMode.parse(mode) is KeyMode.TOKENS
+        if keyed and version < 2:
+            raise SnapshotError(
+                f"a version-{version} snapshot cannot hold a token-keyed index (corrupt header)"
+            )
         for t in header["tables"]:
             n = int(t["nodes"])
-            lengths = body[pos : pos + n]
-            pos += n
-            hashes = []
-            for ln in lengths:
-                hashes.append(bytes(body[pos : pos + ln]))
-                pos += ln
+            hashes, pos = _blobs(body, pos, n)
             parents = _from_le(body[pos : pos + 8 * n], "q")
             pos += 8 * n
             refs = _from_le(body[pos : pos + 8 * n], "Q")
             pos += 8 * n
-            if len(lengths) != n or len(parents) != n or len(refs) != n or pos > len(body):
+            if len(parents) != n or len(refs) != n or pos > len(body):
                 raise SnapshotError("snapshot table data is truncated")
             key = (WorkerKey(t["instance_id"], t["dp_rank"]), int(t["layer_group_id"]))
-            tables[key] = (hashes, parents, refs)
+            if not keyed:
+                tables[key] = (hashes, parents, refs)
+                continue
+            keys, pos = _blobs(body, pos, n)
+            m = int(t["pending"])
+            where = _from_le(body[pos : pos + 4 * m], "I")
+            pos += 4 * m
+            flags = body[pos : pos + m]
+            pos += m
+            sizes = _from_le(body[pos : pos + 4 * m], "I")
+            pos += 4 * m
+            if len(where) != m or len(flags) != m or len(sizes) != m or pos > len(body):
+                raise SnapshotError("snapshot key data is truncated")
+            pending = []
+            for i, f, size in zip(where, flags, sizes, strict=True):
+                pending.append((i, bytes(body[pos : pos + size]), bool(f)))
+                pos += size
+            tables[key] = (hashes, parents, refs, keys, pending)
         if pos != len(body):
             raise SnapshotError(f"{len(body) - pos} unexpected bytes after the tables")
         index = PrefixIndex.from_state(header["index"], tables, hasher_params=hasher_params)
     except SnapshotError:
         raise
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise SnapshotError(f"snapshot content is inconsistent: {exc!r}") from exc
     return Snapshot(
         index=index,

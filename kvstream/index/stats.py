@@ -20,7 +20,9 @@ class SourceStats:
     ``refcounted_removes`` (a removal that left the block cached elsewhere or with another
     reference), ``unknown_removes``, ``unknown_updates``, ``unknown_parent_stores``,
     ``parent_mismatches``, ``tier_mismatches``, ``refcount_saturated``, ``capacity_overflows``
-    (more blocks cached than advertised: removals were missed). State changes:
+    (more blocks cached than advertised: removals were missed), ``tokenless_resolved`` /
+    ``tokenless_skipped`` (token-keyed index: stores without token ids resolved through the
+    engine hash of a known block, or skipped because the block is unknown). State changes:
     ``purges``, ``incarnation_changes``, ``stale_transitions``, ``resyncs``,
     ``hash_algo_changes``, ``block_size_changes``.
     """
@@ -51,6 +53,8 @@ class SourceStats:
     tier_mismatches: int = 0
     refcount_saturated: int = 0
     capacity_overflows: int = 0
+    tokenless_resolved: int = 0
+    tokenless_skipped: int = 0
     purges: int = 0
     incarnation_changes: int = 0
     stale_transitions: int = 0

@@ -20,7 +20,8 @@ Semantics (DESIGN §7):
   Only rooted blocks are matchable: a request's prefix is reusable only if the whole chain is
   cached. Removing a block with cached descendants unroots them; storing a ghost again (or
   the missing parent of an orphan) roots them again. The table mirrors its rooted blocks
-  into the domain's ``masks`` (block hash -> bitmask of workers), which the matcher walks.
+  into the domain's ``masks`` (block hash -> bitmask of workers), which the matcher walks;
+  :class:`~kvstream.index.token_table.TokenGroupTable` mirrors token-derived keys instead.
 
 Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialises access.
 """
@@ -73,9 +74,11 @@ class GroupTable:
         "free",
         "hashes",
         "ids",
+        "kdup",
         "kid",
         "lower",
         "masks",
+        "mkeys",
         "more",
         "parent",
         "present",
@@ -88,6 +91,11 @@ class GroupTable:
         self.masks: dict[bytes, int] | None = None
         self.ids: dict[bytes, int] = {}
         self.hashes: list[bytes] = []
+        #: node -> the key it is mirrored under in ``masks``: its hash (this list is
+        #: ``hashes``), or a derived key (:class:`~kvstream.index.token_table.TokenGroupTable`)
+        self.mkeys: list[bytes] = self.hashes
+        #: mirror key -> nodes beyond the first sharing it (only derived keys can repeat)
+        self.kdup: dict[bytes, set[int]] = {}
         self.parent: list[int] = []
         self.refs: list[int] = []
         self.kid: list[int] = []
@@ -337,7 +345,7 @@ class GroupTable:
         rooted = self.rooted
         kid = self.kid
         more = self.more
-        hashes = self.hashes
+        mkeys = self.mkeys
         stack = [n]
         while stack:
             x = stack.pop()
@@ -345,7 +353,7 @@ class GroupTable:
                 continue
             rooted[x] = 1
             if masks is not None:
-                h = hashes[x]
+                h = mkeys[x]
                 masks[h] = masks.get(h, 0) | bit
             c = kid[x]
             if c >= 0:
@@ -360,7 +368,8 @@ class GroupTable:
         rooted = self.rooted
         kid = self.kid
         more = self.more
-        hashes = self.hashes
+        mkeys = self.mkeys
+        kdup = self.kdup
         stack = [n]
         while stack:
             x = stack.pop()
@@ -368,9 +377,10 @@ class GroupTable:
                 continue
             rooted[x] = 0
             if masks is not None:
-                h = hashes[x]
-                m = masks.get(h, 0) & ~bit
-                if m:
+                h = mkeys[x]
+                if kdup and h in kdup and self._shared_rooted(h, x):
+                    pass  # another rooted node of this table has the key: keep the bit
+                elif m := masks.get(h, 0) & ~bit:
                     masks[h] = m
                 else:
                     masks.pop(h, None)
@@ -412,11 +422,13 @@ class GroupTable:
                     self.rooted[n] = 0
                     masks = self.masks
                     if masks is not None:
-                        m = masks.get(h, 0) & ~self.bit
-                        if m:
-                            masks[h] = m
+                        k = self.mkeys[n]
+                        if self.kdup and k in self.kdup and self._shared_rooted(k, n):
+                            pass  # another rooted node of this table has the key
+                        elif m := masks.get(k, 0) & ~self.bit:
+                            masks[k] = m
                         else:
-                            masks.pop(h, None)
+                            masks.pop(k, None)
                 else:
                     self._unroot_subtree(n)
             if self.kid[n] < 0:
@@ -467,6 +479,8 @@ class GroupTable:
         self.detach()
         self.ids = {}
         self.hashes = []
+        self.mkeys = self.hashes
+        self.kdup = {}
         self.parent = []
         self.refs = []
         self.kid = []
@@ -483,10 +497,8 @@ class GroupTable:
         self.detach()
         self.masks = masks
         bit = self.bit
-        rooted = self.rooted
-        for h, n in self.ids.items():
-            if rooted[n]:
-                masks[h] = masks.get(h, 0) | bit
+        for h in self.mirrored():
+            masks[h] = masks.get(h, 0) | bit
 
     def detach(self) -> None:
         """Take this worker's bits out of its domain's masks and stop mirroring."""
@@ -495,14 +507,24 @@ class GroupTable:
             return
         self.masks = None
         nbit = ~self.bit
+        for h in self.mirrored():
+            m = masks.get(h, 0) & nbit
+            if m:
+                masks[h] = m
+            else:
+                masks.pop(h, None)
+
+    def mirrored(self) -> list[bytes]:
+        """The mirror keys of the rooted nodes (what the table puts in a domain's masks;
+        a key shared by several nodes appears once per node)."""
+        mkeys = self.mkeys
         rooted = self.rooted
-        for h, n in self.ids.items():
-            if rooted[n]:
-                m = masks.get(h, 0) & nbit
-                if m:
-                    masks[h] = m
-                else:
-                    masks.pop(h, None)
+        return [mkeys[n] for n in self.ids.values() if rooted[n]]
+
+    def _shared_rooted(self, key: bytes, n: int) -> bool:
+        """True when a rooted node other than ``n`` is mirrored under ``key`` (derived keys
+        only: hashes are unique per table, so :attr:`kdup` stays empty)."""
+        return False
 
     # ------------------------------------------------------------------ matching
 
@@ -553,10 +575,18 @@ class GroupTable:
     def load_nodes(self, nodes: Sequence[tuple[bytes, int, int]]) -> None:
         """Replace the contents with ``nodes``: ``(hash, parent index into nodes or ROOT or
         UNKNOWN, refs)``; rooted flags (and mask bits, when attached) are recomputed."""
+        masks = self._load_structure(nodes)
+        self.masks = masks
+        self._root_all()
+
+    def _load_structure(self, nodes: Sequence[tuple[bytes, int, int]]) -> dict[bytes, int] | None:
+        """Replace the contents with ``nodes``, unrooted and detached; returns the masks the
+        table was attached to."""
         masks = self.masks
         self.clear()
         n_nodes = len(nodes)
         self.hashes = [h for h, _, _ in nodes]
+        self.mkeys = self.hashes
         self.parent = [p for _, p, _ in nodes]
         self.refs = [r for _, _, r in nodes]
         self.kid = [_NIL] * n_nodes
@@ -575,7 +605,9 @@ class GroupTable:
                 self.present += 1
                 if not r & _FIELD:
                     self.lower += 1
-        self.masks = masks
+        return masks
+
+    def _root_all(self) -> None:
         for i, p in enumerate(self.parent):
             if p == ROOT and self.refs[i]:
                 self._root_subtree(i)
@@ -594,6 +626,7 @@ class GroupTable:
     def check(self) -> None:
         """Verify the internal invariants (tests): links, gauges, rooted flags, masks."""
         present = lower = 0
+        mirrored = set(self.mirrored())
         for h, n in self.ids.items():
             assert self.hashes[n] == h
             r = self.refs[n]
@@ -605,8 +638,9 @@ class GroupTable:
             p = self.parent[n]
             want = bool(r) and (p == ROOT or (p >= 0 and self.rooted[p] == 1))
             assert self.rooted[n] == want, f"rooted flag of node {n}"
-            if self.masks is not None:
-                assert bool(self.masks.get(h, 0) & self.bit) == want, "mask bit"
+            k = self.mkeys[n]
+            if self.masks is not None and k:
+                assert bool(self.masks.get(k, 0) & self.bit) == (k in mirrored), "mask bit"
             for c in self.children(n):
                 assert self.parent[c] == n, "child link"
                 assert self.hashes[c] in self.ids, "child is a live node"

@@ -1,0 +1,270 @@
+"""Token-derived block keys: one canonical chain for every engine's blocks.
+
+In ``PrefixIndex(key_mode="tokens")`` blocks are navigated by a key kvstream computes from
+the block's token ids, its parent's key and the scope that separates blocks, not by the
+engine's hash. Engines that hash differently (vLLM's CBOR or pickle hashes, SGLang's page
+hash, TensorRT-LLM's ``v1_block_key``/``v2_sha256``, kvstream's ``blake3``) then share one
+key space, and a request is hashed once per block size, whoever holds its blocks. The
+engine's hash stays the id that ``removed``/``updated`` events name (see
+:mod:`kvstream.index.token_table`).
+
+Definition (``kvstream_tokens_v1``; any change needs a new name)::
+
+    ROOT = 16 zero bytes                         the parent key of a chain's first block
+
+    plain block  (token ids only: no LoRA, no salt, no multimodal or other extra keys)
+        key = BLAKE3(parent_key || each token id as u32 little-endian)[:16]
+
+    scoped block (anything else)
+        key = BLAKE3-derive_key(context "kvstream.index token block key v1",
+                  parent_key || CBOR([tokens, lora, salt, mm, extra_ids, other]))[:16]
+
+        tokens     the token ids as u32 little-endian (a CBOR byte string)
+        lora       null | ["name", lora_name] | ["id", lora_id]   (the name wins when both)
+        salt       null | cache_salt string            (the first block of a chain only)
+        mm         [[identifier, offset], ...]          (bytes identifiers as lowercase hex)
+        extra_ids  null | [per-token extra id, ...]     (TensorRT-LLM prompt-table ids)
+        other      [extra key, ...]   the engine's remaining extra keys, verbatim
+
+    CBOR is the canonical (deterministic) encoding of :mod:`kvstream.hashing.cbor`.
+
+A block's scope comes from its :class:`~kvstream.events.model.StoredBlock` fields and, for
+engines that publish them only there (vLLM), from ``extra_keys`` as the model documents
+them: a string equal to ``lora_name`` is the LoRA (already counted), another string on a
+chain's first block is the cache salt, an ``(identifier, offset)`` pair is a multimodal key
+(used when ``mm_keys`` is empty), anything else (a prompt-embeds digest, an int, another
+shape) is kept verbatim in ``other``, which no request can present: such blocks are never
+matched rather than matched wrongly. The salt enters the first block only and reaches the
+rest of the chain through the parent keys, as in vLLM and TensorRT-LLM. Layer groups are
+separated by the index (one domain per group), not by the key.
+
+Keys are 128-bit: collisions are negligible for any fleet, and a collision could only
+mis-route a request, never corrupt a cache (engines verify with their own hashes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from blake3 import blake3
+
+from kvstream.errors import ConfigError, HashingError
+from kvstream.events.model import StoredBlock
+from kvstream.hashing import cbor
+from kvstream.hashing.blocks import coerce_tokens
+
+__all__ = [
+    "CANONICAL_ALGO",
+    "KEY_CONTEXT",
+    "KEY_SIZE",
+    "ROOT_KEY",
+    "KeyMode",
+    "LoraScope",
+    "block_payload",
+    "chain_key",
+    "lora_scopes",
+    "request_keys",
+    "request_mm",
+]
+
+#: The name under which token-keyed domains appear (``DomainKey.hash_algo``).
+CANONICAL_ALGO: Final = "kvstream_tokens_v1"
+#: Bytes of a key.
+KEY_SIZE: Final = 16
+#: The parent key of a chain's first block.
+ROOT_KEY: Final = bytes(KEY_SIZE)
+#: BLAKE3 key-derivation context of scoped blocks (separates them from plain ones).
+KEY_CONTEXT: Final = "kvstream.index token block key v1"
+
+#: A LoRA scope: ``("name", str)``, ``("id", int)`` or None.
+LoraScope = tuple[str, str | int] | None
+
+
+class KeyMode(str, enum.Enum):
+    """How the index keys blocks: by the engine's hash, or by token-derived keys."""
+
+    ENGINE = "engine"
+    TOKENS = "tokens"
+
+    @classmethod
+    def parse(cls, value: KeyMode | str) -> KeyMode:
+        """The mode named ``value``; ConfigError for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ConfigError(f"unknown key mode {value!r}; use one of {names}") from None
+
+
+def chain_key(parent: bytes, payload: bytes, scoped: bool) -> bytes:
+    """The key of a block after ``parent`` (see the module docstring); ``payload`` is the
+    raw tokens of a plain block or the CBOR scope of a scoped one."""
+    if scoped:
+        return blake3(parent + payload, derive_key_context=KEY_CONTEXT).digest(KEY_SIZE)
+    return blake3(parent + payload).digest(KEY_SIZE)
+
+
+def _scoped(
+    raw: bytes,
+    lora: LoraScope,
+    salt: str | None,
+    mm: Sequence[tuple[str, int]],
+    *,
+    extra_ids: Sequence[int] | None = None,
+    other: Sequence[Any] = (),
+) -> bytes:
+    return cbor.dumps(
+        (
+            raw,
+            lora,
+            salt,
+            tuple(mm),
+            None if extra_ids is None else tuple(extra_ids),
+            tuple(other),
+        )
+    )
+
+
+def _ident(value: Any) -> str | None:
+    """A multimodal identifier as the key uses it (None: not an identifier)."""
+    if type(value) is str:
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    return None
+
+
+def block_payload(block: StoredBlock, first: bool) -> tuple[bytes, bool]:
+    """``(payload, scoped)`` of a stored block with token ids, for :func:`chain_key`.
+
+    ``first``: the block starts a chain (``parent_hash`` null and first of its event), so a
+    cache salt applies to it.
+    """
+    raw = block.token_ids.raw
+    name = block.lora_name
+    lid = block.lora_id
+    salt = block.cache_salt if first else None
+    extra = block.extra_keys
+    ids = block.token_extra_ids
+    if (
+        extra is None
+        and name is None
+        and lid is None
+        and salt is None
+        and ids is None
+        and not block.mm_keys
+    ):
+        return raw, False
+    lora: LoraScope = None
+    if name is not None:
+        lora = ("name", name)
+    elif lid is not None:
+        lora = ("id", lid)
+    mm = [(k.hash.hex(), k.start_offset) for k in block.mm_keys]
+    other: list[Any] = []
+    if extra:
+        pairs: list[tuple[str, int]] = []
+        for item in extra:
+            if type(item) is str:
+                if item in (name, block.cache_salt):
+                    continue
+                if first and salt is None:
+                    salt = item
+                    continue
+            elif type(item) is tuple and len(item) == 2 and type(item[1]) is int:
+                ident = _ident(item[0])
+                if ident is not None:
+                    pairs.append((ident, item[1]))
+                    continue
+            other.append(item)
+        if not mm:
+            mm = pairs
+    if lora is None and salt is None and not mm and ids is None and not other:
+        return raw, False
+    extra_ids = None if ids is None else ids.tolist()
+    return _scoped(raw, lora, salt, mm, extra_ids=extra_ids, other=other), True
+
+
+def lora_scopes(lora_name: str | None, lora_id: int | None) -> list[LoraScope]:
+    """The LoRA scopes a request is matched under: its name, its id, or both (a request
+    naming both matches blocks published under either; the caller vouches that they are
+    the same adapter)."""
+    out: list[LoraScope] = []
+    if lora_name is not None:
+        if not isinstance(lora_name, str):
+            raise HashingError(f"lora_name must be a str, got {type(lora_name).__name__}")
+        out.append(("name", lora_name))
+    if lora_id is not None:
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 0:
+            raise HashingError(f"lora_id must be a non-negative int, got {lora_id!r}")
+        out.append(("id", lora_id))
+    return out or [None]
+
+
+def request_mm(mm_keys: Sequence[Any] | None, n_blocks: int) -> list[list[tuple[str, int]]] | None:
+    """Per-block multimodal keys of a request as the key uses them (None when it has none).
+
+    Each block's entry is None/empty or keys given as ``(identifier, offset)`` pairs or
+    objects with ``.hash``/``.start_offset`` (:class:`~kvstream.events.model.MmKey`)."""
+    if not mm_keys:
+        return None
+    out: list[list[tuple[str, int]]] = []
+    for i in range(n_blocks):
+        entry: Iterable[Any] | None = mm_keys[i] if i < len(mm_keys) else None
+        keys: list[tuple[str, int]] = []
+        for j, key in enumerate(entry or ()):
+            if isinstance(key, (tuple, list)) and len(key) == 2:
+                h, off = key
+            elif hasattr(key, "hash") and hasattr(key, "start_offset"):
+                h, off = key.hash, key.start_offset
+            else:
+                raise HashingError(f"mm_keys[{i}][{j}] must be (identifier, offset), got {key!r}")
+            ident = _ident(h)
+            if ident is None or isinstance(off, bool) or not isinstance(off, int):
+                raise HashingError(
+                    f"mm_keys[{i}][{j}] must be (str or bytes identifier, int offset), got {key!r}"
+                )
+            keys.append((ident, off))
+        out.append(keys)
+    return out if any(out) else None
+
+
+def request_keys(
+    raw: bytes,
+    tokens_per_block: int,
+    lora: LoraScope = None,
+    cache_salt: str | None = None,
+    mm: Sequence[Sequence[tuple[str, int]]] | None = None,
+) -> list[bytes]:
+    """The keys of the full blocks of a request whose token ids are ``raw`` (u32 LE bytes,
+    see :func:`kvstream.hashing.blocks.coerce_tokens`), under one LoRA scope."""
+    step = 4 * tokens_per_block
+    end = len(raw) - len(raw) % step
+    key = ROOT_KEY
+    out: list[bytes] = []
+    append = out.append
+    if lora is None and cache_salt is None and mm is None:
+        b3 = blake3
+        for i in range(0, end, step):
+            key = b3(key + raw[i : i + step]).digest(KEY_SIZE)
+            append(key)
+        return out
+    for n, i in enumerate(range(0, end, step)):
+        block = raw[i : i + step]
+        salt = cache_salt if n == 0 else None
+        keys = mm[n] if mm is not None and n < len(mm) else ()
+        if lora is None and salt is None and not keys:
+            key = chain_key(key, block, False)
+        else:
+            key = chain_key(key, _scoped(block, lora, salt, keys), True)
+        append(key)
+    return out
+
+
+def request_raw(tokens: Any, drop_last_token: bool) -> bytes:
+    """A request's token ids as u32 LE bytes (without the last one when
+    ``drop_last_token``); HashingError for bad ids."""
+    raw = coerce_tokens(tokens, "tokens")
+    return raw[:-4] if drop_last_token and raw else raw
