@@ -12,9 +12,15 @@ import json
 import signal
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:  # the CLI imports lazily: `kvstream --help` must not load the pipeline
+    from rich.console import Console
+
+    from kvstream.cli.bridge_run import BridgeOptions, BridgeResult
+    from kvstream.pipeline import PipelineConfig
 
 __all__ = ["bridge"]
 
@@ -136,7 +142,7 @@ def bridge(
         raise typer.Exit(1)
 
 
-def _pipeline_config(path: Path | None, overflow: str | None) -> object:
+def _pipeline_config(path: Path | None, overflow: str | None) -> PipelineConfig:
     from kvstream.pipeline import PipelineConfig
 
     base = PipelineConfig.from_file(path).model_dump() if path is not None else {}
@@ -152,22 +158,20 @@ def _pipeline_config(path: Path | None, overflow: str | None) -> object:
     return PipelineConfig.load(data)
 
 
-async def _run(opts: object, err: object, *, show_progress: bool) -> object:
-    from rich.console import Console
+async def _run(opts: BridgeOptions, err: Console, *, show_progress: bool) -> BridgeResult:
     from rich.live import Live
     from rich.text import Text
 
-    from kvstream.cli.bridge_run import BridgeOptions, BridgeProgress, run_bridge
+    from kvstream.cli.bridge_run import BridgeProgress, run_bridge
 
-    assert isinstance(opts, BridgeOptions)
-    assert isinstance(err, Console)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     live = Live(Text("starting"), console=err, transient=True, auto_refresh=False)
     # Not a terminal (a service's log): a plain line when the state changes, else now and then.
-    logged = {"at": 0.0, "waiting": ""}
+    logged_at = [0.0]
+    logged_waiting = [""]
 
     def on_progress(p: BridgeProgress) -> None:
         line = (
@@ -181,9 +185,9 @@ async def _run(opts: object, err: object, *, show_progress: bool) -> object:
             live.update(Text(line), refresh=True)
             return
         now = time.monotonic()
-        if p.waiting != logged["waiting"] or now - float(logged["at"]) >= LOG_EVERY_S:
+        if p.waiting != logged_waiting[0] or now - logged_at[0] >= LOG_EVERY_S:
             err.print(line, highlight=False, soft_wrap=True)
-            logged.update(at=now, waiting=p.waiting)
+            logged_at[0], logged_waiting[0] = now, p.waiting
 
     try:
         if show_progress and err.is_terminal:
@@ -197,14 +201,9 @@ async def _run(opts: object, err: object, *, show_progress: bool) -> object:
             loop.remove_signal_handler(sig)
 
 
-def _print_summary(result: object, out: object) -> None:
-    from rich.console import Console
+def _print_summary(result: BridgeResult, out: Console) -> None:
     from rich.table import Table
 
-    from kvstream.cli.bridge_run import BridgeResult
-
-    assert isinstance(result, BridgeResult)
-    assert isinstance(out, Console)
     p = result.progress
     rate = (p.blocks_stored + p.blocks_removed) / result.elapsed_s if result.elapsed_s else 0.0
     out.print(

@@ -182,7 +182,8 @@ def _hash(value: Any, width: int | None, what: str) -> bytes:
             raise _BadEvent(f"{what}: {value} does not fit in 64 bits")
         if width is not None and width != 8:
             raise _BadEvent(f"{what}: an int hash is 64-bit, but the stream's algorithm is not")
-        return value.to_bytes(8, "big")
+        out: bytes = value.to_bytes(8, "big")
+        return out
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
         if width is None or len(raw) == width:
