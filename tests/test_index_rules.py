@@ -323,19 +323,20 @@ def test_domains_hash_each_worker_its_own_way() -> None:
         idx.match(t, tokens_per_block=4)
 
 
-def test_block_size_must_be_advertised_or_configured() -> None:
+def test_block_size_is_advertised_configured_or_inferred() -> None:
     p = Producer()
     t = tokens(9)
-    batch = p.batch(p.stored(p.chain(t)))  # no created event (as in schema-v1 data)
+    batch = p.batch(p.stored(p.chain(t)))  # no created event (bridged vLLM/SGLang, schema v1)
     idx = PrefixIndex()
     idx.apply(batch)
-    m = idx.match(t).get(W0)
-    assert m is not None
-    assert m.matched_blocks == 0
-    assert "block size" in m.note
+    assert depth(idx, t) == 2  # inferred: the largest stored block is a full one (4 tokens)
     idx = PrefixIndex(default_tokens_per_block=4)
     idx.apply(batch)
     assert depth(idx, t) == 2
+    three = Producer(tpb=3)  # a worker whose only stored blocks hold 3 tokens
+    idx = PrefixIndex()
+    idx.apply(three.batch(three.stored(three.chain(t[:3]))))
+    assert depth(idx, t) == 1  # matched with 3-token blocks, as the worker hashed them
 
 
 def test_ranks_are_separate_workers_and_unknown_candidates_are_reported() -> None:

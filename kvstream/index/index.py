@@ -182,7 +182,9 @@ class PrefixIndex:
     """Every worker's cached blocks; see the module docstring for the rules.
 
     ``default_tokens_per_block``: the block size of groups that never advertised one (e.g.
-    schema-v1 data, whose ``created`` events carry none); None leaves them unmatchable.
+    schema-v1 data, whose ``created`` events carry none, or bridged vLLM/SGLang engines,
+    which send no ``created``); None infers it as the largest block the group stored (a full
+    block), and a group that stored none yet is unmatchable.
     ``hasher_params``: algorithm-level hasher parameters for matching (events do not carry
     them), e.g. ``{"vllm_sha256_cbor": {"seed": "..."}}`` (engine mode only).
     ``key_mode``: ``"engine"`` or ``"tokens"`` (see the module docstring); ConfigError for
@@ -250,8 +252,10 @@ class PrefixIndex:
                 st.stored_events += 1
                 st.stored_blocks += len(blocks)
                 nt = len(blocks[0].token_ids)
-                if nt > g.max_block_tokens:  # noqa: PLR1730 - no call on the hot path
+                if nt > g.max_block_tokens:
                     g.max_block_tokens = nt
+                    if g.tokens_per_block is None:
+                        self._bind(s, g)  # the inferred block size grew
                 g.table.store(data.parent_hash, blocks, st)
                 if g.table.present > g.limit:
                     self._over_capacity(s, g)
@@ -411,7 +415,9 @@ class PrefixIndex:
         self._bind(s, g)
 
     def _domain_key(self, g: _Group) -> DomainKey | None:
-        tpb = g.tokens_per_block or self.default_tokens_per_block
+        # Engines that never send ``created`` (vLLM, SGLang) say their block size only through
+        # their blocks: the largest stored block is a full one.
+        tpb = g.tokens_per_block or self.default_tokens_per_block or g.max_block_tokens or None
         if g.hash_algo is None or tpb is None:
             return None
         return DomainKey(CANONICAL_ALGO if self._tokens else g.hash_algo, tpb, g.gid)
