@@ -45,6 +45,10 @@ BLOCK_HASH_WIDTHS: Final[dict[str, int]] = {
     "v2_sha256_64": 8,
     "vllm_sha256_cbor": 32,
     "vllm_sha256_cbor_64": 8,
+    "vllm_sha256": 32,
+    "vllm_sha256_64": 8,
+    "sglang_sha256_64": 8,
+    "dynamo_xxh3_64": 8,
     "blake3": 32,
     "blake3_64": 8,
 }

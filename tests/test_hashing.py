@@ -108,10 +108,12 @@ def test_v1_signed_wire_form_and_salt_ids() -> None:
     h = get_hasher("v1_block_key")
     c = h.chain_bytes([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
     assert hash_from_int(-8435037056603654627) == c[2]  # C3 as the signed int64 wire form
-    assert cache_salt_id("tenant-A") == 10590430051267512242
-    assert cache_salt_id("") == 1449310910991872227
-    # F' used BLAKE3(salt)[:8] little-endian (older V1 builds).
+    # F' : BLAKE3(salt)[:8] little-endian, the default (TensorRT-LLM's get_cache_salt_id);
+    # F: SHA-256, the V2 manager's derivation.
+    assert cache_salt_id("tenant-A") == 11905099046384790080
     assert int.from_bytes(blake3(b"tenant-A").digest()[:8], "little") == 11905099046384790080
+    assert cache_salt_id("tenant-A", "sha256") == 10590430051267512242
+    assert cache_salt_id("", "sha256") == 1449310910991872227
 
 
 V2_ROOT_EMPTY = "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d"
@@ -203,7 +205,7 @@ def test_v2_root_and_scope_bytes() -> None:
     assert h.root(salt_id=123).key.hex().endswith("279b")
     assert scope_bytes(7, None).hex() == "010700000000000000"
     assert scope_bytes(11, 22).hex() == "030b000000000000001600000000000000"
-    assert scope_bytes(None, cache_salt_id("tenant-A")).hex() == "02b2076c6805c4f892"
+    assert scope_bytes(None, cache_salt_id("tenant-A", "sha256")).hex() == "02b2076c6805c4f892"
 
 
 def test_v2_mm_keys_are_appended_digest_and_offset() -> None:
@@ -573,16 +575,20 @@ def test_lora_and_salt_separate_every_block(name: str) -> None:
         "lora0": lora(name, 0),
         "saltA": {"cache_salt": "A"},
         "saltB": {"cache_salt": "B"},
-        "salt-empty": {"cache_salt": ""},
         "lora1+saltA": {**lora(name, 1), "cache_salt": "A"},
     }
+    if not name.startswith("vllm"):  # vLLM ignores an empty salt (see below)
+        variants["salt-empty"] = {"cache_salt": ""}
     chains = {k: h.chain_bytes(BLOCKS, **kw) for k, kw in variants.items()}
     for i in range(len(BLOCKS)):
         column = [c[i] for c in chains.values()]
         assert len(set(column)) == len(column), f"block {i} collides across scopes"
-    if not name.startswith("vllm"):
+    if name.startswith("vllm"):
+        assert h.chain_bytes(BLOCKS, cache_salt="") == chains["plain"]
+    else:
+        salt_hash = getattr(h, "salt_hash", "sha256")
         assert h.chain_bytes(BLOCKS, cache_salt="A") == h.chain_bytes(
-            BLOCKS, salt_id=cache_salt_id("A")
+            BLOCKS, salt_id=cache_salt_id("A", salt_hash)
         )
 
 
@@ -759,8 +765,13 @@ def test_bad_scope_raises_hashing_error(name: str) -> None:
 def test_bad_multimodal_keys_and_states(name: str) -> None:
     h = get_hasher(name)
     st = h.root()
-    with pytest.raises(HashingError, match="start_offset"):
+    if name.startswith("vllm"):  # vLLM offsets are relative to the block: an earlier item's < 0
         h.extend(st, [1], mm_keys=[(content_digest(b"x"), -1)])
+        with pytest.raises(HashingError, match="start_offset"):
+            h.extend(st, [1], mm_keys=[(content_digest(b"x"), -(2**63) - 1)])
+    else:
+        with pytest.raises(HashingError, match="start_offset"):
+            h.extend(st, [1], mm_keys=[(content_digest(b"x"), -1)])
     with pytest.raises(HashingError, match="start_offset"):
         h.extend(st, [1], mm_keys=[(content_digest(b"x"), True)])
     with pytest.raises(HashingError):

@@ -31,18 +31,25 @@ def requests(draw: st.DrawFn) -> tuple[str, list[list[int]], dict[str, Any]]:
     blocks = draw(st.lists(BLOCK, min_size=1, max_size=5))
     kw: dict[str, Any] = {}
     vllm = name.startswith("vllm")
+    # How each algorithm names a request's LoRA adapter and salt (engine algorithms take names
+    # and strings; SGLang's adapter id is a uuid string; only TensorRT-LLM-style ids take ints).
+    by_name = vllm or name == "dynamo_xxh3_64"
+    sglang = name == "sglang_sha256_64"
     if draw(st.booleans()):
-        if vllm:
+        if by_name:
             kw["lora_name"] = draw(st.text(max_size=8))
-            kw["lora_path"] = draw(st.text(max_size=8))
+            if vllm:
+                kw["lora_path"] = draw(st.text(max_size=8))
+        elif sglang:
+            kw["lora_id"] = draw(st.text("0123456789abcdef", min_size=32, max_size=32))
         else:
             kw["lora_id"] = draw(U64)
-    salt = draw(st.sampled_from(["none", "str", "id"] if not vllm else ["none", "str"]))
+    salt = draw(st.sampled_from(["none", "str"] if by_name or sglang else ["none", "str", "id"]))
     if salt == "str":
         kw["cache_salt"] = draw(st.text(max_size=8))
     elif salt == "id":
         kw["salt_id"] = draw(U64)
-    if draw(st.booleans()):
+    if not sglang and draw(st.booleans()):  # SGLang hashes pad token ids, not mm keys
         kw["mm_keys"] = [draw(st.lists(MM_KEY, max_size=2)) for _ in blocks]
     if name in ("v1_block_key", "blake3", "blake3_64") and draw(st.booleans()):
         kw["token_extra_ids"] = [

@@ -23,11 +23,11 @@ V1_CHAINS: list[tuple[str, list[list[int]], dict[str, Any], list[int]]] = [
         [15718075209399076427, 13661325138050029360],
     ),
     ("E", [[1, 2, 3, 4], [5, 6]], {"salt_id": 123}, [6280297290684427985, 18177682803760873588]),
-    (
-        "F",
+    (  # a salt string maps to its id by BLAKE3 (TensorRT-LLM's get_cache_salt_id): F-prime
+        "F-cache-salt",
         [[1, 2, 3, 4], [5, 6, 7, 8]],
         {"cache_salt": "tenant-A"},
-        [7794705971313359249, 12193179412182633234],
+        [6502103921832476329, 13183445709889477754],
     ),
     (
         "F-salt-id",

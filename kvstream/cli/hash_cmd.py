@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvstream._types import hash_to_hex, hash_to_int
 from kvstream.errors import KVStreamError
+
+
+def _params(pairs: list[str], seed: str | None) -> dict[str, Any]:
+    """Algorithm parameters from ``KEY=VALUE`` strings (``true``/``false`` become booleans)."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--param")
+        params[key] = {"true": True, "false": False}.get(value.lower(), value)
+    if seed is not None:
+        params["seed"] = seed
+    return params
 
 
 def hash_tokens(
@@ -27,24 +40,56 @@ def hash_tokens(
         bool,
         typer.Option(help="Drop the last prompt token first (TensorRT-LLM router rule)."),
     ] = False,
-    lora_id: Annotated[int | None, typer.Option(help="LoRA adapter id.")] = None,
+    lora_id: Annotated[int | None, typer.Option(help="LoRA adapter id (TensorRT-LLM).")] = None,
+    lora_name: Annotated[
+        str | None, typer.Option(help="LoRA adapter name (vLLM, Dynamo, SGLang).")
+    ] = None,
+    lora_path: Annotated[
+        str | None, typer.Option(help="LoRA adapter path (vLLM >= 0.31 hashes it).")
+    ] = None,
     cache_salt: Annotated[str | None, typer.Option(help="Cache salt (tenant isolation).")] = None,
+    extra_key: Annotated[
+        str | None,
+        typer.Option(help="SGLang extra_key (a LoRA request's ends with the adapter's lora_id)."),
+    ] = None,
     seed: Annotated[
         str | None, typer.Option(help="vLLM NONE_HASH seed (PYTHONHASHSEED), vllm_* only.")
     ] = None,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--param",
+            "-p",
+            help="Algorithm parameter KEY=VALUE, repeatable: salt_hash=sha256, "
+            "encoding=u64, extra_keys=legacy, event_format=dynamo...",
+        ),
+    ] = None,
+    signed: Annotated[
+        bool, typer.Option(help="Print 64-bit hashes signed (SGLang's event form).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the chained block hashes of TOKENS (one line per block: index, tokens, hash)."""
     from kvstream.hashing import get_hasher, split_blocks
 
-    params = {"seed": seed} if seed is not None else {}
+    params = _params(param or [], seed)
+    scope: dict[str, Any] = {"lora_id": lora_id, "cache_salt": cache_salt}
+    for key, given in (("lora_name", lora_name), ("lora_path", lora_path)):
+        if given is not None:
+            scope[key] = given
+    if extra_key is not None:
+        scope["extra_key"] = extra_key
     try:
         hasher = get_hasher(algo, **params)
         blocks = split_blocks(
             tokens, block_size, include_partial=partial, drop_last_token=drop_last
         )
-        hashes = hasher.chain_bytes(blocks, lora_id=lora_id, cache_salt=cache_salt)
-    except (KVStreamError, TypeError, ValueError) as exc:
+        hashes = hasher.chain_bytes(blocks, **scope)
+    except TypeError as exc:
+        hint = " (--extra-key applies to sglang_sha256_64)" if "extra_key" in str(exc) else ""
+        typer.echo(f"error: {exc}{hint}", err=True)
+        raise typer.Exit(2) from None
+    except (KVStreamError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     rows = [
@@ -52,7 +97,11 @@ def hash_tokens(
             "block": i,
             "tokens": len(block),
             "hex": hash_to_hex(h),
-            **({"int": hash_to_int(h)} if len(h) == 8 else {}),
+            **(
+                {"int": int.from_bytes(h, "big", signed=signed) if signed else hash_to_int(h)}
+                if len(h) == 8
+                else {}
+            ),
         }
         for i, (block, h) in enumerate(zip(blocks, hashes, strict=True))
     ]

@@ -10,9 +10,14 @@
     published, st = h.extend(st, block_tokens, mm_keys=())
 
 Modules: :mod:`.registry` (names -> factories), :mod:`.base` (the interface, chain state,
-scope helpers), :mod:`.trtllm`, :mod:`.vllm`, :mod:`.native` (the algorithms),
+scope helpers), the algorithms: :mod:`.trtllm` (TensorRT-LLM), :mod:`.vllm` and
+:mod:`.vllm_pickle` (vLLM ``sha256_cbor`` and ``sha256``), :mod:`.sglang`, :mod:`.dynamo`,
+:mod:`.native` (kvstream's own); :mod:`.salt` (TensorRT-LLM's salt-id derivations),
 :mod:`.multimodal` (content digests, mm keys), :mod:`.blocks` (token containers, request
 chunking), :mod:`.cbor` (canonical CBOR for vLLM).
+
+Every engine algorithm is checked against vectors computed by the engine's own code
+(``tests/data/peers/hash_vectors.json``, written by ``scripts/peers/gen_hash_vectors.py``).
 """
 
 from kvstream.hashing.base import BlockHasher, ChainState, cache_salt_id

@@ -12,12 +12,12 @@ cache salt). Two ways to drive it, always giving the same values:
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from kvstream.errors import HashingError
+from kvstream.hashing.salt import cache_salt_id
 
 __all__ = [
     "BlockHasher",
@@ -56,34 +56,23 @@ def check_u64(name: str, value: object) -> int:
     return value
 
 
-def cache_salt_id(cache_salt: str) -> int:
-    """The salt id of a cache-salt string: first 8 bytes of SHA-256(utf-8), little-endian.
+def resolve_salt_id(cache_salt: str | None, salt_id: int | None, *, salt_hash: str) -> int | None:
+    """The numeric salt of a request: ``salt_id``, or ``cache_salt`` mapped by ``salt_hash``.
 
-    This is the mapping of TensorRT-LLM's V2 manager, its router and ``kv_cache_hash``
-    (older V1 builds used BLAKE3 or ``std::hash`` and do not match; pass their id as
-    ``salt_id`` instead). ``cache_salt_id("tenant-A") == 10590430051267512242``.
-    """
-    if not isinstance(cache_salt, str):
-        raise HashingError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-    return int.from_bytes(hashlib.sha256(cache_salt.encode("utf-8")).digest()[:8], "little")
-
-
-def resolve_salt_id(cache_salt: str | None, salt_id: int | None) -> int | None:
-    """The numeric salt of a request: ``salt_id``, or :func:`cache_salt_id` of ``cache_salt``.
-
-    Passing both is ambiguous and raises HashingError.
+    ``salt_hash`` names the string -> id derivation (:func:`~kvstream.hashing.salt.cache_salt_id`).
+    Passing both ``cache_salt`` and ``salt_id`` is ambiguous and raises HashingError.
     """
     if cache_salt is not None and salt_id is not None:
         raise HashingError("pass either cache_salt or salt_id, not both")
     if cache_salt is not None:
-        return cache_salt_id(cache_salt)
+        return cache_salt_id(cache_salt, salt_hash)
     if salt_id is not None:
         return check_u64("salt_id", salt_id)
     return None
 
 
 def id_scope(
-    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any
+    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any, *, salt_hash: str
 ) -> tuple[int | None, int | None]:
     """(lora_id, salt_id) of a request for the id-scoped algorithms (TensorRT-LLM, blake3)."""
     if lora_id is None and lora_name is not None:
@@ -92,7 +81,7 @@ def id_scope(
             "without a lora_id"
         )
     lora = None if lora_id is None else check_u64("lora_id", lora_id)
-    return lora, resolve_salt_id(cache_salt, salt_id)
+    return lora, resolve_salt_id(cache_salt, salt_id, salt_hash=salt_hash)
 
 
 def scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:

@@ -27,10 +27,13 @@ __all__ = ["MmKeyLike", "NormMmKey", "content_digest", "digest32", "normalize_mm
 
 #: One multimodal key as callers pass it: ``(hash, start_offset)`` or an ``MmKey``-like object.
 MmKeyLike: TypeAlias = "tuple[bytes | str, int] | Any"
-#: A validated key: ``(hash as given (bytes or str), start_offset)``.
-NormMmKey: TypeAlias = tuple[bytes | str, int]
+#: A validated key: ``(hash as given (bytes, str, or an int where allowed), start_offset)``.
+NormMmKey: TypeAlias = tuple[bytes | str | int, int]
 
 _U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_I64_MIN = -(2**63)
+_I64_MAX = 2**63 - 1
 
 
 def content_digest(data: bytes | bytearray | memoryview, uuid: str | None = None) -> bytes:
@@ -54,7 +57,7 @@ def content_digest(data: bytes | bytearray | memoryview, uuid: str | None = None
     return bytes(h.digest())
 
 
-def digest32(value: bytes | str, where: str = "mm_key") -> bytes:
+def digest32(value: object, where: str = "mm_key") -> bytes:
     """A multimodal key's hash as 32 raw bytes (accepts the bytes or their 64-char hex)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
@@ -73,17 +76,25 @@ def digest32(value: bytes | str, where: str = "mm_key") -> bytes:
 
 
 def normalize_mm_keys(
-    mm_keys: Iterable[Any] | None, where: str = "mm_keys"
+    mm_keys: Iterable[Any] | None,
+    where: str = "mm_keys",
+    *,
+    signed_offsets: bool = False,
+    int_hashes: bool = False,
 ) -> tuple[NormMmKey, ...]:
     """Validate multimodal keys into ``((hash, start_offset), ...)``, preserving order.
 
-    ``hash`` is kept as given (bytes-like become ``bytes``; str stays str) and checked by the
-    algorithm; ``start_offset`` must be an int in ``0..2**32-1``. Raises HashingError.
+    ``hash`` is kept as given (bytes-like become ``bytes``; str stays str; with ``int_hashes`` an
+    int in ``0..2**64-1`` is accepted too) and checked by the algorithm. ``start_offset`` must be
+    an int in ``0..2**32-1``, or, with ``signed_offsets`` (vLLM, whose offset is the item's start
+    relative to the block and is negative for an item that began in an earlier block), in
+    ``-2**63..2**63-1``. Raises HashingError.
     """
     if not mm_keys:
         return ()
     if isinstance(mm_keys, (bytes, bytearray, str)):
         raise HashingError(f"{where} must be a sequence of (hash, start_offset) keys")
+    lo, hi = (_I64_MIN, _I64_MAX) if signed_offsets else (0, _U32_MAX)
     out: list[NormMmKey] = []
     for i, key in enumerate(mm_keys):
         if isinstance(key, (tuple, list)):
@@ -99,11 +110,14 @@ def normalize_mm_keys(
             )
         if isinstance(h, (bytearray, memoryview)):
             h = bytes(h)
-        if not isinstance(h, (bytes, str)):
+        if int_hashes and type(h) is int:
+            if not 0 <= h <= _U64_MAX:
+                raise HashingError(f"{where}[{i}]: an int hash must be in 0..2**64-1, got {h}")
+        elif not isinstance(h, (bytes, str)):
             raise HashingError(f"{where}[{i}]: hash must be bytes or str, got {type(h).__name__}")
-        if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= _U32_MAX:
+        if isinstance(off, bool) or not isinstance(off, int) or not lo <= off <= hi:
             raise HashingError(
-                f"{where}[{i}]: start_offset must be an int in 0..2**32-1, got {off!r}"
+                f"{where}[{i}]: start_offset must be an int in {lo}..{hi}, got {off!r}"
             )
         out.append((h, off))
     return tuple(out)

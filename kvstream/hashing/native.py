@@ -89,7 +89,9 @@ class Blake3Hasher(BlockHasher):
         lora_path: str | None = None,
     ) -> ChainState:
         """Root state: key = BLAKE3(scope bytes). LoRA is identified by ``lora_id``."""
-        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        lora, salt = id_scope(
+            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash="sha256"
+        )
         return ChainState(self.name, bytes(blake3(scope_bytes(lora, salt)).digest()), 0, ())
 
     def _key(self, parent: bytes, block: Any, mm_keys: Any, extra: Any, where: Where) -> bytes:

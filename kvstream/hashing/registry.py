@@ -1,8 +1,20 @@
 """The registry of block-hash algorithms, keyed by the names events publish in ``hash_algo``.
 
-Built in: ``v1_block_key``, ``v2_sha256``, ``v2_sha256_64`` (TensorRT-LLM),
-``vllm_sha256_cbor``, ``vllm_sha256_cbor_64`` (vLLM >= 0.29), ``blake3``, ``blake3_64``
-(kvstream's native chain). Third parties add theirs with :func:`register_hasher`.
+Built in, with their algorithm-level parameters (``get_hasher(name, **params)``):
+
+- ``v1_block_key``: TensorRT-LLM V1 ``BlockKeyHasher`` (64-bit); ``salt_hash`` (``"blake3"``,
+  the default, ``"sha256"`` or ``"libstdcxx"``: :mod:`kvstream.hashing.salt`), ``native``.
+- ``v2_sha256``, ``v2_sha256_64``: TensorRT-LLM V2 radix keys; ``salt_hash`` (default
+  ``"sha256"``), ``encoding`` (``"u32"``, ``"u64"``, ``"u64_lora_root"``).
+- ``vllm_sha256``, ``vllm_sha256_64``: vLLM's default ``sha256`` (pickle);
+  ``vllm_sha256_cbor``, ``vllm_sha256_cbor_64``: vLLM's ``sha256_cbor``. Both take ``seed``,
+  ``extra_keys`` (``"tagged"`` or ``"legacy"``) and ``lora_paths``.
+- ``sglang_sha256_64``: SGLang's KV-event page hash; ``event_format`` (``"default"`` or
+  ``"dynamo"``).
+- ``dynamo_xxh3_64``: Dynamo's unchained per-block ``tokens_hash`` (XXH3-64, seed 1337).
+- ``blake3``, ``blake3_64``: kvstream's native chain.
+
+Third parties add theirs with :func:`register_hasher`.
 """
 
 from __future__ import annotations
@@ -14,9 +26,12 @@ from typing import Any
 from kvstream._types import BLOCK_HASH_WIDTHS
 from kvstream.errors import HashingError, UnknownHashAlgorithmError
 from kvstream.hashing.base import BlockHasher
+from kvstream.hashing.dynamo import DynamoXxh3Hasher
 from kvstream.hashing.native import Blake3Hasher
+from kvstream.hashing.sglang import SglangSha256Hasher
 from kvstream.hashing.trtllm import V1BlockKeyHasher, V2Sha256Hasher
-from kvstream.hashing.vllm import DEFAULT_SEED, VllmSha256CborHasher
+from kvstream.hashing.vllm import DEFAULT_SEED, VllmHasherBase, VllmSha256CborHasher
+from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
 
 __all__ = ["HasherFactory", "available_hashers", "get_hasher", "register_hasher"]
 
@@ -79,34 +94,36 @@ def get_hasher(name: str, **params: Any) -> BlockHasher:
     return hasher
 
 
-def _v1() -> BlockHasher:
-    return V1BlockKeyHasher()
+def _v1(*, salt_hash: str = "blake3", native: bool | None = None) -> BlockHasher:
+    return V1BlockKeyHasher(native=native, salt_hash=salt_hash)
 
 
-def _v2() -> BlockHasher:
-    return V2Sha256Hasher(32)
+def _v2(*, salt_hash: str = "sha256", encoding: str = "u32") -> BlockHasher:
+    return V2Sha256Hasher(32, salt_hash=salt_hash, encoding=encoding)
 
 
-def _v2_64() -> BlockHasher:
-    return V2Sha256Hasher(8)
+def _v2_64(*, salt_hash: str = "sha256", encoding: str = "u32") -> BlockHasher:
+    return V2Sha256Hasher(8, salt_hash=salt_hash, encoding=encoding)
 
 
-def _vllm(
-    *,
-    seed: str = DEFAULT_SEED,
-    extra_keys: str = "tagged",
-    lora_paths: Mapping[str, str] | None = None,
-) -> BlockHasher:
-    return VllmSha256CborHasher(32, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+def _vllm_factory(cls: type[VllmHasherBase], width: int) -> HasherFactory:
+    def factory(
+        *,
+        seed: str = DEFAULT_SEED,
+        extra_keys: str = "tagged",
+        lora_paths: Mapping[str, str] | None = None,
+    ) -> BlockHasher:
+        return cls(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+
+    return factory
 
 
-def _vllm_64(
-    *,
-    seed: str = DEFAULT_SEED,
-    extra_keys: str = "tagged",
-    lora_paths: Mapping[str, str] | None = None,
-) -> BlockHasher:
-    return VllmSha256CborHasher(8, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+def _sglang(*, event_format: str = "default") -> BlockHasher:
+    return SglangSha256Hasher(event_format=event_format)
+
+
+def _dynamo() -> BlockHasher:
+    return DynamoXxh3Hasher()
 
 
 def _blake3() -> BlockHasher:
@@ -121,8 +138,12 @@ for _name, _factory in (
     ("v1_block_key", _v1),
     ("v2_sha256", _v2),
     ("v2_sha256_64", _v2_64),
-    ("vllm_sha256_cbor", _vllm),
-    ("vllm_sha256_cbor_64", _vllm_64),
+    ("vllm_sha256", _vllm_factory(VllmSha256PickleHasher, 32)),
+    ("vllm_sha256_64", _vllm_factory(VllmSha256PickleHasher, 8)),
+    ("vllm_sha256_cbor", _vllm_factory(VllmSha256CborHasher, 32)),
+    ("vllm_sha256_cbor_64", _vllm_factory(VllmSha256CborHasher, 8)),
+    ("sglang_sha256_64", _sglang),
+    ("dynamo_xxh3_64", _dynamo),
     ("blake3", _blake3),
     ("blake3_64", _blake3_64),
 ):

@@ -1,9 +1,11 @@
 """TensorRT-LLM block hashes: ``v1_block_key``, ``v2_sha256`` and ``v2_sha256_64``.
 
 Request scope (all three): ``lora_id`` (LoRA task id, uint64) and a salt, given either as
-``salt_id`` (uint64) or as a ``cache_salt`` string mapped by :func:`cache_salt_id`
-(SHA-256(utf-8)[:8] little-endian, the V2/router rule). TensorRT-LLM identifies adapters by
-id only, so a ``lora_name`` without a ``lora_id`` raises HashingError.
+``salt_id`` (uint64) or as a ``cache_salt`` string mapped to its id by the hasher's
+``salt_hash`` derivation (:mod:`kvstream.hashing.salt`: ``"blake3"``, the default of
+``v1_block_key``, as TensorRT-LLM's LLM API, V1 manager and router derive it; ``"sha256"``, the
+default of ``v2_sha256``/``v2_sha256_64``, as the V2 manager does; ``"libstdcxx"``). TensorRT-LLM
+identifies adapters by id only, so a ``lora_name`` without a ``lora_id`` raises HashingError.
 
 ``v1_block_key`` (V1 ``BlockKeyHasher``; 64-bit). All arithmetic mod 2**64 unless noted::
 
@@ -47,6 +49,19 @@ k as ``vocab_size + k``); pass blocks that way to reproduce a V2 engine's keys. 
 each as ``digest (32 bytes) || start_offset as 4 bytes little-endian``.
 
 ``v2_sha256_64``: the first 8 key bytes (big-endian unsigned); chaining uses the full keys.
+
+**Older V2 encodings** (``get_hasher("v2_sha256", encoding=...)``; the engine still publishes
+``hash_algo`` ``v2_sha256``, so the encoding is a parameter of the algorithm, not a new name):
+
+- ``"u32"`` (default): the encoding above (``_block_radix_tree.py`` @065ff9e9, whose ``Hasher``
+  packs ids as 4 bytes to match the C++ backend's 4-byte ``TokenIdExt``);
+- ``"u64"``: each int token as **8** bytes little-endian, the same scope root
+  (``kv_cache_manager_v2/_cache_key.py`` @fa202e2a: ``array("Q", block)``);
+- ``"u64_lora_root"``: 8-byte tokens and the root SHA-256 of the LoRA id as 8 bytes
+  little-endian, or of nothing without one; no salt (``_block_radix_tree.py`` @27efb004: a salt
+  raises HashingError).
+
+Digest tokens are hashed verbatim in every encoding; ``mm_keys`` are appended as above.
 """
 
 from __future__ import annotations
@@ -73,6 +88,7 @@ from kvstream.hashing.blocks import (
     u32_list,
 )
 from kvstream.hashing.multimodal import digest32, normalize_mm_keys
+from kvstream.hashing.salt import check_salt_hash
 
 if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
     try:
@@ -82,11 +98,13 @@ if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
 else:
     _v1native = None  # type: ignore[assignment]
 
-__all__ = ["NATIVE_AVAILABLE", "V1BlockKeyHasher", "V2Sha256Hasher"]
+__all__ = ["NATIVE_AVAILABLE", "V2_ENCODINGS", "V1BlockKeyHasher", "V2Sha256Hasher"]
 
 #: Whether the v1_block_key C extension is loaded (``V1BlockKeyHasher``'s default path).
 NATIVE_AVAILABLE: Final[bool] = _v1native is not None
 _LITTLE: Final = sys.byteorder == "little"
+#: The V2 key encodings :class:`V2Sha256Hasher` implements (see the module docstring).
+V2_ENCODINGS: Final = ("u32", "u64", "u64_lora_root")
 #: Per-block optional buffers (extra ids, mm records) passed to the C extension.
 _PerBlock: TypeAlias = list[bytes | None]
 
@@ -207,13 +225,16 @@ class V1BlockKeyHasher(BlockHasher):
     Supports salt, LoRA id, per-token extra ids and multimodal keys. Chain values are the
     unsigned 64-bit ints TensorRT-LLM publishes in JSON. ``native`` picks the implementation:
     None (default) the C extension when :data:`NATIVE_AVAILABLE`, False the pure-Python
-    reference, True the C extension (HashingError when it is not available).
+    reference, True the C extension (HashingError when it is not available). ``salt_hash``
+    maps ``cache_salt`` strings to salt ids (:mod:`kvstream.hashing.salt`; default
+    ``"blake3"``).
     """
 
     name = "v1_block_key"
     width = 8
 
-    def __init__(self, *, native: bool | None = None) -> None:
+    def __init__(self, *, native: bool | None = None, salt_hash: str = "blake3") -> None:
+        self.salt_hash: str = check_salt_hash(salt_hash)
         if native is None:
             native = NATIVE_AVAILABLE
         elif native and not NATIVE_AVAILABLE:
@@ -237,7 +258,9 @@ class V1BlockKeyHasher(BlockHasher):
         The scope is ``(salt term, lora term, salt_id, lora_id)`` (terms for the Python path,
         ids for the C one); either implementation extends the other's states.
         """
-        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        lora, salt = id_scope(
+            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
+        )
         return ChainState(
             self.name,
             0,
@@ -307,7 +330,9 @@ class V1BlockKeyHasher(BlockHasher):
     ) -> tuple[list[bytes], int | None, int | None, _PerBlock | None, _PerBlock | None]:
         """(per-block token bytes, salt_id, lora_id, extra-id buffers, mm records) of a chain."""
         mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
+        lora, salt = id_scope(
+            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
+        )
         raws = coerce_many(blocks)
         if mm is None and extra is None:
             return raws, salt, lora, None, None
@@ -451,20 +476,48 @@ class V1BlockKeyHasher(BlockHasher):
         return [k.to_bytes(8, "big") for k in ints]
 
 
+def _widen(block: bytes | MixedBlock) -> bytes:
+    """A coerced block in the 8-byte token encoding: ids as u64 LE, digest tokens verbatim."""
+    if isinstance(block, MixedBlock):
+        ints = iter(u32_list(block.raw))
+        digests = dict(block.digests)
+        parts = [
+            digests[i] if i in digests else next(ints).to_bytes(8, "little")
+            for i in range(block.length)
+        ]
+        return b"".join(parts)
+    wide = array("Q", u32_list(block))
+    if not _LITTLE:  # pragma: no cover
+        wide.byteswap()
+    return wide.tobytes()
+
+
 class V2Sha256Hasher(BlockHasher):
     """``v2_sha256`` (``width=32``) and ``v2_sha256_64`` (``width=8``): TensorRT-LLM V2 keys.
 
-    See the module docstring for the key definition, digest tokens and ``mm_keys``. Per-token
-    extra ids are not part of V2 keys and raise HashingError.
+    See the module docstring for the key definition, digest tokens, ``mm_keys`` and the
+    ``encoding`` values (:data:`V2_ENCODINGS`; default ``"u32"``). ``salt_hash`` maps
+    ``cache_salt`` strings to salt ids (:mod:`kvstream.hashing.salt`; default ``"sha256"``, the
+    V2 manager's derivation). Per-token extra ids are not part of V2 keys and raise
+    HashingError.
     """
 
-    def __init__(self, width: int = 32) -> None:
+    def __init__(
+        self, width: int = 32, *, salt_hash: str = "sha256", encoding: str = "u32"
+    ) -> None:
         if width not in (8, 32):
             raise HashingError(
                 f"v2_sha256 publishes 32-byte keys or their first 8 bytes, not {width}"
             )
+        if encoding not in V2_ENCODINGS:
+            raise HashingError(
+                f"encoding must be one of {', '.join(V2_ENCODINGS)}; got {encoding!r}"
+            )
         self.width = width
         self.name = "v2_sha256" if width == 32 else "v2_sha256_64"
+        self.salt_hash: str = check_salt_hash(salt_hash)
+        self.encoding: str = encoding
+        self._wide = encoding != "u32"
 
     def root(
         self,
@@ -475,16 +528,30 @@ class V2Sha256Hasher(BlockHasher):
         *,
         lora_path: str | None = None,
     ) -> ChainState:
-        """Root state: key = SHA-256(scope bytes)."""
-        lora, salt = id_scope(self.name, lora_id, cache_salt, salt_id, lora_name)
-        return ChainState(self.name, hashlib.sha256(scope_bytes(lora, salt)).digest(), 0, ())
+        """Root state: key = SHA-256(scope bytes) (``u64_lora_root``: of the LoRA id alone)."""
+        lora, salt = id_scope(
+            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
+        )
+        if self.encoding == "u64_lora_root":
+            if salt is not None:
+                raise HashingError(
+                    "the u64_lora_root V2 encoding (TensorRT-LLM @27efb004) has no cache salt"
+                )
+            scope = b"" if lora is None else lora.to_bytes(8, "little")
+        else:
+            scope = scope_bytes(lora, salt)
+        return ChainState(self.name, hashlib.sha256(scope).digest(), 0, ())
 
-    @staticmethod
-    def _message(block_tokens: Any, mm_keys: Any, token_extra_ids: Any, where: Where) -> bytes:
+    def _message(
+        self, block_tokens: Any, mm_keys: Any, token_extra_ids: Any, where: Where
+    ) -> bytes:
         if token_extra_ids is not None:
             raise HashingError("v2_sha256 keys do not include per-token extra ids")
         coerced = coerce_block(block_tokens, where)
-        raw = coerced.verbatim if isinstance(coerced, MixedBlock) else coerced
+        if self._wide:
+            raw = _widen(coerced)
+        else:
+            raw = coerced.verbatim if isinstance(coerced, MixedBlock) else coerced
         if not raw:
             raise HashingError("a block needs at least one token")
         if mm_keys:
@@ -505,7 +572,12 @@ class V2Sha256Hasher(BlockHasher):
         """Hash one block: key = SHA-256(parent key || block stream)."""
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
-        if type(block_tokens) is TokenIds and not mm_keys and token_extra_ids is None:
+        if (
+            type(block_tokens) is TokenIds
+            and not mm_keys
+            and token_extra_ids is None
+            and not self._wide
+        ):
             msg = block_tokens._raw
         else:
             msg = self._message(block_tokens, mm_keys, token_extra_ids, "block_tokens")
@@ -541,7 +613,7 @@ class V2Sha256Hasher(BlockHasher):
         out: list[bytes] = []
         append = out.append
         message = self._message
-        if mm_keys is None:
+        if mm_keys is None and not self._wide:
             # Hot loop: TokenIds blocks hash their packed bytes directly.
             for b in blocks:
                 if type(b) is TokenIds:
@@ -554,7 +626,9 @@ class V2Sha256Hasher(BlockHasher):
                 append(key)
         else:
             for i, b in enumerate(blocks):
-                key = sha(key + message(b, mm_keys[i], None, i)).digest()
+                key = sha(
+                    key + message(b, None if mm_keys is None else mm_keys[i], None, i)
+                ).digest()
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]

@@ -1,42 +1,65 @@
-"""vLLM prefix-cache block hashes: ``vllm_sha256_cbor`` and ``vllm_sha256_cbor_64``.
+"""vLLM prefix-cache block hashes: the request scope they share, and ``vllm_sha256_cbor(_64)``.
 
-vLLM >= 0.29 with ``prefix_caching_hash_algo="sha256_cbor"``::
+vLLM (>= 0.29; checked against 0.33's ``vllm/v1/core/kv_cache_utils.py`` and
+``vllm/utils/hashing.py``) hashes each full block as::
 
-    NONE_HASH  = SHA-256(cbor(seed))              seed: a str, hashed as a CBOR text string
-    hash(blk)  = SHA-256(cbor((parent_digest, tuple(tokens), extra_keys_or_None)))
-                 first block's parent = NONE_HASH; cbor = cbor2.dumps(..., canonical=True)
+    NONE_HASH  = H(seed)                          seed: a str
+    hash(blk)  = H((parent_digest, tuple(tokens), extra_keys_or_None))
+                 first block's parent = NONE_HASH
+
+where ``H`` is the engine's ``prefix_caching_hash_algo``: ``sha256`` (the default: SHA-256 of
+``pickle.dumps(x, protocol=5)``, :mod:`kvstream.hashing.vllm_pickle`) or ``sha256_cbor``
+(SHA-256 of ``cbor2.dumps(x, canonical=True)``, this module). Both publish the 32-byte digest
+(``vllm_sha256``, ``vllm_sha256_cbor``) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the
+default, its **last** 8 bytes big-endian (``vllm_sha256_64``, ``vllm_sha256_cbor_64``).
 
 **Seed.** vLLM uses ``"vllm-none-hash"`` unless ``PYTHONHASHSEED`` is set in the engine's
 environment, in which case that string is the seed. kvstream never reads the environment:
-pass the engine's value explicitly, ``get_hasher("vllm_sha256_cbor", seed="0")``.
+pass the engine's value explicitly, ``get_hasher("vllm_sha256", seed="0")``.
 
-**Extra keys** of a block, a tuple in this order, or None when empty (``extra_keys="tagged"``,
-vLLM >= 0.31, the default)::
+**Extra keys** of a block (``generate_block_hash_extra_keys``), a tuple in this order, or None
+when empty (``extra_keys="tagged"``, vLLM >= 0.31, the default)::
 
     ("lora", lora_name, lora_path)        every block, when the request has a LoRA adapter
-    ("mm", identifier, offset)            each multimodal key of the block, in order
-    ("cache_salt", salt)                  first block only, when the request has a salt
+    ("mm", identifier, offset)            each multimodal item overlapping the block, in order
+    ("cache_salt", salt)                  first block only, when the salt is non-empty
+    ("prompt_embeds", digest)             every block of a prompt-embeds request
 
 ``extra_keys="legacy"`` (vLLM 0.24-0.30) uses the untagged forms ``lora_name``,
-``(identifier, offset)`` and ``salt``. A multimodal key's ``identifier`` is its hash: a str
-as given (vLLM's ``mm_feature.identifier``), bytes as lowercase hex; ``offset`` is the key's
-``start_offset`` as given (pass the offset your vLLM version hashes).
+``(identifier, offset)``, ``salt`` and ``digest``.
 
-vLLM identifies adapters by name (and path), so a ``lora_id`` without a ``lora_name`` raises
-HashingError; the tagged form needs the adapter's path too, from ``root(lora_path=...)`` or
-the hasher's ``lora_paths`` mapping (name -> path). Salts are strings: ``salt_id`` raises.
-Per-token extra ids and digest tokens do not exist in vLLM and raise HashingError.
+- **Multimodal** (``mm_keys``): ``(identifier, offset)`` per item, as vLLM computes them:
+  ``identifier`` is ``mm_feature.identifier``, a str hashed as given (bytes are taken as a
+  content digest and hashed as their lowercase hex); ``offset`` is the item's first token
+  position **minus the block's first token position**, so it is negative for an item that
+  started in an earlier block (e.g. a 10-token image at position 2 with 4-token blocks gives
+  offsets 2, -2, -6). These are exactly the ``(identifier, offset)`` pairs vLLM publishes in
+  ``BlockStored.extra_keys``.
+- **LoRA**: vLLM >= 0.31 hashes the adapter's ``lora_path`` as well as its name (vLLM 0.33's
+  ``LoRARequest`` asserts that the path is non-empty, so there is no name-only form). The path
+  is not published in events: pass it with ``root(lora_path=...)`` or map names to paths once
+  with the hasher's ``lora_paths`` (the ``--lora-modules name=path`` of the engine); a
+  ``lora_name`` whose path is unknown raises HashingError rather than hashing a guess. A
+  ``lora_id`` without a ``lora_name`` raises too (vLLM identifies adapters by name).
+- **Salt**: a string; the empty string is no salt (vLLM tests ``request.cache_salt`` for
+  truth). ``salt_id`` raises.
+- **Prompt embeds** (``prompt_embeds=``, keyword-only on ``extend``/``chain``/``chain_bytes``):
+  per block, the 32-byte SHA-256 of the block's slice of the request's ``prompt_embeds`` tensor
+  as raw bytes (:func:`prompt_embeds_digest`).
 
-Published: ``vllm_sha256_cbor`` the 32-byte digest; ``vllm_sha256_cbor_64`` its **last** 8
-bytes, big-endian (the int vLLM puts in events by default).
+Per-token extra ids and digest tokens do not exist in vLLM and raise HashingError. Lookahead
+(EAGLE) keys are not modelled.
 """
 
 from __future__ import annotations
 
 import hashlib
+from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, ClassVar, Final
+
+import numpy as np
 
 from kvstream.errors import HashingError
 from kvstream.hashing import cbor
@@ -44,22 +67,61 @@ from kvstream.hashing.base import BlockHasher, ChainState, per_block_args
 from kvstream.hashing.blocks import coerce_many, coerce_tokens
 from kvstream.hashing.multimodal import normalize_mm_keys
 
-__all__ = ["DEFAULT_SEED", "VllmSha256CborHasher"]
+__all__ = [
+    "DEFAULT_SEED",
+    "VllmHasherBase",
+    "VllmSha256CborHasher",
+    "prompt_embeds_digest",
+]
 
 DEFAULT_SEED: Final = "vllm-none-hash"
 _PARENT_HEAD: Final = b"\x83\x58\x20"  # array(3), then bytes(32)
 _NONE: Final = b"\xf6"
 #: Requests with at least this many tokens have their token arrays encoded by numpy at once.
 _VECTOR_MIN_TOKENS: Final = 512
+_DIGEST_LEN: Final = 32
 _tuple_new = tuple.__new__
 
 
-class VllmSha256CborHasher(BlockHasher):
-    """vLLM's ``sha256_cbor`` prefix hash (``width`` 32) or its published u64 form (8).
+def prompt_embeds_digest(embeds: Any) -> bytes:
+    """The digest vLLM hashes for a block's prompt embeddings: SHA-256 of their raw bytes.
 
-    Parameters: ``seed`` (the NONE_HASH seed string), ``extra_keys`` (``"tagged"`` or
-    ``"legacy"``), ``lora_paths`` (adapter name -> path, for the tagged LoRA key).
+    ``embeds`` is the block's slice (``prompt_embeds[start:end]``) as a numpy array (made
+    C-contiguous, in its own dtype) or any bytes-like object holding the tensor's bytes, which
+    is what vLLM hashes (``tensor.flatten().contiguous().view(torch.uint8)``).
     """
+    if isinstance(embeds, np.ndarray):
+        data: bytes = np.ascontiguousarray(embeds).tobytes()
+    elif isinstance(embeds, (bytes, bytearray, memoryview)):
+        data = bytes(embeds)
+    else:
+        raise HashingError(
+            f"prompt embeds must be a numpy array or bytes, got {type(embeds).__name__}"
+        )
+    return hashlib.sha256(data).digest()
+
+
+def _embeds_list(prompt_embeds: Sequence[Any] | None, n_blocks: int) -> list[Any] | None:
+    if prompt_embeds is None:
+        return None
+    out = list(prompt_embeds)
+    if len(out) != n_blocks:
+        raise HashingError(
+            f"prompt_embeds needs one digest per block: got {len(out)} for {n_blocks} blocks"
+        )
+    return out
+
+
+class VllmHasherBase(BlockHasher):
+    """What vLLM's hash algorithms share: the seed, the request scope and the extra keys.
+
+    Parameters: ``width`` (32: the digest; 8: its last 8 bytes), ``seed`` (the NONE_HASH seed
+    string), ``extra_keys`` (``"tagged"`` or ``"legacy"``), ``lora_paths`` (adapter name ->
+    path, for the tagged LoRA key). Subclasses define :attr:`algo` and :meth:`hash_object`.
+    """
+
+    #: The 256-bit algorithm name; the 64-bit one appends ``_64``.
+    algo: ClassVar[str]
 
     def __init__(
         self,
@@ -70,21 +132,36 @@ class VllmSha256CborHasher(BlockHasher):
         lora_paths: Mapping[str, str] | None = None,
     ) -> None:
         if width not in (8, 32):
-            raise HashingError(f"vllm_sha256_cbor publishes 32 or 8 bytes, not {width}")
+            raise HashingError(f"{self.algo} publishes 32 or 8 bytes, not {width}")
         if not isinstance(seed, str):
             raise HashingError(
                 f"seed must be a str (vLLM hashes PYTHONHASHSEED as a string), got {seed!r}"
             )
         if extra_keys not in ("tagged", "legacy"):
             raise HashingError(f"extra_keys must be 'tagged' or 'legacy', got {extra_keys!r}")
+        paths = dict(lora_paths or {})
+        for name, path in paths.items():
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise HashingError(
+                    f"lora_paths maps str names to str paths; got {name!r}: {path!r}"
+                )
         self.width = width
-        self.name = "vllm_sha256_cbor" if width == 32 else "vllm_sha256_cbor_64"
+        self.name = self.algo if width == 32 else self.algo + "_64"
         self.seed = seed
         self.extra_keys = extra_keys
-        self.lora_paths: Mapping[str, str] = MappingProxyType(dict(lora_paths or {}))
+        self.lora_paths: Mapping[str, str] = MappingProxyType(paths)
         self._tagged = extra_keys == "tagged"
         #: vLLM's NONE_HASH: the parent digest of a request's first block.
-        self.none_hash: bytes = hashlib.sha256(cbor.dumps(seed)).digest()
+        self.none_hash: bytes = self.hash_object(seed)
+
+    @abstractmethod
+    def hash_object(self, obj: Any) -> bytes:
+        """``H(obj)``: the 32-byte digest of a hash input, as the engine computes it."""
+
+    @staticmethod
+    def _str(value: str) -> str:
+        """Hook: the str object to place in a hash input (the pickle variant copies it)."""
+        return value
 
     def root(
         self,
@@ -108,6 +185,7 @@ class VllmSha256CborHasher(BlockHasher):
                 f"{self.name} identifies LoRA adapters by lora_name; got lora_id={lora_id!r} "
                 "without a lora_name"
             )
+        s = self._str
         lora_key: Any = None
         if lora_name is not None:
             if not isinstance(lora_name, str):
@@ -116,29 +194,105 @@ class VllmSha256CborHasher(BlockHasher):
                 path = lora_path if lora_path is not None else self.lora_paths.get(lora_name)
                 if not isinstance(path, str):
                     raise HashingError(
-                        f"vLLM >= 0.31 hashes ('lora', name, path): pass lora_path for "
-                        f"adapter {lora_name!r} (root(lora_path=...) or lora_paths=)"
+                        f"vLLM >= 0.31 hashes ('lora', name, path) and never a name alone: pass "
+                        f"the path of adapter {lora_name!r} (root(lora_path=...) or lora_paths=)"
                     )
-                lora_key = ("lora", lora_name, path)
+                lora_key = ("lora", s(lora_name), s(path))
             else:
-                lora_key = lora_name
+                lora_key = s(lora_name)
         salt_key: Any = None
-        if cache_salt is not None:
-            salt_key = ("cache_salt", cache_salt) if self._tagged else cache_salt
+        if cache_salt:  # vLLM skips an empty salt
+            salt_key = ("cache_salt", s(cache_salt)) if self._tagged else s(cache_salt)
         return ChainState(self.name, self.none_hash, 0, (lora_key, salt_key))
 
-    def _extra(self, scope: tuple[Any, ...], first: bool, mm_keys: Any) -> bytes:
-        """CBOR of the block's extra keys (``f6`` for None)."""
+    def _keys(
+        self, scope: tuple[Any, ...], first: bool, mm_keys: Any, prompt_embeds: Any
+    ) -> list[Any]:
+        """The block's extra keys in vLLM's order (empty list: None)."""
         lora_key, salt_key = scope
         keys: list[Any] = []
         if lora_key is not None:
             keys.append(lora_key)
         if mm_keys:
-            for h, off in normalize_mm_keys(mm_keys):
-                ident = h if isinstance(h, str) else h.hex()
+            s = self._str
+            for h, off in normalize_mm_keys(mm_keys, signed_offsets=True):
+                ident = s(h) if isinstance(h, str) else bytes(h).hex()
                 keys.append(("mm", ident, off) if self._tagged else (ident, off))
         if first and salt_key is not None:
             keys.append(salt_key)
+        if prompt_embeds is not None:
+            if (
+                not isinstance(prompt_embeds, (bytes, bytearray))
+                or len(prompt_embeds) != _DIGEST_LEN
+            ):
+                raise HashingError(
+                    "prompt_embeds takes each block's 32-byte SHA-256 digest "
+                    "(see prompt_embeds_digest)"
+                )
+            digest = bytes(prompt_embeds)
+            keys.append(("prompt_embeds", digest) if self._tagged else digest)
+        return keys
+
+    def chain(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+        prompt_embeds: Sequence[bytes | None] | None = None,
+    ) -> list[int] | list[bytes]:
+        """Like :meth:`chain_bytes`, in the form vLLM publishes (ints for the ``_64`` names)."""
+        out = self.chain_bytes(
+            blocks,
+            lora_id,
+            cache_salt,
+            salt_id,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            mm_keys=mm_keys,
+            token_extra_ids=token_extra_ids,
+            prompt_embeds=prompt_embeds,
+        )
+        if self.width == 8:
+            return [int.from_bytes(b, "big") for b in out]
+        return out
+
+    @abstractmethod
+    def chain_bytes(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+        prompt_embeds: Sequence[bytes | None] | None = None,
+    ) -> list[bytes]:
+        """The chain as bytes of width ``self.width``; ``prompt_embeds``: one digest per block."""
+
+
+class VllmSha256CborHasher(VllmHasherBase):
+    """vLLM's ``sha256_cbor`` prefix hash (``width`` 32) or its published u64 form (8).
+
+    See the module docstring; ``H`` = SHA-256 of canonical CBOR (:mod:`kvstream.hashing.cbor`).
+    """
+
+    algo = "vllm_sha256_cbor"
+
+    def hash_object(self, obj: Any) -> bytes:
+        return hashlib.sha256(cbor.dumps(obj)).digest()
+
+    def _extra(self, scope: tuple[Any, ...], first: bool, mm_keys: Any, embeds: Any) -> bytes:
+        """CBOR of the block's extra keys (``f6`` for None)."""
+        keys = self._keys(scope, first, mm_keys, embeds)
         return cbor.dumps(tuple(keys)) if keys else _NONE
 
     def extend(
@@ -147,6 +301,8 @@ class VllmSha256CborHasher(BlockHasher):
         block_tokens: Any,
         mm_keys: Iterable[Any] | None = (),
         token_extra_ids: Any = None,
+        *,
+        prompt_embeds: bytes | None = None,
     ) -> tuple[bytes, ChainState]:
         """Hash one block: SHA-256(cbor((parent, tokens, extra_keys)))."""
         if type(state) is not ChainState or state.algo != self.name:
@@ -156,7 +312,7 @@ class VllmSha256CborHasher(BlockHasher):
         raw = coerce_tokens(block_tokens, "block_tokens")
         if not raw:
             raise HashingError("a block needs at least one token")
-        tail = self._extra(state.scope, state.depth == 0, mm_keys)
+        tail = self._extra(state.scope, state.depth == 0, mm_keys, prompt_embeds)
         digest = hashlib.sha256(
             b"".join((_PARENT_HEAD, state.key, cbor.token_array(raw), tail))
         ).digest()
@@ -174,24 +330,34 @@ class VllmSha256CborHasher(BlockHasher):
         lora_path: str | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
+        prompt_embeds: Sequence[bytes | None] | None = None,
     ) -> list[bytes]:
         """The chain as bytes of width ``self.width``. See :meth:`BlockHasher.chain_bytes`."""
         blocks = list(blocks)
         mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
         if extra is not None and any(e is not None for e in extra):
             raise HashingError("vLLM block hashes have no per-token extra ids")
+        embeds = _embeds_list(prompt_embeds, len(blocks))
         state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
         raws = coerce_many(blocks)
         lengths = [len(r) >> 2 for r in raws]
         if 0 in lengths:
             raise HashingError("a block needs at least one token")
         scope = state.scope
-        if mm is None:
-            tails = [self._extra(scope, False, None)] * len(blocks)
+        if mm is None and embeds is None:
+            tails = [self._extra(scope, False, None, None)] * len(blocks)
             if tails:
-                tails[0] = self._extra(scope, True, None)
+                tails[0] = self._extra(scope, True, None, None)
         else:
-            tails = [self._extra(scope, i == 0, m) for i, m in enumerate(mm)]
+            tails = [
+                self._extra(
+                    scope,
+                    i == 0,
+                    None if mm is None else mm[i],
+                    None if embeds is None else embeds[i],
+                )
+                for i in range(len(blocks))
+            ]
         # Fast path: every block's "tokens + extra keys" segment built at once, so the loop
         # only concatenates the parent and hashes.
         if sum(lengths) >= _VECTOR_MIN_TOKENS:

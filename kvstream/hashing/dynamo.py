@@ -1,0 +1,175 @@
+"""NVIDIA Dynamo's per-block local hash: ``dynamo_xxh3_64``.
+
+Dynamo's KV router navigates its radix tree by a hash of each block's own tokens
+(``LocalBlockHash``, the ``tokens_hash`` of its events), not chained to the parent block::
+
+    tokens_hash = XXH3-64(block tokens as u32 little-endian [|| mm hashes], seed)
+    seed        = 1337 (+ XXH3-64(lora_name, seed 0)) (+ XXH3-64(cache_namespace, seed 1))
+
+Additions wrap mod 2**64 and empty strings count as absent. ``cache_namespace`` is Dynamo's
+resolved request ``cache_salt`` (PR ai-dynamo/dynamo#8197), so kvstream's ``cache_salt`` feeds
+it. A block with multimodal objects appends their ``mm_hash`` values (u64), sorted ascending, as
+u64 little-endian after the tokens; their offsets are not hashed. Sources: ``lib/kv-router/src/
+protocols.rs`` (``compute_block_hash_for_seq``, ``block_hash_seed``, ``hash_mm_identifier``)
+and ``dynamo-kv-hashing``'s ``compute_salt_hash``; checked against ai-dynamo-runtime 1.6.1's
+``dynamo.llm.compute_block_hash_for_seq(tokens, kv_block_size, block_mm_infos, lora_name,
+is_eagle, cache_namespace)``, which hashes the full blocks of a sequence.
+
+The chain state carries only the seed: every block hashes independently of its parent, so
+``extend`` ignores the parent and equal blocks under the same scope hash equally at any depth.
+EAGLE mode hashes overlapping windows of ``block_size + 1`` tokens: pass each block with the
+next block's first token appended.
+
+``mm_keys`` hashes map to Dynamo's u64 ``mm_hash``: an int as is; a 32-byte content digest (or
+its 64-character hex) as its first 8 bytes big-endian (``int(hex[:16], 16)``); any other
+identifier string as XXH3-64 of its UTF-8 (seed 0), Dynamo's ``hash_mm_identifier``.
+LoRA adapters are identified by ``lora_name`` (a ``lora_id`` alone raises HashingError); a
+numeric ``salt_id`` and per-token extra ids raise HashingError.
+"""
+
+from __future__ import annotations
+
+import string
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import xxhash
+
+from kvstream._types import TokenIds
+from kvstream.errors import HashingError
+from kvstream.hashing.base import BlockHasher, ChainState, per_block_args
+from kvstream.hashing.blocks import coerce_many, coerce_tokens
+from kvstream.hashing.multimodal import normalize_mm_keys
+
+__all__ = ["LOCAL_HASH_SEED", "DynamoXxh3Hasher", "block_hash_seed", "mm_hash_u64"]
+
+#: Dynamo's ``XXH3_SEED`` for local block hashes.
+LOCAL_HASH_SEED: Final = 1337
+_LORA_SEED: Final = 0
+_NAMESPACE_SEED: Final = 1
+_M64: Final = 2**64 - 1
+_HEX: Final = frozenset(string.hexdigits)
+_xxh3 = xxhash.xxh3_64_intdigest
+_tuple_new = tuple.__new__
+
+
+def block_hash_seed(lora_name: str | None = None, cache_namespace: str | None = None) -> int:
+    """The XXH3 seed of a request's local block hashes (empty strings count as absent)."""
+    seed = LOCAL_HASH_SEED
+    if lora_name:
+        seed += _xxh3(lora_name.encode("utf-8"), seed=_LORA_SEED)
+    if cache_namespace:
+        seed += _xxh3(cache_namespace.encode("utf-8"), seed=_NAMESPACE_SEED)
+    return seed & _M64
+
+
+def mm_hash_u64(value: object, where: str = "mm_key") -> int:
+    """Dynamo's u64 ``mm_hash`` of a multimodal key hash (see the module docstring)."""
+    if type(value) is int:
+        if not 0 <= value <= _M64:
+            raise HashingError(f"{where}: an int mm hash must be in 0..2**64-1, got {value}")
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if len(raw) != 32:
+            raise HashingError(f"{where}: a content digest is 32 bytes, got {len(raw)}")
+        return int.from_bytes(raw[:8], "big")
+    if isinstance(value, str):
+        if not value:
+            raise HashingError(f"{where}: an empty multimodal identifier has no hash")
+        if len(value) == 64 and _HEX.issuperset(value):
+            return int(value[:16], 16)
+        return int(_xxh3(value.encode("utf-8")))
+    raise HashingError(f"{where}: hash must be bytes, str or int, got {type(value).__name__}")
+
+
+def _mm_suffix(mm_keys: Any) -> bytes:
+    keys = normalize_mm_keys(mm_keys, int_hashes=True)
+    hashes = sorted(mm_hash_u64(h, f"mm_keys[{i}]") for i, (h, _) in enumerate(keys))
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+class DynamoXxh3Hasher(BlockHasher):
+    """``dynamo_xxh3_64``: Dynamo's unchained per-block ``tokens_hash`` (module docstring)."""
+
+    name = "dynamo_xxh3_64"
+    width = 8
+
+    def root(
+        self,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        lora_name: str | None = None,
+        *,
+        lora_path: str | None = None,
+    ) -> ChainState:
+        """Root state: key None (blocks do not chain); scope = (XXH3 seed,)."""
+        if salt_id is not None:
+            raise HashingError(
+                "Dynamo hashes the cache_salt string (its cache_namespace); a numeric salt_id "
+                "is not used"
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise HashingError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if lora_name is None and lora_id is not None:
+            raise HashingError(
+                f"{self.name} identifies LoRA adapters by lora_name; got lora_id={lora_id!r} "
+                "without a lora_name"
+            )
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise HashingError(f"lora_name must be a str, got {type(lora_name).__name__}")
+        return ChainState(self.name, None, 0, (block_hash_seed(lora_name, cache_salt),))
+
+    def extend(
+        self,
+        state: ChainState,
+        block_tokens: Any,
+        mm_keys: Iterable[Any] | None = (),
+        token_extra_ids: Any = None,
+    ) -> tuple[bytes, ChainState]:
+        """Hash one block: XXH3-64(tokens [|| sorted mm hashes], seed); the parent is unused."""
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        if token_extra_ids is not None:
+            raise HashingError("Dynamo block hashes have no per-token extra ids")
+        if type(block_tokens) is TokenIds:
+            raw: bytes = block_tokens._raw
+        else:
+            raw = coerce_tokens(block_tokens, "block_tokens")
+        if not raw:
+            raise HashingError("a block needs at least one token")
+        if mm_keys:
+            raw += _mm_suffix(mm_keys)
+        value: int = _xxh3(raw, seed=state.scope[0])
+        return value.to_bytes(8, "big"), _tuple_new(
+            ChainState, (self.name, None, state.depth + 1, state.scope)
+        )
+
+    def chain_bytes(
+        self,
+        blocks: Iterable[Any],
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        salt_id: int | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[Iterable[Any] | None] | None = None,
+        token_extra_ids: Sequence[Any] | None = None,
+    ) -> list[bytes]:
+        """Every block's hash as 8 bytes big-endian. See :meth:`BlockHasher.chain_bytes`."""
+        blocks = list(blocks)
+        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
+        if extra is not None and any(e is not None for e in extra):
+            raise HashingError("Dynamo block hashes have no per-token extra ids")
+        seed = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path).scope[0]
+        raws = coerce_many(blocks)
+        out: list[bytes] = []
+        for i, raw in enumerate(raws):
+            if not raw:
+                raise HashingError(f"blocks[{i}]: a block needs at least one token")
+            msg = raw + _mm_suffix(mm[i]) if mm is not None and mm[i] else raw
+            out.append(_xxh3(msg, seed=seed).to_bytes(8, "big"))
+        return out
