@@ -284,3 +284,55 @@ def test_bad_urls_are_config_errors() -> None:
     ):
         with pytest.raises(ConfigError):
             open_source(url)
+
+
+def _router_binds_delivers(port: int) -> bool:
+    """Whether this machine delivers PUB-connect -> SUB-bind messages (some sandboxes do not)."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            pub.send(b"probe")
+            if sub.poll(100):
+                return True
+        return False
+    finally:
+        pub.close(0)
+        sub.close(0)
+        ctx.term()
+
+
+async def test_bind_true_the_router_binds_and_engines_connect(ports: list[int]) -> None:
+    if not _router_binds_delivers(ports[3]):
+        pytest.skip("this machine does not deliver PUB-connect -> SUB-bind messages")
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)  # the engine side, connecting (vLLM endpoint without '*')
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        async with open_source(f"vllm://127.0.0.1:{ports[0]}?bind=true&from=latest") as src:
+            pub.connect(f"tcp://127.0.0.1:{ports[0]}")
+            got: list[EventBatch] = []
+            for i in range(50):  # until the connection is up: from=latest marks the rest lost
+                pub.send_multipart([b"", i.to_bytes(8, "big"), payload(i)])
+                item = await src.read(0.1)
+                if item is not None:
+                    got.append(item.batch)
+                    break
+            assert got, "nothing arrived through the bound SUB socket"
+            assert hashes(got) or isinstance(got[0].events[0].data, Lost)
+    finally:
+        pub.close(0)
+        ctx.term()
