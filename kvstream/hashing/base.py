@@ -8,13 +8,18 @@ cache salt). Two ways to drive it, always giving the same values:
 - ``root(...)`` then ``extend(state, block)`` per block (cache managers committing blocks one
   at a time). The state is an immutable :class:`ChainState`, so a prefix's state can be kept
   and extended along several branches.
+
+An algorithm implements :meth:`BlockHasher.root` and :meth:`BlockHasher.extend`; the base class
+validates a chain call's per-block arguments (rejecting the inputs the algorithm declares it
+does not hash) and folds ``extend`` over the blocks. An algorithm with a faster whole-request
+loop overrides only :meth:`BlockHasher._chain`, which receives the validated arguments.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 from kvstream.errors import HashingError
 from kvstream.hashing.salt import cache_salt_id
@@ -22,15 +27,22 @@ from kvstream.hashing.salt import cache_salt_id
 __all__ = [
     "BlockHasher",
     "ChainState",
+    "PerBlock",
     "cache_salt_id",
+    "check_str",
     "check_u64",
     "id_scope",
+    "name_scope",
     "per_block_args",
     "resolve_salt_id",
     "scope_bytes",
 ]
 
 _U64_MAX = 2**64 - 1
+
+#: A chain call's per-block input after validation: one entry per block, or None when the
+#: call gave none (see :func:`per_block_args`).
+PerBlock: TypeAlias = list[Any] | None
 
 
 class ChainState(NamedTuple):
@@ -54,6 +66,12 @@ def check_u64(name: str, value: object) -> int:
     if not 0 <= value <= _U64_MAX:
         raise HashingError(f"{name} must be in 0..2**64-1, got {value}")
     return value
+
+
+def check_str(name: str, value: object) -> None:
+    """HashingError unless ``value`` is None or a str."""
+    if value is not None and not isinstance(value, str):
+        raise HashingError(f"{name} must be a str, got {type(value).__name__}")
 
 
 def resolve_salt_id(cache_salt: str | None, salt_id: int | None, *, salt_hash: str) -> int | None:
@@ -84,6 +102,29 @@ def id_scope(
     return lora, resolve_salt_id(cache_salt, salt_id, salt_hash=salt_hash)
 
 
+def name_scope(
+    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any, *, no_salt_id: str
+) -> None:
+    """Check a request scope for the name-scoped algorithms (vLLM, Dynamo).
+
+    They hash the ``cache_salt`` string and identify LoRA adapters by ``lora_name``: a
+    ``salt_id`` raises HashingError with ``no_salt_id`` (the algorithm's reason), as do a
+    ``lora_id`` without a ``lora_name`` and a salt or name that is not a str.
+    """
+    if salt_id is not None:
+        raise HashingError(
+            no_salt_id
+            + (" (and pass either cache_salt or salt_id, not both)" if cache_salt else "")
+        )
+    check_str("cache_salt", cache_salt)
+    if lora_name is None and lora_id is not None:
+        raise HashingError(
+            f"{name} identifies LoRA adapters by lora_name; got lora_id={lora_id!r} "
+            "without a lora_name"
+        )
+    check_str("lora_name", lora_name)
+
+
 def scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
     """The V2 scope encoding: mask byte, then lora id and salt id (present ones) as u64 LE."""
     mask = (1 if lora_id is not None else 0) | (2 if salt_id is not None else 0)
@@ -104,6 +145,11 @@ class BlockHasher(ABC):
 
     name: str
     width: int
+    #: Why the algorithm rejects per-token extra ids (None: it hashes them). Chain calls raise
+    #: HashingError with it for any block given some; ``extend`` implementations raise it too.
+    _no_extra_ids: ClassVar[str | None] = None
+    #: Likewise for multimodal keys.
+    _no_mm_keys: ClassVar[str | None] = None
 
     @abstractmethod
     def root(
@@ -155,26 +201,19 @@ class BlockHasher(ABC):
         lora_path: str | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
+        **scope: Any,
     ) -> list[bytes]:
         """The published hash of every block, as bytes of width ``self.width``.
 
         64-bit values are big-endian. ``mm_keys`` and ``token_extra_ids``, when given, hold
-        one entry per block (None or empty for a block without any). Equals folding
-        :meth:`extend` over the blocks from :meth:`root`.
+        one entry per block (None or empty for a block without any). ``scope`` holds the
+        algorithm's own request-scope keywords of :meth:`root` (SGLang's ``extra_key``).
+        Equals folding :meth:`extend` over the blocks from :meth:`root`.
         """
         blocks = list(blocks)
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
-        out: list[bytes] = []
-        for i, block in enumerate(blocks):
-            published, state = self.extend(
-                state,
-                block,
-                mm[i] if mm is not None else (),
-                extra[i] if extra is not None else None,
-            )
-            out.append(published)
-        return out
+        mm, extra = self._block_args(len(blocks), mm_keys, token_extra_ids)
+        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
+        return self._chain(state, blocks, mm, extra)
 
     def chain(
         self,
@@ -187,6 +226,7 @@ class BlockHasher(ABC):
         lora_path: str | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
+        **scope: Any,
     ) -> list[int] | list[bytes]:
         """Like :meth:`chain_bytes`, in the form engines publish in JSON.
 
@@ -201,9 +241,49 @@ class BlockHasher(ABC):
             lora_path=lora_path,
             mm_keys=mm_keys,
             token_extra_ids=token_extra_ids,
+            **scope,
         )
         if self.width == 8:
             return [int.from_bytes(b, "big") for b in out]
+        return out
+
+    def _block_args(
+        self,
+        n_blocks: int,
+        mm_keys: Sequence[Iterable[Any] | None] | None,
+        token_extra_ids: Sequence[Any] | None,
+    ) -> tuple[PerBlock, PerBlock]:
+        """A chain call's per-block ``(mm_keys, token_extra_ids)`` lists, validated.
+
+        One entry per block (see :func:`per_block_args`); HashingError for a block with an
+        input the algorithm does not hash (:attr:`_no_extra_ids`, :attr:`_no_mm_keys`).
+        """
+        mm, extra = per_block_args(n_blocks, mm_keys, token_extra_ids)
+        reason = self._no_extra_ids
+        if reason is not None and extra is not None and any(e is not None for e in extra):
+            raise HashingError(reason)
+        reason = self._no_mm_keys
+        if reason is not None and mm is not None and any(mm):
+            raise HashingError(reason)
+        return mm, extra
+
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
+    ) -> list[bytes]:
+        """Hook: the published hashes of ``blocks`` after the root ``state``.
+
+        ``mm`` and ``extra`` come from :meth:`_block_args` (None: no block has any). This
+        default folds :meth:`extend`; algorithms override it with a faster loop.
+        """
+        out: list[bytes] = []
+        for i, block in enumerate(blocks):
+            published, state = self.extend(
+                state,
+                block,
+                mm[i] if mm is not None else (),
+                extra[i] if extra is not None else None,
+            )
+            out.append(published)
         return out
 
     def __repr__(self) -> str:
@@ -214,7 +294,7 @@ def per_block_args(
     n_blocks: int,
     mm_keys: Sequence[Iterable[Any] | None] | None,
     token_extra_ids: Sequence[Any] | None,
-) -> tuple[list[Any] | None, list[Any] | None]:
+) -> tuple[PerBlock, PerBlock]:
     """Validate the per-block ``mm_keys``/``token_extra_ids`` of a chain call (one per block)."""
     mm = None
     if mm_keys is not None:

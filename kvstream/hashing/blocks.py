@@ -179,9 +179,15 @@ def coerce_tokens(block: Any, where: Where = "block") -> bytes:
 
 
 def coerce_many(blocks: Iterable[Any]) -> list[bytes]:
-    """:func:`coerce_tokens` of every block of a chain call (errors name ``blocks[i]``)."""
+    """:func:`coerce_tokens` of every block of a chain call (errors name ``blocks[i]``).
+
+    Raises HashingError for an empty block as well: every algorithm hashes non-empty blocks.
+    """
     tids = TokenIds
-    return [b._raw if type(b) is tids else coerce_tokens(b, i) for i, b in enumerate(blocks)]
+    raws = [b._raw if type(b) is tids else coerce_tokens(b, i) for i, b in enumerate(blocks)]
+    if not all(raws):
+        raise HashingError(f"blocks[{raws.index(b'')}]: a block needs at least one token")
+    return raws
 
 
 def coerce_block(block: Any, where: Where = "block") -> bytes | MixedBlock:

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import string
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final
 
 import xxhash
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, per_block_args
+from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
 from kvstream.hashing.blocks import coerce_many, coerce_tokens
 from kvstream.hashing.multimodal import normalize_mm_keys
 
@@ -95,6 +95,7 @@ class DynamoXxh3Hasher(BlockHasher):
 
     name = "dynamo_xxh3_64"
     width = 8
+    _no_extra_ids = "Dynamo block hashes have no per-token extra ids"
 
     def root(
         self,
@@ -106,20 +107,15 @@ class DynamoXxh3Hasher(BlockHasher):
         lora_path: str | None = None,
     ) -> ChainState:
         """Root state: key None (blocks do not chain); scope = (XXH3 seed,)."""
-        if salt_id is not None:
-            raise HashingError(
-                "Dynamo hashes the cache_salt string (its cache_namespace); a numeric salt_id "
-                "is not used"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise HashingError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        if lora_name is None and lora_id is not None:
-            raise HashingError(
-                f"{self.name} identifies LoRA adapters by lora_name; got lora_id={lora_id!r} "
-                "without a lora_name"
-            )
-        if lora_name is not None and not isinstance(lora_name, str):
-            raise HashingError(f"lora_name must be a str, got {type(lora_name).__name__}")
+        name_scope(
+            self.name,
+            lora_id,
+            cache_salt,
+            salt_id,
+            lora_name,
+            no_salt_id="Dynamo hashes the cache_salt string (its cache_namespace); a numeric "
+            "salt_id is not used",
+        )
         return ChainState(self.name, None, 0, (block_hash_seed(lora_name, cache_salt),))
 
     def extend(
@@ -133,7 +129,7 @@ class DynamoXxh3Hasher(BlockHasher):
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
         if token_extra_ids is not None:
-            raise HashingError("Dynamo block hashes have no per-token extra ids")
+            raise HashingError(self._no_extra_ids)
         if type(block_tokens) is TokenIds:
             raw: bytes = block_tokens._raw
         else:
@@ -147,29 +143,14 @@ class DynamoXxh3Hasher(BlockHasher):
             ChainState, (self.name, None, state.depth + 1, state.scope)
         )
 
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
-        """Every block's hash as 8 bytes big-endian. See :meth:`BlockHasher.chain_bytes`."""
-        blocks = list(blocks)
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        if extra is not None and any(e is not None for e in extra):
-            raise HashingError("Dynamo block hashes have no per-token extra ids")
-        seed = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path).scope[0]
+        seed = state.scope[0]
         raws = coerce_many(blocks)
-        out: list[bytes] = []
-        for i, raw in enumerate(raws):
-            if not raw:
-                raise HashingError(f"blocks[{i}]: a block needs at least one token")
-            msg = raw + _mm_suffix(mm[i]) if mm is not None and mm[i] else raw
-            out.append(_xxh3(msg, seed=seed).to_bytes(8, "big"))
-        return out
+        if mm is None:
+            return [_xxh3(raw, seed=seed).to_bytes(8, "big") for raw in raws]
+        return [
+            _xxh3(raw + _mm_suffix(m) if m else raw, seed=seed).to_bytes(8, "big")
+            for raw, m in zip(raws, mm, strict=True)
+        ]

@@ -29,14 +29,14 @@ chaining uses the full keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final
 
 from blake3 import blake3
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, id_scope, per_block_args, scope_bytes
+from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
 from kvstream.hashing.blocks import MixedBlock, Where, coerce_block, extra_ids_list
 from kvstream.hashing.multimodal import NormMmKey, digest32, normalize_mm_keys
 
@@ -126,27 +126,15 @@ class Blake3Hasher(BlockHasher):
             ChainState, (self.name, key, state.depth + 1, ())
         )
 
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
-        """The chain as bytes of width ``self.width``. See :meth:`BlockHasher.chain_bytes`."""
-        blocks = list(blocks)
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        key: bytes = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path).key
+        key: bytes = state.key
         out: list[bytes] = []
         append = out.append
+        key_of = self._key
         if mm is None and extra is None:
             b3 = blake3
-            key_of = self._key
             for b in blocks:
                 if type(b) is TokenIds and b._raw:
                     key = b3(key + b._raw).digest()
@@ -155,12 +143,8 @@ class Blake3Hasher(BlockHasher):
                 append(key)
         else:
             for i, b in enumerate(blocks):
-                key = self._key(
-                    key,
-                    b,
-                    None if mm is None else mm[i],
-                    None if extra is None else extra[i],
-                    i,
+                key = key_of(
+                    key, b, None if mm is None else mm[i], None if extra is None else extra[i], i
                 )
                 append(key)
         if self.width == 8:

@@ -40,14 +40,14 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final
 
 import numpy as np
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, per_block_args
+from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, check_str
 from kvstream.hashing.blocks import Where, coerce_tokens
 
 __all__ = ["EVENT_FORMATS", "SglangSha256Hasher", "namespace_seed", "salt_seed"]
@@ -121,6 +121,11 @@ class SglangSha256Hasher(BlockHasher):
 
     name = "sglang_sha256_64"
     width = 8
+    _no_extra_ids = "SGLang page hashes have no per-token extra ids"
+    _no_mm_keys = (
+        "SGLang hashes multimodal items through their pad token ids; pass the padded tokens, "
+        "not mm_keys"
+    )
 
     def __init__(self, *, event_format: str = "default") -> None:
         if event_format not in EVENT_FORMATS:
@@ -142,16 +147,14 @@ class SglangSha256Hasher(BlockHasher):
         """Root state: key = the salt seed or None; scope = (namespace seed,)."""
         if salt_id is not None:
             raise HashingError("SGLang hashes the cache_salt string; a numeric salt_id is not used")
-        for label, value in (("cache_salt", cache_salt), ("extra_key", extra_key)):
-            if value is not None and not isinstance(value, str):
-                raise HashingError(f"{label} must be a str, got {type(value).__name__}")
+        check_str("cache_salt", cache_salt)
+        check_str("extra_key", extra_key)
         if lora_id is not None and not isinstance(lora_id, str):
             raise HashingError(
                 "SGLang identifies LoRA adapters by their lora_id string (LoRARef.lora_id, a "
                 f"uuid hex); got {type(lora_id).__name__}"
             )
-        if lora_name is not None and not isinstance(lora_name, str):
-            raise HashingError(f"lora_name must be a str, got {type(lora_name).__name__}")
+        check_str("lora_name", lora_name)
         if lora_id is not None:
             extra_key = (extra_key or "") + lora_id
         elif lora_name is not None and extra_key is None:
@@ -179,12 +182,9 @@ class SglangSha256Hasher(BlockHasher):
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
         if mm_keys:
-            raise HashingError(
-                "SGLang hashes multimodal items through their pad token ids; pass the padded "
-                "tokens, not mm_keys"
-            )
+            raise HashingError(self._no_mm_keys)
         if token_extra_ids is not None:
-            raise HashingError("SGLang page hashes have no per-token extra ids")
+            raise HashingError(self._no_extra_ids)
         page = _page(block_tokens, "block_tokens")
         if not page:
             raise HashingError("a block needs at least one token")
@@ -194,32 +194,9 @@ class SglangSha256Hasher(BlockHasher):
         published = digest[:8] if seed is None else _sha256(seed + digest[:8]).digest()[:8]
         return published, _tuple_new(ChainState, (self.name, digest, state.depth + 1, state.scope))
 
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: Any = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        extra_key: str | None = None,
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
-        """The published hashes (8 bytes each). See :meth:`BlockHasher.chain_bytes`."""
-        blocks = list(blocks)
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        if mm is not None and any(mm):
-            raise HashingError(
-                "SGLang hashes multimodal items through their pad token ids; pass the padded "
-                "tokens, not mm_keys"
-            )
-        if extra is not None and any(e is not None for e in extra):
-            raise HashingError("SGLang page hashes have no per-token extra ids")
-        state = self.root(
-            lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, extra_key=extra_key
-        )
         parent: bytes | None = state.key
         seed = state.scope[0]
         sha = _sha256
@@ -232,32 +209,3 @@ class SglangSha256Hasher(BlockHasher):
             parent = sha(page if parent is None else parent + page).digest()
             append(parent[:8] if seed is None else sha(seed + parent[:8]).digest()[:8])
         return out
-
-    def chain(
-        self,
-        blocks: Iterable[Any],
-        lora_id: Any = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        extra_key: str | None = None,
-    ) -> list[int]:
-        """The published hashes as unsigned ints (SGLang's events carry them signed)."""
-        return [
-            int.from_bytes(b, "big")
-            for b in self.chain_bytes(
-                blocks,
-                lora_id,
-                cache_salt,
-                salt_id,
-                lora_name=lora_name,
-                lora_path=lora_path,
-                mm_keys=mm_keys,
-                token_extra_ids=token_extra_ids,
-                extra_key=extra_key,
-            )
-        ]

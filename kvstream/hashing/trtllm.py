@@ -77,7 +77,7 @@ import numpy as np
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, id_scope, per_block_args, scope_bytes
+from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
 from kvstream.hashing.blocks import (
     MixedBlock,
     Where,
@@ -106,7 +106,7 @@ _LITTLE: Final = sys.byteorder == "little"
 #: The V2 key encodings :class:`V2Sha256Hasher` implements (see the module docstring).
 V2_ENCODINGS: Final = ("u32", "u64", "u64_lora_root")
 #: Per-block optional buffers (extra ids, mm records) passed to the C extension.
-_PerBlock: TypeAlias = list[bytes | None]
+_Buffers: TypeAlias = list[bytes | None]
 
 _M32: Final = 0xFFFFFFFF
 _M64: Final = 0xFFFFFFFFFFFFFFFF
@@ -317,44 +317,25 @@ class V1BlockKeyHasher(BlockHasher):
             extra = _u64_bytes(extra_ids_list(token_extra_ids, len(raw) >> 2))
         return _v1native.block_key(raw, state.key, scope[2], scope[3], extra, _mm_records(mm_keys))
 
+    @staticmethod
     def _native_args(
-        self,
-        blocks: list[Any],
-        *,
-        lora_id: Any,
-        cache_salt: Any,
-        salt_id: Any,
-        lora_name: Any,
-        mm_keys: Any,
-        token_extra_ids: Any,
-    ) -> tuple[list[bytes], int | None, int | None, _PerBlock | None, _PerBlock | None]:
-        """(per-block token bytes, salt_id, lora_id, extra-id buffers, mm records) of a chain."""
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        lora, salt = id_scope(
-            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
-        )
+        state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
+    ) -> tuple[list[bytes], None, int, int | None, int | None, _Buffers | None, _Buffers | None]:
+        """The C extension's chain arguments for ``blocks`` after ``state``.
+
+        (per-block token buffers, block sizes (None), parent, salt_id, lora_id, extra-id
+        buffers, mm records).
+        """
         raws = coerce_many(blocks)
-        if mm is None and extra is None:
-            return raws, salt, lora, None, None
-        extra_bufs: _PerBlock = []
-        mm_bufs: _PerBlock = []
-        for i, raw in enumerate(raws):
-            if not raw:
-                raise HashingError(f"blocks[{i}]: a block needs at least one token")
-            if extra is not None:
-                e = extra[i]
-                extra_bufs.append(
-                    None if e is None else _u64_bytes(extra_ids_list(e, len(raw) >> 2))
-                )
-            if mm is not None:
-                mm_bufs.append(_mm_records(mm[i]))
-        return (
-            raws,
-            salt,
-            lora,
-            None if extra is None else extra_bufs,
-            None if mm is None else mm_bufs,
-        )
+        extra_bufs: _Buffers | None = None
+        if extra is not None:
+            extra_bufs = [
+                None if e is None else _u64_bytes(extra_ids_list(e, len(raw) >> 2))
+                for raw, e in zip(raws, extra, strict=True)
+            ]
+        mm_bufs: _Buffers | None = None if mm is None else [_mm_records(m) for m in mm]
+        scope = state.scope
+        return raws, None, state.key, scope[2], scope[3], extra_bufs, mm_bufs
 
     def extend(
         self,
@@ -394,86 +375,46 @@ class V1BlockKeyHasher(BlockHasher):
         lora_path: str | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
+        **scope: Any,
     ) -> list[int]:
-        """The chain as unsigned 64-bit ints (the JSON form). See :meth:`BlockHasher.chain`."""
+        """The chain as unsigned 64-bit ints (the JSON form). See :meth:`BlockHasher.chain`.
+
+        Computed as ints (both implementations produce them), not converted from bytes.
+        """
         blocks = list(blocks)
+        mm, extra = self._block_args(len(blocks), mm_keys, token_extra_ids)
+        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
+        return self._ints(state, blocks, mm, extra)
+
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
+    ) -> list[bytes]:
         if self.native:
-            raws, salt, lora, extra, mm = self._native_args(
-                blocks,
-                lora_id=lora_id,
-                cache_salt=cache_salt,
-                salt_id=salt_id,
-                lora_name=lora_name,
-                mm_keys=mm_keys,
-                token_extra_ids=token_extra_ids,
-            )
-            return _v1native.chain(raws, None, 0, salt, lora, extra, mm)
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
-        out: list[int] = []
-        if mm_keys is not None or token_extra_ids is not None:
-            for b in super().chain_bytes(
-                blocks,
-                lora_id,
-                cache_salt,
-                salt_id,
-                lora_name=lora_name,
-                lora_path=lora_path,
-                mm_keys=mm_keys,
-                token_extra_ids=token_extra_ids,
-            ):
-                out.append(int.from_bytes(b, "big"))
-            return out
+            return _v1native.chain_bytes(*self._native_args(state, blocks, mm, extra))
+        return [k.to_bytes(8, "big") for k in self._ints(state, blocks, mm, extra)]
+
+    def _ints(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
+    ) -> list[int]:
+        """Like :meth:`_chain`, the values as ints."""
+        if self.native:
+            return _v1native.chain(*self._native_args(state, blocks, mm, extra))
+        if mm is not None or extra is not None:
+            return [int.from_bytes(b, "big") for b in super()._chain(state, blocks, mm, extra)]
         # Fast path: the w terms of every token of the request in one numpy pass.
         raws = coerce_many(blocks)
         terms = _w32_all(b"".join(raws))
         scope = state.scope
-        key = 0
+        key: int = state.key
         pos = 0
         hash_ = self._hash
+        out: list[int] = []
         for raw in raws:
             n = len(raw) >> 2
-            if n == 0:
-                raise HashingError("a block needs at least one token")
             key = hash_(key, n, terms[pos : pos + n], scope, [])
             pos += n
             out.append(key)
         return out
-
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-    ) -> list[bytes]:
-        """The chain as 8-byte big-endian values. See :meth:`BlockHasher.chain_bytes`."""
-        if self.native:
-            raws, salt, lora, extra, mm = self._native_args(
-                list(blocks),
-                lora_id=lora_id,
-                cache_salt=cache_salt,
-                salt_id=salt_id,
-                lora_name=lora_name,
-                mm_keys=mm_keys,
-                token_extra_ids=token_extra_ids,
-            )
-            return _v1native.chain_bytes(raws, None, 0, salt, lora, extra, mm)
-        ints = self.chain(
-            blocks,
-            lora_id,
-            cache_salt,
-            salt_id,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            mm_keys=mm_keys,
-            token_extra_ids=token_extra_ids,
-        )
-        return [k.to_bytes(8, "big") for k in ints]
 
 
 def _widen(block: bytes | MixedBlock) -> bytes:
@@ -501,6 +442,8 @@ class V2Sha256Hasher(BlockHasher):
     V2 manager's derivation). Per-token extra ids are not part of V2 keys and raise
     HashingError.
     """
+
+    _no_extra_ids = "v2_sha256 keys do not include per-token extra ids"
 
     def __init__(
         self, width: int = 32, *, salt_hash: str = "sha256", encoding: str = "u32"
@@ -546,7 +489,7 @@ class V2Sha256Hasher(BlockHasher):
         self, block_tokens: Any, mm_keys: Any, token_extra_ids: Any, where: Where
     ) -> bytes:
         if token_extra_ids is not None:
-            raise HashingError("v2_sha256 keys do not include per-token extra ids")
+            raise HashingError(self._no_extra_ids)
         coerced = coerce_block(block_tokens, where)
         if self._wide:
             raw = _widen(coerced)
@@ -588,32 +531,15 @@ class V2Sha256Hasher(BlockHasher):
             ChainState, (self.name, key, state.depth + 1, ())
         )
 
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
-        """The chain as bytes of width ``self.width``. See :meth:`BlockHasher.chain_bytes`."""
-        blocks = list(blocks)
-        if token_extra_ids is not None:
-            raise HashingError("v2_sha256 keys do not include per-token extra ids")
-        if mm_keys is not None and len(mm_keys) != len(blocks):
-            raise HashingError(
-                f"mm_keys needs one entry per block: got {len(mm_keys)} for {len(blocks)} blocks"
-            )
-        key: bytes = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path).key
+        key: bytes = state.key
         sha = hashlib.sha256
         out: list[bytes] = []
         append = out.append
         message = self._message
-        if mm_keys is None and not self._wide:
+        if mm is None and not self._wide:
             # Hot loop: TokenIds blocks hash their packed bytes directly.
             for b in blocks:
                 if type(b) is TokenIds:
@@ -626,9 +552,7 @@ class V2Sha256Hasher(BlockHasher):
                 append(key)
         else:
             for i, b in enumerate(blocks):
-                key = sha(
-                    key + message(b, None if mm_keys is None else mm_keys[i], None, i)
-                ).digest()
+                key = sha(key + message(b, None if mm is None else mm[i], None, i)).digest()
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]

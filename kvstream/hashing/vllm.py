@@ -55,16 +55,16 @@ from __future__ import annotations
 
 import hashlib
 from abc import abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, TypeVar
 
 import numpy as np
 
 from kvstream.errors import HashingError
 from kvstream.hashing import cbor
-from kvstream.hashing.base import BlockHasher, ChainState, per_block_args
-from kvstream.hashing.blocks import coerce_many, coerce_tokens
+from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
+from kvstream.hashing.blocks import coerce_many, coerce_tokens, u32_list
 from kvstream.hashing.multimodal import normalize_mm_keys
 
 __all__ = [
@@ -81,6 +81,7 @@ _NONE: Final = b"\xf6"
 _VECTOR_MIN_TOKENS: Final = 512
 _DIGEST_LEN: Final = 32
 _tuple_new = tuple.__new__
+_T = TypeVar("_T")
 
 
 def prompt_embeds_digest(embeds: Any) -> bytes:
@@ -117,11 +118,13 @@ class VllmHasherBase(BlockHasher):
 
     Parameters: ``width`` (32: the digest; 8: its last 8 bytes), ``seed`` (the NONE_HASH seed
     string), ``extra_keys`` (``"tagged"`` or ``"legacy"``), ``lora_paths`` (adapter name ->
-    path, for the tagged LoRA key). Subclasses define :attr:`algo` and :meth:`hash_object`.
+    path, for the tagged LoRA key). Subclasses define :attr:`algo` and :meth:`hash_object`;
+    everything else (root, extra keys, ``extend``, ``chain_bytes``) is shared.
     """
 
     #: The 256-bit algorithm name; the 64-bit one appends ``_64``.
     algo: ClassVar[str]
+    _no_extra_ids = "vLLM block hashes have no per-token extra ids"
 
     def __init__(
         self,
@@ -156,12 +159,72 @@ class VllmHasherBase(BlockHasher):
 
     @abstractmethod
     def hash_object(self, obj: Any) -> bytes:
-        """``H(obj)``: the 32-byte digest of a hash input, as the engine computes it."""
+        """``H(obj)``: the 32-byte digest of a hash input, as the engine computes it.
+
+        The one hook a vLLM algorithm must define: NONE_HASH and, by default, every block's
+        digest (:meth:`_digest`, :meth:`_digests`) are ``H`` of vLLM's Python objects.
+        """
 
     @staticmethod
     def _str(value: str) -> str:
         """Hook: the str object to place in a hash input (the pickle variant copies it)."""
         return value
+
+    def _digest(self, parent: bytes, raw: bytes, keys: list[Any]) -> bytes:
+        """Hook: one block's digest, ``H((parent, tuple(tokens), tuple(keys) or None))``.
+
+        ``raw`` is the block's tokens as u32 little-endian bytes, ``keys`` its extra keys
+        (:meth:`_keys`). Overridden where the engine's encoding can be built faster.
+        """
+        return self.hash_object((parent, tuple(u32_list(raw)), _as_tuple(keys)))
+
+    def _digests(
+        self, state: ChainState, raws: list[bytes], mm: PerBlock, embeds: PerBlock
+    ) -> list[bytes]:
+        """Hook: the digests of a request's blocks (``raws``) chained after the root ``state``.
+
+        ``mm``/``embeds``: one entry per block, or None. Equals chaining :meth:`_digest`; this
+        default applies :meth:`hash_object` directly, so a subclass that overrides one of the
+        two for speed overrides both.
+        """
+        hash_object = self.hash_object
+        parent: bytes = state.key
+        out: list[bytes] = []
+        extras = self._block_extras(state.scope, len(raws), mm, embeds, _as_tuple)
+        for raw, extra in zip(raws, extras, strict=True):
+            parent = hash_object((parent, tuple(u32_list(raw)), extra))
+            out.append(parent)
+        return out
+
+    def _block_extras(
+        self,
+        scope: tuple[Any, ...],
+        n: int,
+        mm: PerBlock,
+        embeds: PerBlock,
+        encode: Callable[[list[Any]], _T],
+    ) -> list[_T]:
+        """``encode`` of the extra keys (:meth:`_keys`) of each of a request's ``n`` blocks.
+
+        Without per-block keys every block but the first has the same keys: encoded once.
+        """
+        keys = self._keys
+        if mm is None and embeds is None:
+            if n == 0:
+                return []
+            rest = encode(keys(scope, False, None, None))
+            return [encode(keys(scope, True, None, None))] + [rest] * (n - 1)
+        return [
+            encode(
+                keys(
+                    scope,
+                    i == 0,
+                    None if mm is None else mm[i],
+                    None if embeds is None else embeds[i],
+                )
+            )
+            for i in range(n)
+        ]
 
     def root(
         self,
@@ -173,23 +236,17 @@ class VllmHasherBase(BlockHasher):
         lora_path: str | None = None,
     ) -> ChainState:
         """Root state: parent NONE_HASH; the LoRA and salt extra keys of the request."""
-        if salt_id is not None:
-            raise HashingError(
-                "vLLM hashes the cache_salt string; a numeric salt_id cannot be mixed in"
-                + (" (and pass either cache_salt or salt_id, not both)" if cache_salt else "")
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise HashingError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        if lora_name is None and lora_id is not None:
-            raise HashingError(
-                f"{self.name} identifies LoRA adapters by lora_name; got lora_id={lora_id!r} "
-                "without a lora_name"
-            )
+        name_scope(
+            self.name,
+            lora_id,
+            cache_salt,
+            salt_id,
+            lora_name,
+            no_salt_id="vLLM hashes the cache_salt string; a numeric salt_id cannot be mixed in",
+        )
         s = self._str
         lora_key: Any = None
         if lora_name is not None:
-            if not isinstance(lora_name, str):
-                raise HashingError(f"lora_name must be a str, got {type(lora_name).__name__}")
             if self._tagged:
                 path = lora_path if lora_path is not None else self.lora_paths.get(lora_name)
                 if not isinstance(path, str):
@@ -233,68 +290,6 @@ class VllmHasherBase(BlockHasher):
             keys.append(("prompt_embeds", digest) if self._tagged else digest)
         return keys
 
-    def chain(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        prompt_embeds: Sequence[bytes | None] | None = None,
-    ) -> list[int] | list[bytes]:
-        """Like :meth:`chain_bytes`, in the form vLLM publishes (ints for the ``_64`` names)."""
-        out = self.chain_bytes(
-            blocks,
-            lora_id,
-            cache_salt,
-            salt_id,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            mm_keys=mm_keys,
-            token_extra_ids=token_extra_ids,
-            prompt_embeds=prompt_embeds,
-        )
-        if self.width == 8:
-            return [int.from_bytes(b, "big") for b in out]
-        return out
-
-    @abstractmethod
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        prompt_embeds: Sequence[bytes | None] | None = None,
-    ) -> list[bytes]:
-        """The chain as bytes of width ``self.width``; ``prompt_embeds``: one digest per block."""
-
-
-class VllmSha256CborHasher(VllmHasherBase):
-    """vLLM's ``sha256_cbor`` prefix hash (``width`` 32) or its published u64 form (8).
-
-    See the module docstring; ``H`` = SHA-256 of canonical CBOR (:mod:`kvstream.hashing.cbor`).
-    """
-
-    algo = "vllm_sha256_cbor"
-
-    def hash_object(self, obj: Any) -> bytes:
-        return hashlib.sha256(cbor.dumps(obj)).digest()
-
-    def _extra(self, scope: tuple[Any, ...], first: bool, mm_keys: Any, embeds: Any) -> bytes:
-        """CBOR of the block's extra keys (``f6`` for None)."""
-        keys = self._keys(scope, first, mm_keys, embeds)
-        return cbor.dumps(tuple(keys)) if keys else _NONE
-
     def extend(
         self,
         state: ChainState,
@@ -304,18 +299,16 @@ class VllmSha256CborHasher(VllmHasherBase):
         *,
         prompt_embeds: bytes | None = None,
     ) -> tuple[bytes, ChainState]:
-        """Hash one block: SHA-256(cbor((parent, tokens, extra_keys)))."""
+        """Hash one block: ``H((parent, tokens, extra_keys))``; ``prompt_embeds``: its digest."""
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
         if token_extra_ids is not None:
-            raise HashingError("vLLM block hashes have no per-token extra ids")
+            raise HashingError(self._no_extra_ids)
         raw = coerce_tokens(block_tokens, "block_tokens")
         if not raw:
             raise HashingError("a block needs at least one token")
-        tail = self._extra(state.scope, state.depth == 0, mm_keys, prompt_embeds)
-        digest = hashlib.sha256(
-            b"".join((_PARENT_HEAD, state.key, cbor.token_array(raw), tail))
-        ).digest()
+        keys = self._keys(state.scope, state.depth == 0, mm_keys, prompt_embeds)
+        digest = self._digest(state.key, raw, keys)
         published = digest if self.width == 32 else digest[-8:]
         return published, _tuple_new(ChainState, (self.name, digest, state.depth + 1, state.scope))
 
@@ -331,35 +324,46 @@ class VllmSha256CborHasher(VllmHasherBase):
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
         prompt_embeds: Sequence[bytes | None] | None = None,
+        **scope: Any,
     ) -> list[bytes]:
-        """The chain as bytes of width ``self.width``. See :meth:`BlockHasher.chain_bytes`."""
+        """The chain as bytes of width ``self.width``; ``prompt_embeds``: one digest per block.
+
+        See :meth:`BlockHasher.chain_bytes`.
+        """
         blocks = list(blocks)
-        mm, extra = per_block_args(len(blocks), mm_keys, token_extra_ids)
-        if extra is not None and any(e is not None for e in extra):
-            raise HashingError("vLLM block hashes have no per-token extra ids")
+        mm, _ = self._block_args(len(blocks), mm_keys, token_extra_ids)
         embeds = _embeds_list(prompt_embeds, len(blocks))
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path)
-        raws = coerce_many(blocks)
-        lengths = [len(r) >> 2 for r in raws]
-        if 0 in lengths:
-            raise HashingError("a block needs at least one token")
-        scope = state.scope
-        if mm is None and embeds is None:
-            tails = [self._extra(scope, False, None, None)] * len(blocks)
-            if tails:
-                tails[0] = self._extra(scope, True, None, None)
-        else:
-            tails = [
-                self._extra(
-                    scope,
-                    i == 0,
-                    None if mm is None else mm[i],
-                    None if embeds is None else embeds[i],
-                )
-                for i in range(len(blocks))
-            ]
+        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
+        digests = self._digests(state, coerce_many(blocks), mm, embeds)
+        return digests if self.width == 32 else [d[-8:] for d in digests]
+
+
+class VllmSha256CborHasher(VllmHasherBase):
+    """vLLM's ``sha256_cbor`` prefix hash (``width`` 32) or its published u64 form (8).
+
+    See the module docstring; ``H`` = SHA-256 of canonical CBOR (:mod:`kvstream.hashing.cbor`).
+    The block digests are built from byte-level CBOR (the payload's parent and token array
+    encoded directly, the extra keys once per request where they repeat).
+    """
+
+    algo = "vllm_sha256_cbor"
+
+    def hash_object(self, obj: Any) -> bytes:
+        return hashlib.sha256(cbor.dumps(obj)).digest()
+
+    def _digest(self, parent: bytes, raw: bytes, keys: list[Any]) -> bytes:
+        tail = cbor.dumps(tuple(keys)) if keys else _NONE
+        return hashlib.sha256(
+            b"".join((_PARENT_HEAD, parent, cbor.token_array(raw), tail))
+        ).digest()
+
+    def _digests(
+        self, state: ChainState, raws: list[bytes], mm: PerBlock, embeds: PerBlock
+    ) -> list[bytes]:
+        tails = self._block_extras(state.scope, len(raws), mm, embeds, _cbor_keys)
         # Fast path: every block's "tokens + extra keys" segment built at once, so the loop
         # only concatenates the parent and hashes.
+        lengths = [len(r) >> 2 for r in raws]
         if sum(lengths) >= _VECTOR_MIN_TOKENS:
             segments = cbor.token_arrays(b"".join(raws), lengths, none_tail=True)
             for i, tail in enumerate(tails):
@@ -374,6 +378,14 @@ class VllmSha256CborHasher(VllmHasherBase):
         for seg in segments:
             parent = sha(_PARENT_HEAD + parent + seg).digest()
             append(parent)
-        if self.width == 8:
-            return [d[-8:] for d in out]
         return out
+
+
+def _as_tuple(keys: list[Any]) -> tuple[Any, ...] | None:
+    """A block's extra keys as vLLM places them in the hashed tuple (None when empty)."""
+    return tuple(keys) if keys else None
+
+
+def _cbor_keys(keys: list[Any]) -> bytes:
+    """CBOR of a block's extra keys (``f6`` for None)."""
+    return cbor.dumps(tuple(keys)) if keys else _NONE
