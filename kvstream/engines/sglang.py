@@ -9,7 +9,9 @@ maps) and differs only in what :class:`~kvstream.engines.vllm.Dialect` captures:
 - ``BlockStored`` has ``cache_salt`` and ``session_id`` fields and no ``extra_keys`` or
   ``group_idx`` (one layer group), and the batch's rank is the attention-DP rank;
 - under EAGLE speculative decoding pages carry bigram token pairs;
-- older SGLang releases sent 9-slot positional arrays laid out as vLLM's slots 0-8.
+- SGLang up to 0.5.19 sent positional arrays: ``[tag, block_hashes, parent_block_hash,
+  token_ids, block_size, lora_id, medium]`` plus, for salted requests, an eighth slot
+  ``metadata = {"cache_salt": ...}`` (0.5.20 moved to maps).
 """
 
 from __future__ import annotations
@@ -21,4 +23,18 @@ from kvstream.engines.vllm import Dialect
 __all__ = ["SGLANG"]
 
 #: SGLang 0.5.x; its page hash is published as ``sglang_sha256_64``.
-SGLANG: Final = Dialect("sglang", "sglang_sha256_64", bigram_tokens=True)
+SGLANG: Final = Dialect(
+    "sglang",
+    "sglang_sha256_64",
+    bigram_tokens=True,
+    stored_positions=(
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "metadata",
+    ),
+)

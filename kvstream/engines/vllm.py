@@ -113,10 +113,12 @@ class Dialect:
     name: str
     default_hash_algo: str
     bigram_tokens: bool = False
+    #: Array-era ``BlockStored`` slots (slot 0 is the tag).
+    stored_positions: tuple[str, ...] = ()
 
 
 #: vLLM (every release with KV events); the default hash is ``sha256`` (pickle) in int mode.
-VLLM: Final = Dialect("vllm", "vllm_sha256_64")
+VLLM: Final = Dialect("vllm", "vllm_sha256_64", stored_positions=STORED_POSITIONS)
 
 
 @dataclass(slots=True)  # not frozen: frozen dataclasses pay a setattr per field
@@ -288,7 +290,7 @@ def _extra_keys(value: Any, n_blocks: int) -> tuple[tuple[Any, ...] | None, ...]
     return tuple(out)
 
 
-def _fields(raw: Any) -> tuple[str, Mapping[str, Any]]:
+def _fields(raw: Any, dialect: Dialect) -> tuple[str, Mapping[str, Any]]:
     """(tag, fields by name) of an event in either encoding."""
     if isinstance(raw, dict):
         tag = raw.get("type")
@@ -301,9 +303,19 @@ def _fields(raw: Any) -> tuple[str, Mapping[str, Any]]:
             raise _BadEvent("event array whose first slot is not a tag string")
         if len(raw) < _MIN_SLOTS.get(tag, 1):
             raise _BadEvent(f"{tag} array has {len(raw)} slots, needs {_MIN_SLOTS[tag]}")
-        names = _REMOVED_POSITIONS if tag == "BlockRemoved" else STORED_POSITIONS
+        names = _REMOVED_POSITIONS if tag == "BlockRemoved" else dialect.stored_positions
         return tag, dict(zip(names, raw, strict=False))  # unknown trailing slots are dropped by zip
     raise _BadEvent(f"an event must be a map or an array, got {type(raw).__name__}")
+
+
+def _salt(fields: Mapping[str, Any]) -> str | None:
+    salt = _opt_str(fields.get("cache_salt"), "cache_salt")
+    metadata = fields.get("metadata")  # SGLang 0.5.19: {"cache_salt": ...} in slot 7
+    if salt is None and metadata is not None:
+        if not isinstance(metadata, dict):
+            raise _BadEvent(f"metadata: expected a map, got {type(metadata).__name__}")
+        salt = _opt_str(metadata.get("cache_salt"), "metadata.cache_salt")
+    return salt
 
 
 def _level(fields: Mapping[str, Any]) -> int | None:
@@ -345,7 +357,7 @@ def _stored(fields: Mapping[str, Any], width: int | None, dialect: Dialect) -> W
         extra_keys=_extra_keys(fields.get("extra_keys"), len(hashes)),
         lora_id=lora_id,
         lora_name=_opt_str(fields.get("lora_name"), "lora_name"),
-        cache_salt=_opt_str(fields.get("cache_salt"), "cache_salt"),
+        cache_salt=_salt(fields),
         cache_level=_level(fields),
         group=_group(fields),
         spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
@@ -371,7 +383,7 @@ def decode_event(raw: Any, width: int | None, dialect: Dialect = VLLM) -> WireEv
     """One event (already msgpack-decoded) as a :class:`WireEvent`; a malformed one comes back
     with ``kind="malformed"`` and the reason, and unknown tags likewise."""
     try:
-        tag, fields = _fields(raw)
+        tag, fields = _fields(raw, dialect)
         if tag == "BlockStored":
             return _stored(fields, width, dialect)
         if tag == "BlockRemoved":
