@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import zmq
-
 from engine_publisher import TestEnginePublisher, free_ports
+
 from kvstream._types import hash_width
 from kvstream.engines.endpoint import DIALECTS
 from kvstream.engines.stream import EngineStream
