@@ -43,7 +43,10 @@ _BASE_PREFIX_CACHE_SKIPPED = (
 
 
 def sglang_root() -> Path:
-    """The directory holding SGLang 0.5.23's ``sglang`` package (not imported yet)."""
+    """The directory holding SGLang 0.5.23's ``sglang`` package."""
+    loaded = sys.modules.get("sglang")
+    if loaded is not None and getattr(loaded, "__path__", None):
+        return Path(next(iter(loaded.__path__)))
     spec = importlib.util.find_spec("sglang")
     if spec is not None and spec.origin:
         return Path(spec.origin).parent
