@@ -196,7 +196,7 @@ def test_vllm_engine_to_files_and_back_to_vllms_decoder(
         decoded.append(decoder.decode(payload))
     dealer.close(0)
     ctx.term()
-    stdout, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert decoded, "nothing republished"
     assert _engine_view(ev for b in decoded for ev in b.events) == want
