@@ -214,3 +214,32 @@ def test_bridge_trtllm_json_to_files(tmp_path: Path, via_stdin: bool) -> None:
     batches = list(read_dir(out))
     assert [e.event_id for b in batches for e in b.events] == [0, 1, 2]
     assert _stored_hashes(batches) == {None: [924206229973855]}
+
+
+def test_prometheus_metrics_while_bridging(tmp_path: Path) -> None:
+    import urllib.request
+
+    ports = free_ports(3)
+    pub = TestEnginePublisher(ports[0], ports[1])
+    try:
+        pub.publish(payload(0))
+        url = f"vllm://127.0.0.1:{ports[0]}?replay={ports[1]}&instance=m0"
+        proc = _bridge(url, "-o", str(tmp_path), "-q", "--metrics-port", str(ports[2]))
+        text = ""
+        for _ in range(60):
+            time.sleep(0.5)
+            pub.publish(payload(1))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            if 'kvstream_bridge_batches_total{source="vllm://127.0.0.1' in text:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        pub.close()
+    assert proc.returncode == 0, err
+    assert "kvstream_bridge_blocks_total" in text
+    assert "kvstream_pipeline_events_out_total" in text  # the pipeline's own metrics

@@ -215,6 +215,7 @@ async def run_bridge(
         if opts.metrics_port is not None:
             from prometheus_client import start_http_server
 
+            pipe.registry.register(_ProgressCollector(progress, source))
             metrics_server = start_http_server(opts.metrics_port, registry=pipe.registry)
         last_report = 0.0
         while True:
@@ -273,6 +274,49 @@ async def run_bridge(
         events_by_kind=kinds,
         source_stats=source.stats.as_dict(),
     )
+
+
+class _ProgressCollector:
+    """Prometheus view of what the bridge read (the pipeline exports what the sinks did)."""
+
+    def __init__(self, progress: BridgeProgress, source: EventSource) -> None:
+        self._progress = progress
+        self._source = source
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = self._progress
+        label = [self._source.name]
+        for name, doc, value in (
+            ("batches", "batches read from the source", p.batches),
+            ("events", "events read from the source", p.events),
+            (
+                "lost_ids",
+                "event ids covered by lost markers (what the source could not get)",
+                p.lost_ids,
+            ),
+            ("malformed", "malformed inputs the source skipped", self._source.stats.malformed),
+            ("dropped_batches", "batches a full sink queue refused", p.dropped_batches),
+        ):
+            c = CounterMetricFamily(f"kvstream_bridge_{name}", doc, labels=["source"])
+            c.add_metric(label, value)
+            yield c
+        blocks = CounterMetricFamily(
+            "kvstream_bridge_blocks",
+            "blocks in stored/removed events read",
+            labels=["source", "kind"],
+        )
+        blocks.add_metric([*label, "stored"], p.blocks_stored)
+        blocks.add_metric([*label, "removed"], p.blocks_removed)
+        yield blocks
+        waiting = GaugeMetricFamily(
+            "kvstream_bridge_idle_seconds",
+            "seconds since the source last yielded",
+            labels=["source"],
+        )
+        waiting.add_metric(label, time.monotonic() - (p.last_item or p.started))
+        yield waiting
 
 
 async def _read_or_stop(source: EventSource, wait: float, stop: asyncio.Event) -> Any:
