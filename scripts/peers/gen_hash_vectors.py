@@ -47,7 +47,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "tests" / "data" / "peers" / "hash_vectors.json"
-SGLANG_DIRS = [os.environ.get("KVSTREAM_SGLANG_DIR", ""), "/tmp/peers/sglang"]
+SGLANG_DIRS = [
+    os.environ.get("KVSTREAM_SGLANG_DIR", ""),
+    str(Path(__file__).resolve().parents[2] / ".peers-venv" / "sglang-src"),
+]
 U32 = 2**32
 
 # ----------------------------------------------------------------------------------- helpers
