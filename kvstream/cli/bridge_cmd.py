@@ -93,13 +93,15 @@ def bridge(
 ) -> None:
     """Bridge an engine's KV-cache events (or any kvstream stream) into sinks.
 
-    Every engine instance and data-parallel rank becomes one kvstream source with contiguous
-    event ids; gaps the engine can no longer replay arrive as explicit `lost` markers, an
-    engine restart as a new incarnation. Examples:
+    Every engine instance and data-parallel rank becomes one kvstream source
+    with contiguous event ids; gaps the engine can no longer replay arrive as
+    explicit `lost` markers, an engine restart as a new incarnation.
 
-      kvstream bridge "vllm://127.0.0.1:5557?replay=5558" --sink kafka://broker:9092/kv
+    vLLM to Kafka:
+    kvstream bridge "vllm://HOST:5557?replay=5558" -s kafka://broker:9092/kv
 
-      kvstream bridge kafka://broker:9092/kv --sink "vllm://0.0.0.0:5600?replay=5601"
+    Kafka to NVIDIA Dynamo / llm-d (vLLM's wire format):
+    kvstream bridge kafka://broker:9092/kv -s "vllm://0.0.0.0:5600?replay=5601"
     """
     from rich.console import Console
 
