@@ -336,3 +336,16 @@ async def test_bind_true_the_router_binds_and_engines_connect(ports: list[int]) 
     finally:
         pub.close(0)
         ctx.term()
+
+
+async def test_from_0_replays_at_once_even_if_the_engine_stays_idle(
+    engine: TestEnginePublisher, ports: list[int]
+) -> None:
+    for i in range(3):
+        engine.publish(payload(i))
+    async with open_source(f"vllm://127.0.0.1:{ports[0]}?replay={ports[2]}") as src:
+        got = await collect(src, 3)  # nothing more is published
+        assert hashes(got) == [1, 2, 3]
+        engine.publish(payload(3))
+        assert hashes(await collect(src, 1)) == [4]
+        assert await src.read(0.3) is None

@@ -11,7 +11,8 @@ for the missing range through a DEALER (peers.md §1.3):
   ``["", topic, seq, payload]`` (vLLM >= 0.26, SGLang), then an end marker with seq -1;
 - what the replay returns fills the gap in order; what it no longer has is reported as a
   :class:`Gap` (the caller turns it into a ``lost`` marker);
-- ``from=0`` replays everything still buffered before the first live batch;
+- ``from=0`` (and a resumed checkpoint) asks for everything still buffered at once, without
+  waiting for the engine to publish again;
 - a ``seq`` that goes backwards means the engine restarted: a :class:`Restart` item, then
   the new process's stream from its seq 0 (replayed when needed).
 
@@ -171,8 +172,19 @@ class EngineSubscriber:
 
     async def _follow(self, rank: int, sock: Any) -> None:
         stats = self.stats[rank]
-        last: int | None = None
         resume = self._start_seqs.get(rank)
+        if resume is None and self.endpoint.start == "0":
+            resume = 0
+        last: int | None = None
+        # Payloads fetched by the start-up replay, by seq: the same batches may also be
+        # waiting in the SUB socket, and must then be skipped as duplicates, not taken for
+        # an engine that restarted.
+        replayed: dict[int, bytes] = {}
+        if resume is not None and self.endpoint.replay_port is not None:
+            # Ask at once: an idle engine may not publish again for a long time.
+            last, replayed = await self._recover(rank, resume, None)
+            if last is not None:
+                resume = None
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -183,20 +195,21 @@ class EngineSubscriber:
                 )
                 continue
             seq = int.from_bytes(frames[1], "big")
+            if replayed:
+                if replayed.get(seq) == frames[2]:
+                    continue  # published while we replayed it: already delivered
+                replayed = {}
             if last is not None and seq <= last:
                 stats.restarts += 1
                 log.warning("rank %d: seq went from %d to %d: engine restarted", rank, last, seq)
                 await self._queue.put(Restart(rank, last, seq))
                 last, resume = None, 0
             if last is None:
-                begin = (
-                    resume if resume is not None else (0 if self.endpoint.start == "0" else None)
-                )
-                if begin is None:
+                if resume is None:
                     if seq > 0:
                         await self._gap(rank, 0, seq, f"joined at engine seq {seq} (from=latest)")
-                elif seq > begin:
-                    await self._recover(rank, begin, seq)
+                elif seq > resume:
+                    await self._recover(rank, resume, seq)
                 resume = None
             elif seq > last + 1:
                 await self._recover(rank, last + 1, seq)
@@ -210,13 +223,18 @@ class EngineSubscriber:
         log.warning("rank %d: engine batches %d..%d lost: %s", rank, first, stop - 1, reason)
         await self._queue.put(Gap(rank, first, stop - first, reason))
 
-    async def _recover(self, rank: int, first: int, stop: int) -> None:
-        """Deliver engine batches ``first .. stop-1`` from the replay socket, in order, and
-        report whatever it cannot give as gaps."""
+    async def _recover(
+        self, rank: int, first: int, stop: int | None
+    ) -> tuple[int | None, dict[int, bytes]]:
+        """Deliver engine batches ``first .. stop-1`` (``stop`` None: all the engine still
+        buffers) from the replay socket, in order, and report what it cannot give as gaps.
+        Returns the last seq delivered (None: none) and the payloads delivered by seq."""
         address = self.endpoint.replay_address(rank)
+        delivered: dict[int, bytes] = {}
         if address is None:
-            await self._gap(rank, first, stop, "the engine has no replay endpoint (replay=)")
-            return
+            if stop is not None:
+                await self._gap(rank, first, stop, "the engine has no replay endpoint (replay=)")
+            return None, delivered
         import zmq
 
         stats = self.stats[rank]
@@ -250,14 +268,18 @@ class EngineSubscriber:
                 seq = int.from_bytes(reply[-2], "big")
                 if seq == _END_SEQ:
                     break
-                if seq < expected or seq >= stop:
+                if seq < expected or (stop is not None and seq >= stop):
                     continue  # already delivered, or will arrive live
                 if seq > expected:
                     await self._gap(rank, expected, seq, reason)
                 stats.replayed += 1
+                stats.last_seq = seq
+                stats.last_frame_at = time.monotonic()
+                delivered[seq] = reply[-1]
                 await self._queue.put(Frame(rank, seq, reply[-1], replayed=True))
                 expected = seq + 1
         finally:
             dealer.close(0)
-        if expected < stop:
+        if stop is not None and expected < stop:
             await self._gap(rank, expected, stop, reason)
+        return (expected - 1 if delivered else None), delivered
