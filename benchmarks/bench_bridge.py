@@ -9,6 +9,11 @@ pyzmq SUB socket decoding vLLM's ``KVEventBatch`` with msgspec. Both consume the
     every engine event as a validated kvstream ``EventBatch`` with ids, windows, sources;
 (c) **kvstream bridge**: (b) plus Avro encoding of every batch (what each sink pays).
 
+Rows ``decode_payload only`` and ``EngineStream.convert only`` split (b) into its two halves.
+(b) and (c) use kvstream's optional C extensions (``kvstream.events._trusted_native``,
+``kvstream.engines._wire_native``) when they are built; run with ``KVSTREAM_NO_NATIVE=1`` to
+measure the pure-Python fallback.
+
 Workload, one payload per scheduler step as vLLM publishes it (``--steps`` steps): 8 prefill
 stores of 32 blocks, 64 decode stores of 1 block (16 tokens per block, ids from a 128k
 vocabulary) and 40 single-hash ``BlockRemoved`` events (vLLM does not coalesce removals).
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstream.codec import AvroCodec
 from kvstream.engines.stream import EngineStream
 from kvstream.engines.vllm import decode_payload
+from kvstream.events.trusted import NATIVE_AVAILABLE
 
 VOCAB = 128_000
 BLOCK = 16
@@ -168,6 +174,17 @@ def offline(payloads: list[bytes], blocks: int, rounds: int) -> dict[str, float]
         for p in payloads:
             s.convert(decode_payload(p, width=8))
 
+    def kv_decode_only() -> None:
+        for p in payloads:
+            decode_payload(p, width=8)
+
+    wires = [decode_payload(p, width=8) for p in payloads]
+
+    def kv_convert_only() -> None:
+        s = EngineStream("vllm@bench", 0, "vllm_sha256_64")
+        for w in wires:
+            s.convert(w)
+
     def kv_bridge() -> None:
         s = EngineStream("vllm@bench", 0, "vllm_sha256_64")
         for p in payloads:
@@ -176,6 +193,8 @@ def offline(payloads: list[bytes], blocks: int, rounds: int) -> dict[str, float]
     return {
         "baseline": blocks / _cpu_best(baseline, rounds),
         "kvstream decode": blocks / _cpu_best(kv_decode, rounds),
+        "  decode_payload only": blocks / _cpu_best(kv_decode_only, rounds),
+        "  EngineStream.convert only": blocks / _cpu_best(kv_convert_only, rounds),
         "kvstream decode + Avro": blocks / _cpu_best(kv_bridge, rounds),
     }
 
@@ -295,6 +314,8 @@ def main() -> None:
         f"{args.steps} vLLM batches, {blocks:,} blocks ({size / 1e6:.1f} MB msgpack); "
         f"baseline decodes with {structs}"
     )
+    native = "loaded" if NATIVE_AVAILABLE else "not loaded (pure Python)"
+    print(f"kvstream C extensions: {native}")
     rates = offline(payloads, blocks, args.rounds)
     base = rates["baseline"]
     print(f"{'offline (one core, CPU time)':40s} {'blocks/s':>12s} {'vs baseline':>12s}")

@@ -1,10 +1,12 @@
 """msgspec declarations of the vLLM-family ``KVEventBatch`` (map era), for the fast path.
 
 Imported lazily by :mod:`kvstream.engines.vllm`. Decoding into these structs checks every
-field's type in C; a payload that does not fit (the array era, an unknown tag, a missing or
-mistyped field, an out-of-range int) is decoded again by the generic path, which names the
-problem per event. Unknown fields are ignored, as newer engines add some. The union of
-every field vLLM and SGLang declare lives in one struct per tag.
+field's type in C, but for the hash and token arrays: those stay msgpack bytes
+(``msgspec.Raw``) that the decoder reads without a Python int per element. A payload that
+does not fit (the array era, an unknown tag, a missing or mistyped field, an out-of-range
+int) is decoded again by the generic path, which names the problem per event. Unknown fields
+are ignored, as newer engines add some. The union of every field vLLM and SGLang declare
+lives in one struct per tag.
 """
 
 from typing import Any
@@ -15,8 +17,8 @@ _Hash = int | bytes
 
 
 class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
-    block_hashes: list[_Hash]
-    token_ids: list[Any]
+    block_hashes: msgspec.Raw  # list[_Hash], read by the decoder (no Python int per element)
+    token_ids: msgspec.Raw  # list[int] (or SGLang's bigram pairs), likewise
     parent_block_hash: _Hash | None = None
     block_size: int = 0
     lora_id: int | None = None
@@ -31,7 +33,7 @@ class Stored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
 
 
 class Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
-    block_hashes: list[_Hash]
+    block_hashes: msgspec.Raw
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from kvstream._types import hash_width
 from kvstream.engines.vllm import WireBatch, WireEvent
@@ -41,9 +41,28 @@ from kvstream.events.model import (
     SourceId,
     Stored,
 )
-from kvstream.events.trusted import trusted, trusted_stored_block
+from kvstream.events.trusted import trusted_builder, trusted_stored_blocks
 
 __all__ = ["EngineStream"]
+
+_trusted_event = trusted_builder(KVCacheEvent)
+_trusted_stored = trusted_builder(Stored)
+_trusted_removed = trusted_builder(Removed)
+_trusted_batch = trusted_builder(EventBatch)
+_BLOCK_FIELDS: Final = ("block_hash", "token_ids")
+
+
+def _given_fields() -> tuple[frozenset[str], ...]:
+    # index: bit0 cache_level, bit1 lora_id, bit2 lora_name, bit3 cache_salt (given when set)
+    names = ("cache_level", "lora_id", "lora_name", "cache_salt")
+    return tuple(
+        frozenset(_BLOCK_FIELDS + tuple(n for b, n in enumerate(names) if mask >> b & 1))
+        for mask in range(16)
+    )
+
+
+#: A stored event's blocks' ``model_fields_set`` by which optional values the engine set.
+_GIVEN: Final = _given_fields()
 
 
 class EngineStream:
@@ -117,12 +136,12 @@ class EngineStream:
                 removed, run_key = [], None
             first = self._next_id
             try:
-                events.extend(self._events_of(ev))
+                if ev.kind == "stored":
+                    events.append(self._stored(ev))
+                else:
+                    events.extend(self._events_of(ev))
             except EventValidationError as exc:  # a value the model refuses: never guess
-                self._next_id = first
-                self.malformed_events += 1
-                reason = str(exc).replace("\n", " ")
-                events.append(self._lost(1, f"malformed engine event: {reason}"))
+                events.append(self._malformed(first, exc))
         if removed:
             events.append(self._removed(run_key, removed))
         return self._batch(events, _ts_ns(wire.ts))
@@ -131,8 +150,20 @@ class EngineStream:
         assert key is not None
         group, level = key
         values = {"block_hashes": tuple(hashes), "cache_level": level}
-        data = trusted(Removed, values) if self.width else Removed(**values)
-        return self._event(group, self._window(group, None), data)
+        if self.width:
+            return self._event(group, self._window(group, None), _trusted_removed(values))
+        first = self._next_id
+        try:
+            return self._event(group, self._window(group, None), Removed(**values))
+        except EventValidationError as exc:  # an unknown algorithm's run mixing hash widths
+            return self._malformed(first, exc)
+
+    def _malformed(self, first: int, exc: EventValidationError) -> KVCacheEvent:
+        """The lost marker of an event the model refused (ids restart at ``first``)."""
+        self._next_id = first
+        self.malformed_events += 1
+        reason = str(exc).replace("\n", " ")
+        return self._lost(1, f"malformed engine event: {reason}")
 
     def lost(self, count: int, reason: str) -> EventBatch:
         """A batch holding one ``lost`` marker for ``count`` events that never arrived."""
@@ -142,7 +173,9 @@ class EngineStream:
 
     def _batch(self, events: list[KVCacheEvent], ts_ns: int) -> EventBatch:
         self.events += len(events)
-        return EventBatch(source=self.source, ts_ns=ts_ns, events=tuple(events))
+        # Every event is a model object already (validated, or built from checked values):
+        # EventBatch's validation would only re-run their validators.
+        return _trusted_batch({"source": self.source, "ts_ns": ts_ns, "events": tuple(events)})
 
     def _take_id(self) -> int:
         i = self._next_id
@@ -166,10 +199,8 @@ class EngineStream:
         return self._windows.setdefault(group, UNBOUNDED_WINDOW)
 
     def _events_of(self, ev: WireEvent) -> list[KVCacheEvent]:
-        kind = ev.kind
-        if kind == "stored":
-            return [self._stored(ev)]
-        if kind == "cleared":
+        # every kind but "removed" (runs, in convert) and "stored" (convert's fast lane)
+        if ev.kind == "cleared":
             groups = sorted(self._windows) or [0]
             windows = self._windows
             return [self._event(g, windows.get(g, UNBOUNDED_WINDOW), Cleared()) for g in groups]
@@ -187,40 +218,54 @@ class EngineStream:
         if self.width:
             # Known width: the decoder has made every hash exactly that wide, which is all
             # the event's validator checks beyond the ranges the decoder checked too.
-            return trusted(KVCacheEvent, values)
+            return _trusted_event(values)
         return KVCacheEvent(**values)
 
     def _stored(self, ev: WireEvent) -> KVCacheEvent:
         # The decoder has checked every value (hash widths, token ranges, extra keys), so
-        # blocks are built without re-validation: this is the bridge's per-block cost.
-        given = {"block_hash", "token_ids"}
-        for name in ("cache_level", "lora_id", "lora_name", "cache_salt"):
-            if getattr(ev, name):
-                given.add(name)
-        base = frozenset(given)
-        with_extra = base | {"extra_keys"}
-        level = ev.cache_level or 0
-        lora_id, lora_name, salt = ev.lora_id, ev.lora_name, ev.cache_salt
-        extra = ev.extra_keys
-        tokens = ev.block_tokens
-        blocks = []
-        for i, h in enumerate(ev.block_hashes):
-            keys = None if extra is None else extra[i]
-            blocks.append(
-                trusted_stored_block(
-                    h,
-                    tokens[i],
-                    lora_id=lora_id,
-                    lora_name=lora_name,
-                    cache_level=level,
-                    cache_salt=salt,
-                    extra_keys=keys,
-                    fields_set=base if keys is None else with_extra,
-                )
-            )
-        stored = {"parent_hash": ev.parent_hash, "blocks": tuple(blocks)}
-        data = trusted(Stored, stored) if self.width else Stored(**stored)
-        return self._event(ev.group, self._window(ev.group, ev.sliding_window), data)
+        # blocks are built without re-validation: this is the bridge's per-block cost, and
+        # this method the per-event one (hence the inlined _event/_window).
+        level, lora_id, lora_name, salt = ev.cache_level, ev.lora_id, ev.lora_name, ev.cache_salt
+        if level or lora_id or lora_name or salt:
+            given = _GIVEN[
+                (1 if level else 0)
+                | (2 if lora_id else 0)
+                | (4 if lora_name else 0)
+                | (8 if salt else 0)
+            ]
+        else:
+            given = _GIVEN[0]
+        blocks = trusted_stored_blocks(
+            ev.block_hashes,
+            ev.block_tokens,
+            extra_keys=ev.extra_keys,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_level=level or 0,
+            cache_salt=salt,
+            fields_set=given,
+        )
+        stored = {"parent_hash": ev.parent_hash, "blocks": blocks}
+        group = ev.group
+        if not self.width:
+            data = Stored(**stored)
+            return self._event(group, self._window(group, ev.sliding_window), data)
+        window = ev.sliding_window
+        if window is None:
+            window = self._windows.setdefault(group, UNBOUNDED_WINDOW)
+        else:
+            self._windows[group] = window
+        event_id = self._next_id
+        self._next_id = event_id + 1
+        return _trusted_event(
+            {
+                "event_id": event_id,
+                "hash_algo": self.hash_algo,
+                "layer_group_id": group,
+                "window_size": window,
+                "data": _trusted_stored(stored),
+            }
+        )
 
 
 def _ts_ns(ts: float) -> int:

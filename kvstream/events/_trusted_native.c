@@ -1,0 +1,620 @@
+/*
+ * kvstream.events._trusted_native: the hot loops of kvstream/events/trusted.py in C.
+ *
+ * trusted.py builds model objects from values a decoder has already checked, without
+ * pydantic validation: object.__new__, a fresh ``__dict__`` holding every field in
+ * declaration order, and pydantic's three slots (``__pydantic_fields_set__`` a new set,
+ * ``__pydantic_extra__`` and ``__pydantic_private__`` None). This module does exactly the
+ * same, with the slots written through their member descriptors (what object.__setattr__
+ * does; pydantic's own __setattr__ refuses on frozen models). trusted.py is the reference and
+ * the fallback; tests/test_trusted_native.py checks the two give equal objects.
+ *
+ *   ModelFactory(cls, template)        a factory of instances of one pydantic model class;
+ *                                      ``template``: every field in declaration order with its
+ *                                      default (a dict, copied)
+ *     .new(fields, fields_set)         instance whose __dict__ IS ``fields`` (a dict, not
+ *                                      copied) and whose fields set is set(fields_set)
+ *     .build(values)                   __dict__ = copy of the template updated with ``values``,
+ *                                      fields set = set(values): trusted.trusted()
+ *     .blocks(block_hashes, token_ids, *, extra_keys=None, lora_id=None, lora_name=None,
+ *             cache_level=0, cache_salt=None, fields_set=frozenset({"block_hash",
+ *             "token_ids"}))           StoredBlock's factory only: the blocks of one stored
+ *                                      event, as a tuple; block i's __dict__ is the template
+ *                                      with the given shared values, block_hash =
+ *                                      block_hashes[i], token_ids = token_ids[i] and, where
+ *                                      extra_keys[i] is not None, extra_keys = extra_keys[i]
+ *                                      (then "extra_keys" joins its fields set):
+ *                                      trusted.trusted_stored_blocks
+ *   TokenFactory(cls)                  a factory of a ``__slots__ = ("_raw",)`` class
+ *     .split(raw, step)                tuple of instances whose _raw are the consecutive
+ *                                      ``step``-byte slices of ``raw`` (the last may be
+ *                                      shorter): TokenIds per block
+ *
+ * The callers' contract (as trusted.py's) is that every value is already valid; the factories
+ * check only what keeps the interpreter safe (argument types, lengths).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+#include <string.h>
+
+static PyObject *s_block_hash = NULL, *s_token_ids = NULL, *s_extra_keys = NULL;
+
+/* blocks()'s parameters, in order; the first two are required, the others keyword-only. */
+enum { B_HASHES, B_TOKENS, B_EXTRA, B_LORA_ID, B_LORA_NAME, B_LEVEL, B_SALT, B_FIELDS, B_N };
+static const char *const block_params[B_N] = {
+    "block_hashes", "token_ids", "extra_keys", "lora_id",
+    "lora_name",    "cache_level", "cache_salt", "fields_set",
+};
+static PyObject *block_param_names[B_N]; /* interned */
+static PyObject *base_fields_set = NULL;  /* frozenset({"block_hash", "token_ids"}) */
+
+/* A member descriptor (a __slots__ entry) of ``cls`` named ``name``, checked writable. */
+static PyObject *
+slot_descriptor(PyTypeObject *cls, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString((PyObject *)cls, name);
+    if (d == NULL)
+        return NULL;
+    if (Py_TYPE(d) != &PyMemberDescr_Type || Py_TYPE(d)->tp_descr_set == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", cls->tp_name, name);
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static inline int
+set_slot(PyObject *descr, PyObject *obj, PyObject *value)
+{
+    return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+}
+
+/* ------------------------------------------------------------------------- ModelFactory */
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *cls;
+    PyObject *template;                           /* every field in order: build()'s base */
+    PyObject *d_fields_set, *d_extra, *d_private; /* pydantic's slot descriptors */
+    int is_block; /* the template has every field blocks() writes */
+} ModelFactory;
+
+static int
+mf_init(ModelFactory *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"cls", "template", NULL};
+    PyObject *cls, *tmpl;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!:ModelFactory", kwlist, &PyType_Type, &cls,
+                                     &PyDict_Type, &tmpl))
+        return -1;
+    if (((PyTypeObject *)cls)->tp_itemsize != 0 ||
+        (((PyTypeObject *)cls)->tp_flags & Py_TPFLAGS_IS_ABSTRACT) ||
+        ((PyTypeObject *)cls)->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "ModelFactory needs a concrete class of fixed size");
+        return -1;
+    }
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->template);
+    Py_CLEAR(self->d_fields_set);
+    Py_CLEAR(self->d_extra);
+    Py_CLEAR(self->d_private);
+    self->d_fields_set = slot_descriptor((PyTypeObject *)cls, "__pydantic_fields_set__");
+    if (self->d_fields_set == NULL)
+        return -1;
+    self->d_extra = slot_descriptor((PyTypeObject *)cls, "__pydantic_extra__");
+    if (self->d_extra == NULL)
+        return -1;
+    self->d_private = slot_descriptor((PyTypeObject *)cls, "__pydantic_private__");
+    if (self->d_private == NULL)
+        return -1;
+    self->template = PyDict_Copy(tmpl);
+    if (self->template == NULL)
+        return -1;
+    self->is_block = 1;
+    {
+        PyObject *keys[] = {s_block_hash, s_token_ids, s_extra_keys,
+                            block_param_names[B_LORA_ID], block_param_names[B_LORA_NAME],
+                            block_param_names[B_LEVEL], block_param_names[B_SALT]};
+        size_t k;
+
+        for (k = 0; k < sizeof(keys) / sizeof(keys[0]); k++) {
+            int has = PyDict_Contains(self->template, keys[k]);
+            if (has < 0)
+                return -1;
+            if (!has)
+                self->is_block = 0;
+        }
+    }
+    Py_INCREF(cls);
+    self->cls = (PyTypeObject *)cls;
+    return 0;
+}
+
+static int
+mf_traverse(ModelFactory *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cls);
+    Py_VISIT(self->template);
+    Py_VISIT(self->d_fields_set);
+    Py_VISIT(self->d_extra);
+    Py_VISIT(self->d_private);
+    return 0;
+}
+
+static int
+mf_clear(ModelFactory *self)
+{
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->template);
+    Py_CLEAR(self->d_fields_set);
+    Py_CLEAR(self->d_extra);
+    Py_CLEAR(self->d_private);
+    return 0;
+}
+
+static void
+mf_dealloc(ModelFactory *self)
+{
+    PyObject_GC_UnTrack(self);
+    mf_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+ready(ModelFactory *self)
+{
+    if (self->cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ModelFactory was not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* An instance with ``dict`` (borrowed; the instance takes its own reference) as __dict__
+ * and set(fields_set) as its fields set. */
+static PyObject *
+make(ModelFactory *self, PyObject *dict, PyObject *fields_set)
+{
+    PyObject *obj, *fs;
+
+    /* tp_alloc, not object.__new__: on 3.11 object.__new__ would also lay out the instance's
+     * attribute values that PyObject_GenericSetDict then has to turn into a dict only to drop
+     * it. An instance fresh from tp_alloc has no attributes at all. */
+    obj = self->cls->tp_alloc(self->cls, 0);
+    if (obj == NULL)
+        return NULL;
+    fs = PySet_New(fields_set);
+    if (fs == NULL)
+        goto fail;
+    if (PyObject_GenericSetDict(obj, dict, NULL) < 0 ||
+        set_slot(self->d_fields_set, obj, fs) < 0 || set_slot(self->d_extra, obj, Py_None) < 0 ||
+        set_slot(self->d_private, obj, Py_None) < 0) {
+        Py_DECREF(fs);
+        goto fail;
+    }
+    Py_DECREF(fs);
+    return obj;
+fail:
+    Py_DECREF(obj);
+    return NULL;
+}
+
+static PyObject *
+mf_new(ModelFactory *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (ready(self) < 0)
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "new(fields, fields_set) takes 2 arguments");
+        return NULL;
+    }
+    if (!PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "new(): fields must be a dict");
+        return NULL;
+    }
+    return make(self, args[0], args[1]);
+}
+
+static PyObject *
+mf_build(ModelFactory *self, PyObject *values)
+{
+    PyObject *dict, *obj;
+
+    if (ready(self) < 0)
+        return NULL;
+    if (!PyDict_CheckExact(values)) {
+        PyErr_SetString(PyExc_TypeError, "build(): values must be a dict");
+        return NULL;
+    }
+    dict = PyDict_Copy(self->template);
+    if (dict == NULL)
+        return NULL;
+    if (PyDict_Update(dict, values) < 0) {
+        Py_DECREF(dict);
+        return NULL;
+    }
+    obj = make(self, dict, values);
+    Py_DECREF(dict);
+    return obj;
+}
+
+
+/* The arguments of a METH_FASTCALL | METH_KEYWORDS call into ``out`` (NULL where not given):
+ * the first ``n_positional`` parameters are required and may be positional, the others are
+ * keyword-only; -1 with TypeError on a bad call. */
+static int
+parse_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **out,
+           int n_params, int n_positional, const char *fname)
+{
+    Py_ssize_t i, k, nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+
+    if (nargs > n_positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d positional arguments (%zd given)", fname,
+                     n_positional, nargs);
+        return -1;
+    }
+    for (i = 0; i < n_params; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    for (k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+
+        for (i = 0; i < n_params; i++) {
+            if (name == block_param_names[i])
+                break;
+        }
+        if (i == n_params) { /* not interned the same way: compare the text */
+            for (i = 0; i < n_params; i++) {
+                int eq = PyUnicode_Compare(name, block_param_names[i]);
+                if (eq == -1 && PyErr_Occurred())
+                    return -1;
+                if (eq == 0)
+                    break;
+            }
+        }
+        if (i == n_params) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", fname,
+                         name);
+            return -1;
+        }
+        if (out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                         block_params[i]);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (i = 0; i < n_positional; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname,
+                         block_params[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+mf_blocks(ModelFactory *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[B_N], *hashes, *tokens, *extra, *fs, *tmpl = NULL, *fs_extra = NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n, i;
+    static const int shared[] = {B_LORA_ID, B_LORA_NAME, B_LEVEL, B_SALT};
+
+    if (ready(self) < 0)
+        return NULL;
+    if (!self->is_block) {
+        PyErr_Format(PyExc_TypeError, "blocks(): %s is not a block model", self->cls->tp_name);
+        return NULL;
+    }
+    if (parse_args(args, nargs, kwnames, a, B_N, 2, "blocks") < 0)
+        return NULL;
+    hashes = a[B_HASHES];
+    tokens = a[B_TOKENS];
+    extra = a[B_EXTRA] == NULL ? Py_None : a[B_EXTRA];
+    fs = a[B_FIELDS] == NULL ? base_fields_set : a[B_FIELDS];
+    if (!PyTuple_CheckExact(hashes) || !PyTuple_CheckExact(tokens) ||
+        (extra != Py_None && !PyTuple_CheckExact(extra))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "blocks(): block_hashes and token_ids must be tuples, extra_keys a tuple "
+                        "or None");
+        return NULL;
+    }
+    n = PyTuple_GET_SIZE(hashes);
+    if (PyTuple_GET_SIZE(tokens) != n || (extra != Py_None && PyTuple_GET_SIZE(extra) != n)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "block_hashes, token_ids and extra_keys need one entry per block");
+        return NULL;
+    }
+    /* the event's shared values over the defaults, in declaration order */
+    tmpl = PyDict_Copy(self->template);
+    if (tmpl == NULL)
+        return NULL;
+    for (i = 0; i < 4; i++) {
+        int k = shared[i];
+        if (a[k] != NULL && PyDict_SetItem(tmpl, block_param_names[k], a[k]) < 0)
+            goto done;
+    }
+    if (extra != Py_None) {
+        fs_extra = PySet_New(fs);
+        if (fs_extra == NULL || PySet_Add(fs_extra, block_param_names[B_EXTRA]) < 0)
+            goto done;
+    }
+    out = PyTuple_New(n);
+    if (out == NULL)
+        goto done;
+    for (i = 0; i < n; i++) {
+        PyObject *keys = extra == Py_None ? Py_None : PyTuple_GET_ITEM(extra, i);
+        PyObject *dict = PyDict_Copy(tmpl), *obj;
+
+        if (dict == NULL)
+            goto fail;
+        if (PyDict_SetItem(dict, s_block_hash, PyTuple_GET_ITEM(hashes, i)) < 0 ||
+            PyDict_SetItem(dict, s_token_ids, PyTuple_GET_ITEM(tokens, i)) < 0 ||
+            (keys != Py_None && PyDict_SetItem(dict, s_extra_keys, keys) < 0)) {
+            Py_DECREF(dict);
+            goto fail;
+        }
+        obj = make(self, dict, keys == Py_None ? fs : fs_extra);
+        Py_DECREF(dict);
+        if (obj == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(out, i, obj);
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_DECREF(tmpl);
+    Py_XDECREF(fs_extra);
+    return out;
+}
+
+static PyMethodDef mf_methods[] = {
+    {"new", (PyCFunction)(void (*)(void))mf_new, METH_FASTCALL,
+     "new(fields, fields_set): an instance whose __dict__ is ``fields`` (not copied)."},
+    {"build", (PyCFunction)mf_build, METH_O,
+     "build(values): __dict__ = the template updated with values; fields set = set(values)."},
+    {"blocks", (PyCFunction)(void (*)(void))mf_blocks, METH_FASTCALL | METH_KEYWORDS,
+     "blocks(block_hashes, token_ids, *, extra_keys=None, lora_id=None, lora_name=None, "
+     "cache_level=0, cache_salt=None, fields_set=frozenset({'block_hash', 'token_ids'})): "
+     "the blocks of one stored event, as a tuple (see trusted.trusted_stored_blocks)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef mf_members[] = {
+    {"cls", T_OBJECT, offsetof(ModelFactory, cls), READONLY, "the model class"},
+    {"template", T_OBJECT, offsetof(ModelFactory, template), READONLY,
+     "every field in declaration order with its default (None for required ones)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ModelFactoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream.events._trusted_native.ModelFactory",
+    .tp_basicsize = sizeof(ModelFactory),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "ModelFactory(cls, template): unvalidated instances of one pydantic model class.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)mf_init,
+    .tp_traverse = (traverseproc)mf_traverse,
+    .tp_clear = (inquiry)mf_clear,
+    .tp_dealloc = (destructor)mf_dealloc,
+    .tp_methods = mf_methods,
+    .tp_members = mf_members,
+};
+
+/* ------------------------------------------------------------------------- TokenFactory */
+
+typedef struct {
+    PyObject_HEAD
+    PyTypeObject *cls;
+    PyObject *d_raw;
+} TokenFactory;
+
+static int
+tf_init(TokenFactory *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"cls", NULL};
+    PyObject *cls;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!:TokenFactory", kwlist, &PyType_Type, &cls))
+        return -1;
+    if (((PyTypeObject *)cls)->tp_itemsize != 0 ||
+        (((PyTypeObject *)cls)->tp_flags & Py_TPFLAGS_IS_ABSTRACT) ||
+        ((PyTypeObject *)cls)->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "TokenFactory needs a concrete class of fixed size");
+        return -1;
+    }
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->d_raw);
+    self->d_raw = slot_descriptor((PyTypeObject *)cls, "_raw");
+    if (self->d_raw == NULL)
+        return -1;
+    Py_INCREF(cls);
+    self->cls = (PyTypeObject *)cls;
+    return 0;
+}
+
+static int
+tf_traverse(TokenFactory *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cls);
+    Py_VISIT(self->d_raw);
+    return 0;
+}
+
+static int
+tf_clear(TokenFactory *self)
+{
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->d_raw);
+    return 0;
+}
+
+static void
+tf_dealloc(TokenFactory *self)
+{
+    PyObject_GC_UnTrack(self);
+    tf_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+wrap_raw(TokenFactory *self, PyObject *raw)
+{
+    PyObject *obj = self->cls->tp_alloc(self->cls, 0);
+
+    if (obj == NULL)
+        return NULL;
+    if (set_slot(self->d_raw, obj, raw) < 0) {
+        Py_DECREF(obj);
+        return NULL;
+    }
+    return obj;
+}
+
+static PyObject *
+tf_split(TokenFactory *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *raw, *out;
+    Py_ssize_t size, step, n, i;
+    const char *p;
+
+    if (self->cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "TokenFactory was not initialised");
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "split(raw, step) takes 2 arguments");
+        return NULL;
+    }
+    raw = args[0];
+    if (!PyBytes_CheckExact(raw)) {
+        PyErr_SetString(PyExc_TypeError, "split(): raw must be bytes");
+        return NULL;
+    }
+    step = PyLong_AsSsize_t(args[1]);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    size = PyBytes_GET_SIZE(raw);
+    if (step <= 0 || step % 4 || size % 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "split(): step must be a positive multiple of 4 and raw a multiple of 4 "
+                        "bytes");
+        return NULL;
+    }
+    n = size / step + (size % step != 0);
+    out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    p = PyBytes_AS_STRING(raw);
+    for (i = 0; i < n; i++) {
+        Py_ssize_t off = i * step, len = size - off < step ? size - off : step;
+        PyObject *chunk, *obj;
+
+        if (len == size) {
+            Py_INCREF(raw);
+            chunk = raw;
+        }
+        else {
+            chunk = PyBytes_FromStringAndSize(p + off, len);
+            if (chunk == NULL)
+                goto fail;
+        }
+        obj = wrap_raw(self, chunk);
+        Py_DECREF(chunk);
+        if (obj == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(out, i, obj);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef tf_methods[] = {
+    {"split", (PyCFunction)(void (*)(void))tf_split, METH_FASTCALL,
+     "split(raw, step): one instance per consecutive step-byte slice of raw."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef tf_members[] = {
+    {"cls", T_OBJECT, offsetof(TokenFactory, cls), READONLY, "the token class"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject TokenFactoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream.events._trusted_native.TokenFactory",
+    .tp_basicsize = sizeof(TokenFactory),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TokenFactory(cls): instances of a __slots__ = ('_raw',) class from packed bytes.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)tf_init,
+    .tp_traverse = (traverseproc)tf_traverse,
+    .tp_clear = (inquiry)tf_clear,
+    .tp_dealloc = (destructor)tf_dealloc,
+    .tp_methods = tf_methods,
+    .tp_members = tf_members,
+};
+
+static PyMethodDef methods[] = {
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+             "Unvalidated construction of kvstream model objects (see kvstream.events.trusted).");
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "kvstream.events._trusted_native", module_doc, -1, methods,
+    NULL,                  NULL,                              NULL,       NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__trusted_native(void)
+{
+    PyObject *m;
+
+    if (s_block_hash == NULL && (s_block_hash = PyUnicode_InternFromString("block_hash")) == NULL)
+        return NULL;
+    if (s_token_ids == NULL && (s_token_ids = PyUnicode_InternFromString("token_ids")) == NULL)
+        return NULL;
+    if (s_extra_keys == NULL && (s_extra_keys = PyUnicode_InternFromString("extra_keys")) == NULL)
+        return NULL;
+    for (int i = 0; i < B_N; i++) {
+        if (block_param_names[i] == NULL &&
+            (block_param_names[i] = PyUnicode_InternFromString(block_params[i])) == NULL)
+            return NULL;
+    }
+    if (base_fields_set == NULL) {
+        PyObject *names = PyTuple_Pack(2, s_block_hash, s_token_ids);
+        if (names == NULL)
+            return NULL;
+        base_fields_set = PyFrozenSet_New(names);
+        Py_DECREF(names);
+        if (base_fields_set == NULL)
+            return NULL;
+    }
+    if (PyType_Ready(&ModelFactoryType) < 0 || PyType_Ready(&TokenFactoryType) < 0)
+        return NULL;
+    m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ModelFactoryType);
+    if (PyModule_AddObject(m, "ModelFactory", (PyObject *)&ModelFactoryType) < 0) {
+        Py_DECREF(&ModelFactoryType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&TokenFactoryType);
+    if (PyModule_AddObject(m, "TokenFactory", (PyObject *)&TokenFactoryType) < 0) {
+        Py_DECREF(&TokenFactoryType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
