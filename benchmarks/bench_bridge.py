@@ -203,16 +203,16 @@ def _publish(port: int, steps: int, ready: Any, go: Any, real: bool) -> None:
     batches, _ = make_batches(steps)
     if real:
         from vllm.config.kv_events import KVEventsConfig
-        from vllm.distributed.kv_events import ZmqEventPublisher
+        from vllm.distributed.kv_events import EventPublisherFactory
 
         cfg = KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
-            endpoint=f"tcp://127.0.0.1:{port}",
+            endpoint=f"tcp://*:{port}",
             hwm=10 * steps,
             max_queue_size=10 * steps,
         )
-        pub = ZmqEventPublisher(data_parallel_rank=0, **_config_kwargs(cfg))
+        pub = EventPublisherFactory.create(cfg, data_parallel_rank=0)
         ready.set()
         go.wait()
         for b in batches:
@@ -234,15 +234,6 @@ def _publish(port: int, steps: int, ready: Any, go: Any, real: bool) -> None:
     time.sleep(1.0)
     sock.close()
     ctx.term()
-
-
-def _config_kwargs(cfg: Any) -> dict[str, Any]:
-    import inspect
-
-    from vllm.distributed.kv_events import ZmqEventPublisher
-
-    params = inspect.signature(ZmqEventPublisher.__init__).parameters
-    return {k: getattr(cfg, k) for k in params if hasattr(cfg, k)}
 
 
 async def _follow(port: int, n_frames: int) -> tuple[float, int]:
