@@ -227,6 +227,20 @@ class GroupTable:
         self.present += added
         self.lower += lowered
 
+    def _adopt_parent(self, n: int, p: int, st: SourceStats) -> None:
+        """A ghost ``n`` stored again under ``p``: learn its parent if it had none (unless that
+        would close a cycle), count a disagreement otherwise."""
+        q = self.parent[n]
+        if q == UNKNOWN:
+            if p >= 0 and self._is_ancestor(n, p):
+                st.parent_mismatches += 1  # would close a cycle: keep the parent unknown
+            else:
+                self.parent[n] = p
+                if p >= 0:
+                    self._link(n, p)
+        elif q != p:
+            st.parent_mismatches += 1
+
     def _store_existing(self, n: int, p: int, level: int, st: SourceStats) -> None:
         refs = self.refs
         r = refs[n]
@@ -242,16 +256,7 @@ class GroupTable:
             self._set_refs(n, r, r + (1 << shift))
             return
         # a ghost is stored again
-        q = self.parent[n]
-        if q == UNKNOWN:
-            if p >= 0 and self._is_ancestor(n, p):
-                st.parent_mismatches += 1  # would close a cycle: keep the parent unknown
-            else:
-                self.parent[n] = p
-                if p >= 0:
-                    self._link(n, p)
-        elif q != p:
-            st.parent_mismatches += 1
+        self._adopt_parent(n, p, st)
         self._set_refs(n, 0, 1 << shift)
         q = self.parent[n]
         if q == ROOT or (q >= 0 and self.rooted[q]):

@@ -264,16 +264,7 @@ class TokenGroupTable(GroupTable):
             self._store_existing(n, p, level, st)  # a duplicate: reference counted
             return
         t = level if level < _LAST else _LAST
-        q = self.parent[n]
-        if q == UNKNOWN:
-            if p >= 0 and self._is_ancestor(n, p):
-                st.parent_mismatches += 1  # would close a cycle: keep the parent unknown
-            else:
-                self.parent[n] = p
-                if p >= 0:
-                    self._link(n, p)
-        elif q != p:
-            st.parent_mismatches += 1
+        self._adopt_parent(n, p, st)
         if not self._known(n):
             self.pending[n] = content
         self._resolve(n)
