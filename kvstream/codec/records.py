@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from kvstream._types import TokenIds
 from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, WRITABLE_VERSIONS, events_for_version
-from kvstream.codec.tokens import pack_tokens, unpack_tokens
+from kvstream.codec.tokens import pack_tokens, tokens_from_record
 from kvstream.errors import DecodeError, EncodeError, EventValidationError
 from kvstream.events.model import (
     DEFAULT_HASH_ALGO,
@@ -448,10 +448,7 @@ def record_to_batch(
     EventValidationError is chained as the cause).
     """
     try:
-        tok = record["tokens"]
-        tokens = _Tokens(
-            unpack_tokens(tok["count"], tok["high_bits"], tok["low16"], tok["high_planes"])
-        )
+        tokens = _Tokens(tokens_from_record(record["tokens"]))
         skipped: list[SkippedEvent] = []
         events = list(_events(record["events"], tokens, skipped))
         if tokens.pos != len(tokens.raw):

@@ -13,14 +13,21 @@ compute) and 0.71x the size of 3-byte ids.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from kvstream.errors import DecodeError
 
-__all__ = ["MAX_HIGH_BITS", "PackedTokens", "pack_tokens", "unpack_tokens"]
+__all__ = [
+    "MAX_HIGH_BITS",
+    "PackedTokens",
+    "pack_tokens",
+    "tokens_from_record",
+    "unpack_tokens",
+]
 
 #: Largest ``high_bits``: 16 planes above the low 16 bits cover the whole uint32 range.
 MAX_HIGH_BITS: Final = 16
@@ -94,3 +101,12 @@ def unpack_tokens(count: int, high_bits: int, low16: bytes, high_planes: bytes) 
             high |= bits[j].astype("<u4") << np.uint32(j)
         ids |= high << np.uint32(16)
     return ids.tobytes()
+
+
+def tokens_from_record(tok: Mapping[str, Any]) -> bytes:
+    """The ids of a decoded ``TokenPack`` record (fastavro's dict) as little-endian uint32 bytes.
+
+    The one place every decoder (model and columnar) turns the batch's token record into ids, so
+    that a schema version adding token encodings changes only this module. Raises DecodeError.
+    """
+    return unpack_tokens(tok["count"], tok["high_bits"], tok["low16"], tok["high_planes"])
