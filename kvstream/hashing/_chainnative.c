@@ -1,0 +1,956 @@
+/*
+ * kvstream.hashing._chainnative: SHA-256 and BLAKE3 block-hash chains in C.
+ *
+ * The algorithms are defined (and implemented in pure Python, the reference) in
+ * kvstream/hashing/trtllm.py (v2_sha256), vllm.py (vllm_sha256_cbor) and native.py (blake3).
+ * This module hashes a whole request's chain in one call, so the per-block cost is the hash
+ * compression itself instead of a Python-level hashlib call per block:
+ *
+ *   KIND_V2      key = SHA-256(parent (32) || each token as u32 little-endian)
+ *   KIND_CBOR    key = SHA-256(83 58 20 || parent (32) || canonical CBOR array of the tokens
+ *                              || tail)        tail: the block's CBOR extra keys (f6: None)
+ *   KIND_BLAKE3  key = BLAKE3(parent (32) || each token as u32 little-endian)
+ *
+ * SHA-256 uses the x86 SHA extensions when the CPU has them (checked once with cpuid) and a
+ * portable implementation otherwise; BLAKE3 is the portable reference compression (hashing
+ * inputs of any length, chunk tree included).
+ *
+ * Entry points:
+ *
+ *   chain(kind, tokens, block_tokens, parent, start=0, width=32, offset=0,
+ *         first_tail=None, tail=None, every=0) -> (published: list[bytes], keys: list[bytes])
+ *       tokens: one buffer of u32 LE ids cut into blocks of block_tokens ids (only full blocks
+ *       from block index ``start`` on are hashed), or a list/tuple of per-block buffers (then
+ *       block_tokens and start are ignored). parent: the 32-byte key before the first hashed
+ *       block. published[i] = key[offset:offset + width]. first_tail (KIND_CBOR) replaces
+ *       tail for the first hashed block (the caller passes it only at chain depth 0). keys
+ *       holds the full 32-byte key after every block whose absolute index i has
+ *       (i + 1) % every == 0 (every > 0).
+ *   pack(tokens, drop_last=False) -> bytes | None
+ *       a list/tuple of ints as u32 LE bytes; None when an item is not an int in 0..2**32-1
+ *       (the caller then takes its validating path).
+ *   fingerprints(raw, stride) -> list[int]
+ *       a 64-bit fingerprint of raw[:k * stride] for k = 1 .. len(raw) // stride (not a
+ *       cryptographic hash: a candidate filter whose hits the caller verifies).
+ *   same_prefix(a, b, n) -> bool      a[:n] == b[:n] (False if either is shorter).
+ *   sha256(data) -> bytes, blake3(data) -> bytes, has_sha_ni() -> bool   (primitives).
+ *
+ * Bad inputs raise kvstream.errors.HashingError (wrong call signatures raise TypeError).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86_SHA 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+#define KIND_V2 0
+#define KIND_CBOR 1
+#define KIND_BLAKE3 2
+#define KEY_LEN 32
+/* Release the GIL for flat requests with at least this many tokens. */
+#define NOGIL_MIN_TOKENS 2048
+
+static PyObject *HashingError = NULL; /* kvstream.errors.HashingError */
+
+/* =============================================================================== SHA-256 */
+
+static const uint32_t SHA_K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2,
+};
+
+static const uint32_t SHA_IV[8] = {
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+};
+
+static inline uint32_t
+rotr32(uint32_t x, int n)
+{
+    return (x >> n) | (x << (32 - n));
+}
+
+static inline uint32_t
+load_be32(const unsigned char *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static inline void
+store_be32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static inline uint32_t
+load_le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
+           ((uint32_t)p[3] << 24);
+}
+
+static inline void
+store_le32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+static void
+sha256_blocks_portable(uint32_t st[8], const unsigned char *data, size_t nblocks)
+{
+    uint32_t w[64];
+    while (nblocks--) {
+        uint32_t a = st[0], b = st[1], c = st[2], d = st[3];
+        uint32_t e = st[4], f = st[5], g = st[6], h = st[7];
+        int t;
+        for (t = 0; t < 16; t++)
+            w[t] = load_be32(data + 4 * t);
+        for (t = 16; t < 64; t++) {
+            uint32_t s0 = rotr32(w[t - 15], 7) ^ rotr32(w[t - 15], 18) ^ (w[t - 15] >> 3);
+            uint32_t s1 = rotr32(w[t - 2], 17) ^ rotr32(w[t - 2], 19) ^ (w[t - 2] >> 10);
+            w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+        }
+        for (t = 0; t < 64; t++) {
+            uint32_t S1 = rotr32(e, 6) ^ rotr32(e, 11) ^ rotr32(e, 25);
+            uint32_t ch = (e & f) ^ (~e & g);
+            uint32_t t1 = h + S1 + ch + SHA_K[t] + w[t];
+            uint32_t S0 = rotr32(a, 2) ^ rotr32(a, 13) ^ rotr32(a, 22);
+            uint32_t maj = (a & b) ^ (a & c) ^ (b & c);
+            uint32_t t2 = S0 + maj;
+            h = g;
+            g = f;
+            f = e;
+            e = d + t1;
+            d = c;
+            c = b;
+            b = a;
+            a = t1 + t2;
+        }
+        st[0] += a;
+        st[1] += b;
+        st[2] += c;
+        st[3] += d;
+        st[4] += e;
+        st[5] += f;
+        st[6] += g;
+        st[7] += h;
+        data += 64;
+    }
+}
+
+#ifdef HAVE_X86_SHA
+/* The x86 SHA extensions: two rounds per sha256rnds2, the schedule by sha256msg1/msg2. */
+__attribute__((target("sha,sse4.1,ssse3"))) static void
+sha256_blocks_shani(uint32_t st[8], const unsigned char *data, size_t nblocks)
+{
+    const __m128i MASK = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i s0, s1, tmp, msg, abef, cdgh;
+    __m128i w[16];
+    int i;
+
+    tmp = _mm_loadu_si128((const __m128i *)&st[0]);
+    s1 = _mm_loadu_si128((const __m128i *)&st[4]);
+    tmp = _mm_shuffle_epi32(tmp, 0xB1);       /* CDAB */
+    s1 = _mm_shuffle_epi32(s1, 0x1B);         /* EFGH */
+    s0 = _mm_alignr_epi8(tmp, s1, 8);         /* ABEF */
+    s1 = _mm_blend_epi16(s1, tmp, 0xF0);      /* CDGH */
+
+    while (nblocks--) {
+        abef = s0;
+        cdgh = s1;
+        for (i = 0; i < 16; i++) {
+            if (i < 4) {
+                w[i] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16 * i)), MASK);
+            }
+            else {
+                tmp = _mm_add_epi32(_mm_sha256msg1_epu32(w[i - 4], w[i - 3]),
+                                    _mm_alignr_epi8(w[i - 1], w[i - 2], 4));
+                w[i] = _mm_sha256msg2_epu32(tmp, w[i - 1]);
+            }
+            msg = _mm_add_epi32(w[i], _mm_loadu_si128((const __m128i *)&SHA_K[4 * i]));
+            s1 = _mm_sha256rnds2_epu32(s1, s0, msg);
+            msg = _mm_shuffle_epi32(msg, 0x0E);
+            s0 = _mm_sha256rnds2_epu32(s0, s1, msg);
+        }
+        s0 = _mm_add_epi32(s0, abef);
+        s1 = _mm_add_epi32(s1, cdgh);
+        data += 64;
+    }
+
+    tmp = _mm_shuffle_epi32(s0, 0x1B);        /* FEBA */
+    s1 = _mm_shuffle_epi32(s1, 0xB1);         /* DCHG */
+    s0 = _mm_blend_epi16(tmp, s1, 0xF0);      /* DCBA */
+    s1 = _mm_alignr_epi8(s1, tmp, 8);         /* ABEF */
+    _mm_storeu_si128((__m128i *)&st[0], s0);
+    _mm_storeu_si128((__m128i *)&st[4], s1);
+}
+
+static int
+cpu_has_sha_ni(void)
+{
+    unsigned int a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(1, 0, a, b, c, d);
+    if (!(c & bit_SSE4_1) || !(c & bit_SSSE3))
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b & (1u << 29)) != 0; /* CPUID.7.0:EBX.SHA */
+}
+#endif
+
+typedef void (*sha_blocks_fn)(uint32_t st[8], const unsigned char *data, size_t nblocks);
+static sha_blocks_fn sha256_blocks = sha256_blocks_portable;
+static int using_sha_ni = 0;
+
+/* SHA-256 of msg[0:len]; msg must have room for len + 72 bytes (the padding is written in
+ * place). */
+static void
+sha256_padded(unsigned char *msg, size_t len, unsigned char out[32])
+{
+    uint32_t st[8];
+    size_t total = (len + 9 + 63) & ~(size_t)63;
+    uint64_t bits = (uint64_t)len * 8;
+    int i;
+
+    memcpy(st, SHA_IV, sizeof st);
+    msg[len] = 0x80;
+    memset(msg + len + 1, 0, total - len - 9);
+    for (i = 0; i < 8; i++)
+        msg[total - 1 - i] = (unsigned char)(bits >> (8 * i));
+    sha256_blocks(st, msg, total / 64);
+    for (i = 0; i < 8; i++)
+        store_be32(out + 4 * i, st[i]);
+}
+
+/* ================================================================================ BLAKE3 */
+
+#define B3_CHUNK_START 1u
+#define B3_CHUNK_END 2u
+#define B3_PARENT 4u
+#define B3_ROOT 8u
+#define B3_CHUNK_LEN 1024
+
+#define B3_G(a, b, c, d, x, y)                 \
+    do {                                       \
+        v[a] = v[a] + v[b] + (x);              \
+        v[d] = rotr32(v[d] ^ v[a], 16);        \
+        v[c] = v[c] + v[d];                    \
+        v[b] = rotr32(v[b] ^ v[c], 12);        \
+        v[a] = v[a] + v[b] + (y);              \
+        v[d] = rotr32(v[d] ^ v[a], 8);         \
+        v[c] = v[c] + v[d];                    \
+        v[b] = rotr32(v[b] ^ v[c], 7);         \
+    } while (0)
+
+/* One round with the message words in the order of that round's schedule row (the
+ * permutation 2,6,3,10,7,0,4,13,1,11,12,5,9,14,15,8 applied r times), as constants so
+ * that the unrolled rounds keep the message in registers. */
+#define B3_ROUND(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
+    do {                                                                             \
+        B3_G(0, 4, 8, 12, m[s0], m[s1]);                                             \
+        B3_G(1, 5, 9, 13, m[s2], m[s3]);                                             \
+        B3_G(2, 6, 10, 14, m[s4], m[s5]);                                            \
+        B3_G(3, 7, 11, 15, m[s6], m[s7]);                                            \
+        B3_G(0, 5, 10, 15, m[s8], m[s9]);                                            \
+        B3_G(1, 6, 11, 12, m[s10], m[s11]);                                          \
+        B3_G(2, 7, 8, 13, m[s12], m[s13]);                                           \
+        B3_G(3, 4, 9, 14, m[s14], m[s15]);                                           \
+    } while (0)
+
+/* The first 8 output words of BLAKE3's compression (all a chaining value or a 32-byte root
+ * output needs). */
+static void
+b3_compress(const uint32_t cv[8], const unsigned char block[64], uint8_t block_len,
+            uint64_t counter, uint32_t flags, uint32_t out[8])
+{
+    uint32_t m[16], v[16];
+    int i;
+    for (i = 0; i < 16; i++)
+        m[i] = load_le32(block + 4 * i);
+    for (i = 0; i < 8; i++)
+        v[i] = cv[i];
+    v[8] = SHA_IV[0]; /* BLAKE3's IV is SHA-256's */
+    v[9] = SHA_IV[1];
+    v[10] = SHA_IV[2];
+    v[11] = SHA_IV[3];
+    v[12] = (uint32_t)counter;
+    v[13] = (uint32_t)(counter >> 32);
+    v[14] = block_len;
+    v[15] = flags;
+    B3_ROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    B3_ROUND(2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);
+    B3_ROUND(3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);
+    B3_ROUND(10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);
+    B3_ROUND(12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);
+    B3_ROUND(9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);
+    B3_ROUND(11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);
+    for (i = 0; i < 8; i++)
+        out[i] = v[i] ^ v[i + 8];
+}
+
+/* A compression whose flags are not final yet (the ROOT flag goes on the last one only). */
+typedef struct {
+    uint32_t cv[8];
+    unsigned char block[64];
+    uint8_t block_len;
+    uint64_t counter;
+    uint32_t flags;
+} b3_output;
+
+/* Hash one chunk (1..1024 bytes, or 0 bytes for the empty input) up to its last block. */
+static void
+b3_chunk(const unsigned char *p, size_t len, uint64_t counter, b3_output *o)
+{
+    uint32_t cv[8];
+    uint32_t flags = B3_CHUNK_START;
+    memcpy(cv, SHA_IV, sizeof cv);
+    while (len > 64) {
+        b3_compress(cv, p, 64, counter, flags, cv);
+        flags = 0;
+        p += 64;
+        len -= 64;
+    }
+    memcpy(o->cv, cv, sizeof cv);
+    memset(o->block, 0, 64);
+    if (len)
+        memcpy(o->block, p, len);
+    o->block_len = (uint8_t)len;
+    o->counter = counter;
+    o->flags = flags | B3_CHUNK_END;
+}
+
+static void
+b3_parent(const uint32_t left[8], const uint32_t right[8], b3_output *o)
+{
+    int i;
+    memcpy(o->cv, SHA_IV, sizeof o->cv);
+    for (i = 0; i < 8; i++) {
+        store_le32(o->block + 4 * i, left[i]);
+        store_le32(o->block + 32 + 4 * i, right[i]);
+    }
+    o->block_len = 64;
+    o->counter = 0;
+    o->flags = B3_PARENT;
+}
+
+static void
+b3_hash(const unsigned char *p, size_t len, unsigned char out[32])
+{
+    b3_output o;
+    uint32_t words[8];
+    int i;
+
+    if (len <= B3_CHUNK_LEN) {
+        b3_chunk(p, len, 0, &o);
+    }
+    else {
+        uint32_t stack[64][8];
+        int depth = 0;
+        uint64_t chunk = 0;
+        while (len > B3_CHUNK_LEN) {
+            uint32_t cv[8];
+            uint64_t total;
+            b3_chunk(p, B3_CHUNK_LEN, chunk, &o);
+            b3_compress(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
+            chunk++;
+            /* merge completed subtrees: one per trailing zero bit of the chunk count */
+            for (total = chunk; (total & 1) == 0; total >>= 1) {
+                b3_parent(stack[--depth], cv, &o);
+                b3_compress(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
+            }
+            memcpy(stack[depth++], cv, sizeof cv);
+            p += B3_CHUNK_LEN;
+            len -= B3_CHUNK_LEN;
+        }
+        b3_chunk(p, len, chunk, &o);
+        while (depth > 0) {
+            uint32_t cv[8];
+            b3_compress(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
+            b3_parent(stack[--depth], cv, &o);
+        }
+    }
+    b3_compress(o.cv, o.block, o.block_len, o.counter, o.flags | B3_ROOT, words);
+    for (i = 0; i < 8; i++)
+        store_le32(out + 4 * i, words[i]);
+}
+
+/* ================================================================================ chains */
+
+/* Canonical CBOR head of major type `major` with argument v (< 2**32) at p; returns length. */
+static inline size_t
+cbor_head(unsigned char *p, unsigned major, uint32_t v)
+{
+    unsigned char mt = (unsigned char)(major << 5);
+    if (v < 24) {
+        p[0] = (unsigned char)(mt | v);
+        return 1;
+    }
+    if (v < 0x100) {
+        p[0] = mt | 24;
+        p[1] = (unsigned char)v;
+        return 2;
+    }
+    if (v < 0x10000) {
+        p[0] = mt | 25;
+        p[1] = (unsigned char)(v >> 8);
+        p[2] = (unsigned char)v;
+        return 3;
+    }
+    p[0] = mt | 26;
+    store_be32(p + 1, v);
+    return 5;
+}
+
+typedef struct {
+    const unsigned char *tok;
+    Py_ssize_t n; /* tokens */
+} blk_t;
+
+typedef struct {
+    int kind;
+    const unsigned char *first_tail, *tail;
+    Py_ssize_t first_tail_len, tail_len;
+} chain_cfg;
+
+/* Worst-case message length of a block of n tokens (before SHA padding). */
+static size_t
+msg_capacity(const chain_cfg *cfg, Py_ssize_t n)
+{
+    size_t tail = (size_t)(cfg->tail_len > cfg->first_tail_len ? cfg->tail_len
+                                                                 : cfg->first_tail_len);
+    return 3 + KEY_LEN + 9 + 5 * (size_t)n + tail + 72;
+}
+
+/* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i. msg: scratch buffer of
+ * msg_capacity(max block) bytes. */
+static void
+hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
+           unsigned char *keys, unsigned char *msg)
+{
+    Py_ssize_t b, i;
+    const unsigned char *prev = parent;
+    for (b = 0; b < nb; b++) {
+        const unsigned char *t = blocks[b].tok;
+        const Py_ssize_t n = blocks[b].n;
+        unsigned char *key = keys + (size_t)KEY_LEN * b;
+        size_t len;
+        if (cfg->kind == KIND_CBOR) {
+            const unsigned char *tail = b == 0 ? cfg->first_tail : cfg->tail;
+            Py_ssize_t tail_len = b == 0 ? cfg->first_tail_len : cfg->tail_len;
+            unsigned char *q = msg;
+            q[0] = 0x83;
+            q[1] = 0x58;
+            q[2] = 0x20;
+            memcpy(q + 3, prev, KEY_LEN);
+            q += 3 + KEY_LEN;
+            q += cbor_head(q, 4, (uint32_t)n);
+            for (i = 0; i < n; i++) {
+                /* branchless (token sizes are unpredictable): the head byte, then the
+                 * argument's 0, 1, 2 or 4 big-endian bytes from one 4-byte store */
+                uint32_t v = load_le32(t + 4 * i);
+                unsigned k1 = v >= 24, k2 = v >= 0x100, k3 = v >= 0x10000;
+                unsigned extra = k1 + k2 + 2 * k3;
+                q[0] = (unsigned char)(k1 ? 0x17 + k1 + k2 + k3 : v);
+                store_be32(q + 1, (uint32_t)((uint64_t)v << (32 - 8 * extra)));
+                q += 1 + extra;
+            }
+            memcpy(q, tail, (size_t)tail_len);
+            q += tail_len;
+            len = (size_t)(q - msg);
+        }
+        else {
+            memcpy(msg, prev, KEY_LEN);
+            memcpy(msg + KEY_LEN, t, 4 * (size_t)n);
+            len = KEY_LEN + 4 * (size_t)n;
+        }
+        if (cfg->kind == KIND_BLAKE3)
+            b3_hash(msg, len, key);
+        else
+            sha256_padded(msg, len, key);
+        prev = key;
+    }
+}
+
+static int
+get_buffer(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(HashingError, "%s must be a bytes-like object, got %.100s", what,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(chain_doc,
+             "chain(kind, tokens, block_tokens, parent, start=0, width=32, offset=0, "
+             "first_tail=None, tail=None, every=0) -> (published, keys)\n\n"
+             "Hash a request's block chain (see the module docstring).");
+
+static PyObject *
+cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"kind",  "tokens",     "block_tokens", "parent", "start",
+                             "width", "offset",     "first_tail",   "tail",   "every",
+                             NULL};
+    int kind;
+    PyObject *tokens, *parent_obj, *first_tail_obj = Py_None, *tail_obj = Py_None;
+    Py_ssize_t block_tokens, start = 0, width = 32, offset = 0, every = 0;
+    Py_buffer parent = {0}, ftail = {0}, tail = {0}, flat = {0};
+    Py_buffer *views = NULL;
+    Py_ssize_t n_views = 0, nb = 0, max_n = 0, b;
+    blk_t *blocks = NULL;
+    unsigned char *keys = NULL, *msg = NULL;
+    PyObject *published = NULL, *cps = NULL, *result = NULL;
+    chain_cfg cfg;
+    static const unsigned char NONE_TAIL[1] = {0xf6};
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnO|nnnOOn", kwlist, &kind, &tokens,
+                                     &block_tokens, &parent_obj, &start, &width, &offset,
+                                     &first_tail_obj, &tail_obj, &every))
+        return NULL;
+    if (kind != KIND_V2 && kind != KIND_CBOR && kind != KIND_BLAKE3) {
+        PyErr_Format(HashingError, "unknown chain kind %d", kind);
+        return NULL;
+    }
+    if (width < 1 || offset < 0 || offset + width > KEY_LEN || every < 0 || start < 0) {
+        PyErr_SetString(HashingError, "bad width/offset/every/start");
+        return NULL;
+    }
+    if (get_buffer(parent_obj, &parent, "parent") < 0)
+        return NULL;
+    if (parent.len != KEY_LEN) {
+        PyErr_Format(HashingError, "parent must be %d bytes, got %zd", KEY_LEN, parent.len);
+        goto done;
+    }
+    cfg.kind = kind;
+    cfg.first_tail = cfg.tail = NONE_TAIL;
+    cfg.first_tail_len = cfg.tail_len = 1;
+    if (tail_obj != Py_None) {
+        if (get_buffer(tail_obj, &tail, "tail") < 0)
+            goto done;
+        cfg.tail = cfg.first_tail = tail.buf;
+        cfg.tail_len = cfg.first_tail_len = tail.len;
+    }
+    if (first_tail_obj != Py_None) {
+        if (get_buffer(first_tail_obj, &ftail, "first_tail") < 0)
+            goto done;
+        cfg.first_tail = ftail.buf;
+        cfg.first_tail_len = ftail.len;
+    }
+
+    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+        PyObject *seq = tokens;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        start = 0;
+        views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+        blocks = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(blk_t));
+        if (views == NULL || blocks == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (b = 0; b < n; b++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, b);
+            if (get_buffer(item, &views[b], "a block") < 0)
+                goto done;
+            n_views = b + 1;
+            if (views[b].len == 0 || views[b].len % 4) {
+                PyErr_Format(HashingError,
+                             "blocks[%zd]: a block needs a non-empty whole number of u32 ids "
+                             "(%zd bytes)",
+                             b, views[b].len);
+                goto done;
+            }
+            blocks[b].tok = views[b].buf;
+            blocks[b].n = views[b].len / 4;
+            if (blocks[b].n > max_n)
+                max_n = blocks[b].n;
+        }
+        nb = n;
+    }
+    else {
+        Py_ssize_t total;
+        if (block_tokens < 1) {
+            PyErr_Format(HashingError, "block_tokens must be >= 1, got %zd", block_tokens);
+            goto done;
+        }
+        if (get_buffer(tokens, &flat, "tokens") < 0)
+            goto done;
+        if (flat.len % 4) {
+            PyErr_Format(HashingError, "tokens must hold whole u32 ids, got %zd bytes",
+                         flat.len);
+            goto done;
+        }
+        total = flat.len / 4 / block_tokens;
+        nb = total > start ? total - start : 0;
+        blocks = PyMem_Malloc((nb ? (size_t)nb : 1) * sizeof(blk_t));
+        if (blocks == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (b = 0; b < nb; b++) {
+            blocks[b].tok = (const unsigned char *)flat.buf + 4 * block_tokens * (start + b);
+            blocks[b].n = block_tokens;
+        }
+        max_n = block_tokens;
+    }
+
+    keys = PyMem_Malloc((size_t)KEY_LEN * (nb ? (size_t)nb : 1));
+    msg = PyMem_Malloc(msg_capacity(&cfg, max_n));
+    if (keys == NULL || msg == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (views == NULL && nb * block_tokens >= NOGIL_MIN_TOKENS) {
+        Py_BEGIN_ALLOW_THREADS
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg);
+    }
+
+    published = PyList_New(nb);
+    cps = PyList_New(0);
+    if (published == NULL || cps == NULL)
+        goto done;
+    for (b = 0; b < nb; b++) {
+        PyObject *pb = PyBytes_FromStringAndSize((const char *)keys + KEY_LEN * b + offset,
+                                                 width);
+        if (pb == NULL)
+            goto done;
+        PyList_SET_ITEM(published, b, pb);
+        if (every > 0 && (start + b + 1) % every == 0) {
+            PyObject *k = PyBytes_FromStringAndSize((const char *)keys + KEY_LEN * b, KEY_LEN);
+            if (k == NULL || PyList_Append(cps, k) < 0) {
+                Py_XDECREF(k);
+                goto done;
+            }
+            Py_DECREF(k);
+        }
+    }
+    result = PyTuple_Pack(2, published, cps);
+
+done:
+    Py_XDECREF(published);
+    Py_XDECREF(cps);
+    PyMem_Free(keys);
+    PyMem_Free(msg);
+    PyMem_Free(blocks);
+    if (views != NULL) {
+        for (b = 0; b < n_views; b++)
+            PyBuffer_Release(&views[b]);
+        PyMem_Free(views);
+    }
+    if (flat.obj)
+        PyBuffer_Release(&flat);
+    if (parent.obj)
+        PyBuffer_Release(&parent);
+    if (tail.obj)
+        PyBuffer_Release(&tail);
+    if (ftail.obj)
+        PyBuffer_Release(&ftail);
+    return result;
+}
+
+/* ================================================================================= pack */
+
+PyDoc_STRVAR(pack_doc,
+             "pack(tokens, drop_last=False) -> bytes | None\n\n"
+             "A list/tuple of ints as u32 little-endian bytes (the last one left out with "
+             "drop_last); None when an item is not an int in 0..2**32-1.");
+
+static PyObject *
+cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"tokens", "drop_last", NULL};
+    PyObject *tokens, *out;
+    int drop_last = 0;
+    Py_ssize_t n, i;
+    unsigned char *p;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p", kwlist, &tokens, &drop_last))
+        return NULL;
+    if (!PyList_Check(tokens) && !PyTuple_Check(tokens)) {
+        PyErr_Format(PyExc_TypeError, "pack() takes a list or tuple, got %.100s",
+                     Py_TYPE(tokens)->tp_name);
+        return NULL;
+    }
+    n = PySequence_Fast_GET_SIZE(tokens);
+    if (drop_last && n > 0)
+        n--;
+    out = PyBytes_FromStringAndSize(NULL, 4 * n);
+    if (out == NULL)
+        return NULL;
+    p = (unsigned char *)PyBytes_AS_STRING(out);
+    for (i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(tokens, i);
+        unsigned long v;
+        if (!PyLong_Check(item))
+            goto bad;
+        v = PyLong_AsUnsignedLong(item);
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto bad;
+        }
+        if (v > 0xFFFFFFFFul)
+            goto bad;
+        store_le32(p + 4 * i, (uint32_t)v);
+    }
+    return out;
+bad:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+/* ========================================================================= fingerprints */
+
+#define FP_P1 0x9E3779B97F4A7C15ull
+#define FP_P2 0xC2B2AE3D27D4EB4Full
+#define FP_P3 0x165667B19E3779F9ull
+
+static inline uint64_t
+rotl64(uint64_t x, int n)
+{
+    return (x << n) | (x >> (64 - n));
+}
+
+static inline uint64_t
+load_le64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline uint64_t
+fp_avalanche(uint64_t h)
+{
+    h ^= h >> 33;
+    h *= FP_P2;
+    h ^= h >> 29;
+    h *= FP_P3;
+    h ^= h >> 32;
+    return h;
+}
+
+/* Fingerprint of one segment (a multiple of 4 bytes) folded into the running value h. */
+static uint64_t
+fp_segment(uint64_t h, const unsigned char *p, size_t len)
+{
+    uint64_t l0 = h ^ FP_P1, l1 = h + FP_P2, l2 = rotl64(h, 17) ^ FP_P3, l3 = h * FP_P1 + 1;
+    size_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        l0 = rotl64(l0 ^ (load_le64(p + i) * FP_P2), 31) * FP_P1;
+        l1 = rotl64(l1 ^ (load_le64(p + i + 8) * FP_P2), 31) * FP_P1;
+        l2 = rotl64(l2 ^ (load_le64(p + i + 16) * FP_P2), 31) * FP_P1;
+        l3 = rotl64(l3 ^ (load_le64(p + i + 24) * FP_P2), 31) * FP_P1;
+    }
+    for (; i + 4 <= len; i += 4)
+        l0 = rotl64(l0 ^ ((uint64_t)load_le32(p + i) * FP_P3), 23) * FP_P2;
+    h = rotl64(l0, 1) + rotl64(l1, 7) + rotl64(l2, 12) + rotl64(l3, 18);
+    return fp_avalanche(h ^ (uint64_t)len);
+}
+
+PyDoc_STRVAR(fingerprints_doc,
+             "fingerprints(raw, stride) -> list[int]\n\n"
+             "64-bit fingerprints of raw[:k * stride] for k = 1 .. len(raw) // stride "
+             "(stride a positive multiple of 4).");
+
+static PyObject *
+cn_fingerprints(PyObject *self, PyObject *args)
+{
+    Py_buffer raw;
+    Py_ssize_t stride, k, n;
+    PyObject *out;
+    uint64_t h = 0;
+
+    if (!PyArg_ParseTuple(args, "y*n", &raw, &stride))
+        return NULL;
+    if (stride < 4 || stride % 4) {
+        PyBuffer_Release(&raw);
+        PyErr_Format(HashingError, "stride must be a positive multiple of 4, got %zd", stride);
+        return NULL;
+    }
+    n = raw.len / stride;
+    out = PyList_New(n);
+    if (out == NULL) {
+        PyBuffer_Release(&raw);
+        return NULL;
+    }
+    for (k = 0; k < n; k++) {
+        PyObject *v;
+        h = fp_segment(h, (const unsigned char *)raw.buf + stride * k, (size_t)stride);
+        v = PyLong_FromUnsignedLongLong(h);
+        if (v == NULL) {
+            Py_DECREF(out);
+            PyBuffer_Release(&raw);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, v);
+    }
+    PyBuffer_Release(&raw);
+    return out;
+}
+
+PyDoc_STRVAR(same_prefix_doc,
+             "same_prefix(a, b, n) -> bool\n\na[:n] == b[:n] (False when either is shorter).");
+
+static PyObject *
+cn_same_prefix(PyObject *self, PyObject *args)
+{
+    Py_buffer a, b;
+    Py_ssize_t n;
+    int same;
+    if (!PyArg_ParseTuple(args, "y*y*n", &a, &b, &n))
+        return NULL;
+    same = n >= 0 && a.len >= n && b.len >= n && memcmp(a.buf, b.buf, (size_t)n) == 0;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(same);
+}
+
+/* ============================================================================ primitives */
+
+static PyObject *
+one_shot(PyObject *args, int blake)
+{
+    Py_buffer data;
+    unsigned char *msg, out[32];
+    if (!PyArg_ParseTuple(args, "y*", &data))
+        return NULL;
+    msg = PyMem_Malloc((size_t)data.len + 72);
+    if (msg == NULL) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
+    if (data.len)
+        memcpy(msg, data.buf, (size_t)data.len);
+    if (blake)
+        b3_hash(msg, (size_t)data.len, out);
+    else
+        sha256_padded(msg, (size_t)data.len, out);
+    PyMem_Free(msg);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
+static PyObject *
+cn_sha256(PyObject *self, PyObject *args)
+{
+    return one_shot(args, 0);
+}
+
+static PyObject *
+cn_blake3(PyObject *self, PyObject *args)
+{
+    return one_shot(args, 1);
+}
+
+static PyObject *
+cn_has_sha_ni(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(using_sha_ni);
+}
+
+static PyObject *
+cn_set_sha_ni(PyObject *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+#ifdef HAVE_X86_SHA
+    if (on && cpu_has_sha_ni()) {
+        sha256_blocks = sha256_blocks_shani;
+        using_sha_ni = 1;
+    }
+    else {
+        sha256_blocks = sha256_blocks_portable;
+        using_sha_ni = 0;
+    }
+#else
+    (void)on;
+#endif
+    return PyBool_FromLong(using_sha_ni);
+}
+
+static PyMethodDef methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))cn_chain, METH_VARARGS | METH_KEYWORDS, chain_doc},
+    {"pack", (PyCFunction)(void (*)(void))cn_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},
+    {"fingerprints", cn_fingerprints, METH_VARARGS, fingerprints_doc},
+    {"same_prefix", cn_same_prefix, METH_VARARGS, same_prefix_doc},
+    {"sha256", cn_sha256, METH_VARARGS, "sha256(data) -> bytes: the SHA-256 digest."},
+    {"blake3", cn_blake3, METH_VARARGS, "blake3(data) -> bytes: the 32-byte BLAKE3 hash."},
+    {"has_sha_ni", cn_has_sha_ni, METH_NOARGS,
+     "has_sha_ni() -> bool: whether SHA-256 runs on the x86 SHA extensions."},
+    {"set_sha_ni", cn_set_sha_ni, METH_O,
+     "set_sha_ni(on) -> bool: use the x86 SHA extensions when on and available (tests "
+     "exercise the portable path with set_sha_ni(False)); returns whether they are used."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+             "SHA-256 and BLAKE3 block-hash chains in C (v2_sha256, vllm_sha256_cbor, blake3); "
+             "see kvstream.hashing.trtllm, .vllm and .native for the pure-Python references.");
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "kvstream.hashing._chainnative", module_doc, -1, methods,
+    NULL,                  NULL,                            NULL,       NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__chainnative(void)
+{
+    PyObject *m, *errors;
+
+    errors = PyImport_ImportModule("kvstream.errors");
+    if (errors == NULL)
+        return NULL;
+    Py_XDECREF(HashingError);
+    HashingError = PyObject_GetAttrString(errors, "HashingError");
+    Py_DECREF(errors);
+    if (HashingError == NULL)
+        return NULL;
+#ifdef HAVE_X86_SHA
+    if (cpu_has_sha_ni()) {
+        sha256_blocks = sha256_blocks_shani;
+        using_sha_ni = 1;
+    }
+#endif
+    m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "KIND_V2", KIND_V2) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_CBOR", KIND_CBOR) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_BLAKE3", KIND_BLAKE3) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
