@@ -577,11 +577,13 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
             if (get_buffer(item, &views[b], "a block") < 0)
                 goto done;
             n_views = b + 1;
-            if (views[b].len == 0 || views[b].len % 4) {
-                PyErr_Format(HashingError,
-                             "blocks[%zd]: a block needs a non-empty whole number of u32 ids "
-                             "(%zd bytes)",
-                             b, views[b].len);
+            if (views[b].len == 0) {
+                PyErr_Format(HashingError, "blocks[%zd]: a block needs at least one token", b);
+                goto done;
+            }
+            if (views[b].len % 4) {
+                PyErr_Format(HashingError, "blocks[%zd]: %zd bytes are not whole u32 ids", b,
+                             views[b].len);
                 goto done;
             }
             blocks[b].tok = views[b].buf;
@@ -681,7 +683,8 @@ done:
 PyDoc_STRVAR(pack_doc,
              "pack(tokens, drop_last=False) -> bytes | None\n\n"
              "A list/tuple of ints as u32 little-endian bytes (the last one left out with "
-             "drop_last); None when an item is not an int in 0..2**32-1.");
+             "drop_last, which is validated all the same); None when an item is not an int in "
+             "0..2**32-1.");
 
 static PyObject *
 cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -700,8 +703,7 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     n = PySequence_Fast_GET_SIZE(tokens);
-    if (drop_last && n > 0)
-        n--;
+    /* the dropped last id is validated too (bad input is rejected whether or not hashed) */
     out = PyBytes_FromStringAndSize(NULL, 4 * n);
     if (out == NULL)
         return NULL;
@@ -720,6 +722,8 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
             goto bad;
         store_le32(p + 4 * i, (uint32_t)v);
     }
+    if (drop_last && n > 0 && _PyBytes_Resize(&out, 4 * (n - 1)) < 0)
+        return NULL;
     return out;
 bad:
     Py_DECREF(out);

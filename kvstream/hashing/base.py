@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple, TypeAlias
 
+from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.salt import cache_salt_id
 
@@ -285,6 +286,49 @@ class BlockHasher(ABC):
             )
             out.append(published)
         return out
+
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """The published hashes of a packed request's full blocks, from block ``start`` on.
+
+        ``raw`` holds the request's token ids as u32 little-endian bytes; block ``i`` is ids
+        ``i * tokens_per_block`` up to the next block (a trailing partial block is not hashed).
+        ``state`` is the chain state before block ``start`` (the root for 0; see
+        :meth:`resume`). Also returns the chain keys (``ChainState.key``) after every block
+        ``i >= start`` with ``(i + 1) % every == 0`` (none when ``every`` is 0), the points a
+        caller can resume from. Equals :meth:`chain_bytes` over the same blocks (no mm keys, no
+        extra ids). This default slices the blocks and folds :meth:`extend`; algorithms with a
+        whole-request loop (the C chains) override it.
+        """
+        step = 4 * tokens_per_block
+        blocks = [
+            TokenIds.from_bytes(raw[i * step : (i + 1) * step])
+            for i in range(start, len(raw) // step)
+        ]
+        if every <= 0:
+            return self._chain(state, blocks, None, None), []
+        out: list[bytes] = []
+        keys: list[Any] = []
+        extend = self.extend
+        for i, block in enumerate(blocks, start + 1):
+            published, state = extend(state, block)
+            out.append(published)
+            if i % every == 0:
+                keys.append(state.key)
+        return out, keys
+
+    def resume(self, root: ChainState, key: Any, depth: int) -> ChainState:
+        """The chain state after ``depth`` blocks of a request whose root is ``root``, the
+        last of them with chain key ``key`` (a key :meth:`chain_raw` returned)."""
+        self._check_state(root)
+        return root._replace(key=key, depth=depth)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} width={self.width}>"

@@ -32,6 +32,7 @@ __all__ = [
     "coerce_many",
     "coerce_tokens",
     "extra_ids_list",
+    "plain_raws",
     "split_blocks",
     "u32_list",
 ]
@@ -221,6 +222,22 @@ def coerce_block(block: Any, where: Where = "block") -> bytes | MixedBlock:
             ints.append(tok)
             parts.append(one)
     return MixedBlock(coerce_tokens(ints, where), tuple(digests), b"".join(parts), len(block))
+
+
+def plain_raws(blocks: Sequence[Any]) -> list[bytes] | None:
+    """Every block's u32 LE bytes (:func:`coerce_block`), or None when a block holds digest
+    tokens. Bad blocks raise HashingError naming ``blocks[i]``; empty blocks are returned as
+    they are (the caller's hash rejects them)."""
+    raws: list[bytes] = []
+    for i, b in enumerate(blocks):
+        if type(b) is TokenIds:
+            raws.append(b._raw)
+            continue
+        coerced = coerce_block(b, i)
+        if isinstance(coerced, MixedBlock):
+            return None
+        raws.append(coerced)
+    return raws
 
 
 def extra_ids_list(extra_ids: Any, n_tokens: int, where: str = "token_extra_ids") -> list[int]:

@@ -36,8 +36,9 @@ from blake3 import blake3
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
+from kvstream.hashing.accel import KIND_BLAKE3, native_chains
 from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
-from kvstream.hashing.blocks import MixedBlock, Where, coerce_block, extra_ids_list
+from kvstream.hashing.blocks import MixedBlock, Where, coerce_block, extra_ids_list, plain_raws
 from kvstream.hashing.multimodal import NormMmKey, digest32, normalize_mm_keys
 
 __all__ = ["STRUCTURED_CONTEXT", "Blake3Hasher"]
@@ -71,13 +72,20 @@ def _structured(
 
 
 class Blake3Hasher(BlockHasher):
-    """``blake3`` (``width=32``) / ``blake3_64`` (``width=8``): see the module docstring."""
+    """``blake3`` (``width=32``) / ``blake3_64`` (``width=8``): see the module docstring.
 
-    def __init__(self, width: int = 32) -> None:
+    ``native`` picks the whole-request C chain of plain blocks (:mod:`kvstream.hashing.accel`):
+    None (default) when built, False never, True required.
+    """
+
+    def __init__(self, width: int = 32, *, native: bool | None = None) -> None:
         if width not in (8, 32):
             raise HashingError(f"blake3 publishes 32-byte keys or their first 8 bytes, not {width}")
         self.width = width
         self.name = "blake3" if width == 32 else "blake3_64"
+        self._c: Any = native_chains(native, self.name)
+        #: Whether chains of plain blocks run in C.
+        self.native: bool = self._c is not None
 
     def root(
         self,
@@ -133,6 +141,12 @@ class Blake3Hasher(BlockHasher):
         out: list[bytes] = []
         append = out.append
         key_of = self._key
+        c = self._c
+        if c is not None and mm is None and extra is None:
+            raws = plain_raws(blocks)
+            if raws is not None:
+                published: list[bytes] = c.chain(KIND_BLAKE3, raws, 0, key, width=self.width)[0]
+                return published
         if mm is None and extra is None:
             b3 = blake3
             for b in blocks:
@@ -149,4 +163,23 @@ class Blake3Hasher(BlockHasher):
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]
+        return out
+
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
+        c = self._c
+        if c is None:
+            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
+        self._check_state(state)
+        out: tuple[list[bytes], list[Any]] = c.chain(
+            KIND_BLAKE3, raw, tokens_per_block, state.key, start, self.width, 0, None, None, every
+        )
         return out

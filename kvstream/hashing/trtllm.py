@@ -77,6 +77,7 @@ import numpy as np
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
+from kvstream.hashing.accel import KIND_V2, native_chains
 from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
 from kvstream.hashing.blocks import (
     MixedBlock,
@@ -85,6 +86,7 @@ from kvstream.hashing.blocks import (
     coerce_many,
     coerce_tokens,
     extra_ids_list,
+    plain_raws,
     u32_list,
 )
 from kvstream.hashing.multimodal import digest32, normalize_mm_keys
@@ -393,6 +395,33 @@ class V1BlockKeyHasher(BlockHasher):
             return _v1native.chain_bytes(*self._native_args(state, blocks, mm, extra))
         return [k.to_bytes(8, "big") for k in self._ints(state, blocks, mm, extra)]
 
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw`; the C extension hashes the flat buffer."""
+        if not self.native:
+            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
+        self._check_state(state)
+        step = 4 * tokens_per_block
+        end = len(raw) // step * step
+        if start * step >= end:
+            return [], []
+        scope = state.scope
+        out: list[bytes] = _v1native.chain_bytes(
+            raw[start * step : end], tokens_per_block, state.key, scope[2], scope[3]
+        )
+        keys: list[Any] = []
+        if every > 0:
+            first = -(start + 1) % every  # out index of the first block with (i+1) % every == 0
+            keys = [int.from_bytes(k, "big") for k in out[first::every]]
+        return out, keys
+
     def _ints(
         self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[int]:
@@ -440,13 +469,19 @@ class V2Sha256Hasher(BlockHasher):
     ``encoding`` values (:data:`V2_ENCODINGS`; default ``"u32"``). ``salt_hash`` maps
     ``cache_salt`` strings to salt ids (:mod:`kvstream.hashing.salt`; default ``"sha256"``, the
     V2 manager's derivation). Per-token extra ids are not part of V2 keys and raise
-    HashingError.
+    HashingError. ``native`` picks the whole-request C chain of the ``u32`` encoding
+    (:mod:`kvstream.hashing.accel`): None (default) when built, False never, True required.
     """
 
     _no_extra_ids = "v2_sha256 keys do not include per-token extra ids"
 
     def __init__(
-        self, width: int = 32, *, salt_hash: str = "sha256", encoding: str = "u32"
+        self,
+        width: int = 32,
+        *,
+        salt_hash: str = "sha256",
+        encoding: str = "u32",
+        native: bool | None = None,
     ) -> None:
         if width not in (8, 32):
             raise HashingError(
@@ -461,6 +496,11 @@ class V2Sha256Hasher(BlockHasher):
         self.salt_hash: str = check_salt_hash(salt_hash)
         self.encoding: str = encoding
         self._wide = encoding != "u32"
+        # The C chains (kvstream.hashing.accel) cover the u32 encoding of plain int blocks.
+        self._c: Any = None if self._wide else native_chains(native, self.name)
+        #: Whether whole-request chains run in C (``native``: None = when built, False = never,
+        #: True = required).
+        self.native: bool = self._c is not None
 
     def root(
         self,
@@ -534,6 +574,12 @@ class V2Sha256Hasher(BlockHasher):
     def _chain(
         self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
+        c = self._c
+        if c is not None and mm is None:
+            raws = plain_raws(blocks)
+            if raws is not None:
+                published: list[bytes] = c.chain(KIND_V2, raws, 0, state.key, width=self.width)[0]
+                return published
         key: bytes = state.key
         sha = hashlib.sha256
         out: list[bytes] = []
@@ -556,4 +602,23 @@ class V2Sha256Hasher(BlockHasher):
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]
+        return out
+
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
+        c = self._c
+        if c is None:
+            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
+        self._check_state(state)
+        out: tuple[list[bytes], list[Any]] = c.chain(
+            KIND_V2, raw, tokens_per_block, state.key, start, self.width, 0, None, None, every
+        )
         return out

@@ -63,6 +63,7 @@ import numpy as np
 
 from kvstream.errors import HashingError
 from kvstream.hashing import cbor
+from kvstream.hashing.accel import KIND_CBOR, native_chains
 from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
 from kvstream.hashing.blocks import coerce_many, coerce_tokens, u32_list
 from kvstream.hashing.multimodal import normalize_mm_keys
@@ -190,7 +191,9 @@ class VllmHasherBase(BlockHasher):
         hash_object = self.hash_object
         parent: bytes = state.key
         out: list[bytes] = []
-        extras = self._block_extras(state.scope, len(raws), mm, embeds, _as_tuple)
+        extras = self._block_extras(
+            state.scope, len(raws), mm, embeds, _as_tuple, first=state.depth == 0
+        )
         for raw, extra in zip(raws, extras, strict=True):
             parent = hash_object((parent, tuple(u32_list(raw)), extra))
             out.append(parent)
@@ -203,9 +206,12 @@ class VllmHasherBase(BlockHasher):
         mm: PerBlock,
         embeds: PerBlock,
         encode: Callable[[list[Any]], _T],
+        *,
+        first: bool = True,
     ) -> list[_T]:
-        """``encode`` of the extra keys (:meth:`_keys`) of each of a request's ``n`` blocks.
+        """``encode`` of the extra keys (:meth:`_keys`) of each of ``n`` consecutive blocks.
 
+        ``first``: whether the first of them is the request's first block (chain depth 0).
         Without per-block keys every block but the first has the same keys: encoded once.
         """
         keys = self._keys
@@ -213,12 +219,12 @@ class VllmHasherBase(BlockHasher):
             if n == 0:
                 return []
             rest = encode(keys(scope, False, None, None))
-            return [encode(keys(scope, True, None, None))] + [rest] * (n - 1)
+            return [encode(keys(scope, first, None, None))] + [rest] * (n - 1)
         return [
             encode(
                 keys(
                     scope,
-                    i == 0,
+                    first and i == 0,
                     None if mm is None else mm[i],
                     None if embeds is None else embeds[i],
                 )
@@ -337,6 +343,25 @@ class VllmHasherBase(BlockHasher):
         digests = self._digests(state, coerce_many(blocks), mm, embeds)
         return digests if self.width == 32 else [d[-8:] for d in digests]
 
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw` (the chain keys are the block digests)."""
+        self._check_state(state)
+        step = 4 * tokens_per_block
+        raws = [raw[i * step : (i + 1) * step] for i in range(start, len(raw) // step)]
+        if not raws:
+            return [], []
+        digests = self._digests(state, raws, None, None)
+        keys = digests[-(start + 1) % every :: every] if every > 0 else []
+        return (digests if self.width == 32 else [d[-8:] for d in digests]), keys
+
 
 class VllmSha256CborHasher(VllmHasherBase):
     """vLLM's ``sha256_cbor`` prefix hash (``width`` 32) or its published u64 form (8).
@@ -347,6 +372,57 @@ class VllmSha256CborHasher(VllmHasherBase):
     """
 
     algo = "vllm_sha256_cbor"
+
+    def __init__(
+        self,
+        width: int = 32,
+        *,
+        seed: str = DEFAULT_SEED,
+        extra_keys: str = "tagged",
+        lora_paths: Mapping[str, str] | None = None,
+        native: bool | None = None,
+    ) -> None:
+        super().__init__(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+        self._c: Any = native_chains(native, self.name)
+        #: Whether chains of blocks without per-block keys (multimodal, prompt embeds) run in
+        #: C (``native``: None = when built, False = never, True = required).
+        self.native: bool = self._c is not None
+
+    def _tails(self, state: ChainState) -> tuple[bytes | None, bytes]:
+        """CBOR extra keys of the block after ``state`` (None: as the rest) and of the rest."""
+        scope = state.scope
+        rest = _cbor_keys(self._keys(scope, False, None, None))
+        first = _cbor_keys(self._keys(scope, True, None, None)) if state.depth == 0 else None
+        return first, rest
+
+    def chain_raw(
+        self,
+        state: ChainState,
+        raw: bytes,
+        tokens_per_block: int,
+        *,
+        start: int = 0,
+        every: int = 0,
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
+        c = self._c
+        if c is None:
+            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
+        self._check_state(state)
+        first, rest = self._tails(state)
+        out: tuple[list[bytes], list[Any]] = c.chain(
+            KIND_CBOR,
+            raw,
+            tokens_per_block,
+            state.key,
+            start,
+            self.width,
+            32 - self.width,
+            first,
+            rest,
+            every,
+        )
+        return out
 
     def hash_object(self, obj: Any) -> bytes:
         return hashlib.sha256(cbor.dumps(obj)).digest()
@@ -360,7 +436,14 @@ class VllmSha256CborHasher(VllmHasherBase):
     def _digests(
         self, state: ChainState, raws: list[bytes], mm: PerBlock, embeds: PerBlock
     ) -> list[bytes]:
-        tails = self._block_extras(state.scope, len(raws), mm, embeds, _cbor_keys)
+        c = self._c
+        if c is not None and mm is None and embeds is None:
+            first, rest = self._tails(state)
+            digests: list[bytes] = c.chain(KIND_CBOR, raws, 0, state.key, 0, 32, 0, first, rest)[0]
+            return digests
+        tails = self._block_extras(
+            state.scope, len(raws), mm, embeds, _cbor_keys, first=state.depth == 0
+        )
         # Fast path: every block's "tokens + extra keys" segment built at once, so the loop
         # only concatenates the parent and hashes.
         lengths = [len(r) >> 2 for r in raws]

@@ -12,7 +12,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, get_hasher, split_blocks
+from kvstream.hashing.accel import pack_request
+from kvstream.hashing.prefix_cache import DEFAULT_CHECKPOINT_TOKENS, DEFAULT_MAX_BYTES, PrefixCache
 from kvstream.index.types import WorkerKey
 
 __all__ = ["HashRequest", "MatchResult", "RequestHasher", "WorkerMatch"]
@@ -37,11 +40,28 @@ class HashRequest:
 
 class RequestHasher:
     """Hashers by algorithm name, with per-algorithm parameters (``{"vllm_sha256_cbor":
-    {"seed": "..."}}``); unknown names raise UnknownHashAlgorithmError."""
+    {"seed": "..."}}``); unknown names raise UnknownHashAlgorithmError.
 
-    def __init__(self, params: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    Requests are packed once (u32 ids, in C for lists) and hashed by the algorithm's
+    whole-request chain (in C for the SHA-256 and BLAKE3 algorithms when the extension is
+    built, :mod:`kvstream.hashing.accel`). A bounded LRU of per-prefix chain hashes
+    (:class:`~kvstream.hashing.prefix_cache.PrefixCache`, keyed by hasher and its parameters,
+    block size, request scope and prefix tokens) makes a recurring prefix, such as a system
+    prompt, cost one hash: ``prefix_cache_bytes`` bounds its memory (default 32 MiB, about 600
+    8k-token requests; 0 disables it), ``checkpoint_tokens`` sets its reuse granularity.
+    Requests with multimodal keys bypass the cache. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
+        checkpoint_tokens: int = DEFAULT_CHECKPOINT_TOKENS,
+    ) -> None:
         self._params = {k: dict(v) for k, v in (params or {}).items()}
         self._hashers: dict[str, BlockHasher] = {}
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, checkpoint_tokens)
 
     def hasher(self, hash_algo: str) -> BlockHasher:
         """The (cached) hasher for ``hash_algo``."""
@@ -51,23 +71,44 @@ class RequestHasher:
         return h
 
     def hashes(
-        self, tokens: Any, hash_algo: str, tokens_per_block: int, req: HashRequest
+        self,
+        tokens: Any,
+        hash_algo: str,
+        tokens_per_block: int,
+        req: HashRequest | None = None,
     ) -> list[bytes]:
         """The published hashes of the request's full blocks (of ``tokens[:-1]`` when
-        ``req.drop_last_token``), as a worker with this algorithm and block size has them."""
-        blocks = split_blocks(tokens, tokens_per_block, drop_last_token=req.drop_last_token)
-        mm = None
-        if req.mm_keys is not None:
+        ``req.drop_last_token``), as a worker with this algorithm and block size has them.
+
+        ``tokens``: any token container the hashers accept (lists are fastest). Bad ids or a
+        ``tokens_per_block`` that is not a positive int raise HashingError.
+        """
+        req = req or _DEFAULT_REQUEST
+        h = self.hasher(hash_algo)
+        if req.mm_keys is not None and any(req.mm_keys):
+            blocks = split_blocks(tokens, tokens_per_block, drop_last_token=req.drop_last_token)
             mm = list(req.mm_keys[: len(blocks)])
             mm += [None] * (len(blocks) - len(mm))
-        return self.hasher(hash_algo).chain_bytes(
-            blocks,
-            req.lora_id,
-            req.cache_salt,
-            req.salt_id,
-            lora_name=req.lora_name,
-            mm_keys=mm,
-        )
+            return h.chain_bytes(
+                blocks,
+                req.lora_id,
+                req.cache_salt,
+                req.salt_id,
+                lora_name=req.lora_name,
+                mm_keys=mm,
+            )
+        if (
+            isinstance(tokens_per_block, bool)
+            or not isinstance(tokens_per_block, int)
+            or tokens_per_block <= 0
+        ):
+            raise HashingError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+        raw = pack_request(tokens, req.drop_last_token)
+        root = h.root(req.lora_id, req.cache_salt, req.salt_id, req.lora_name)
+        return self.prefix_cache.chain(h, root, raw, tokens_per_block)
+
+
+_DEFAULT_REQUEST = HashRequest()
 
 
 @dataclass(frozen=True, slots=True)

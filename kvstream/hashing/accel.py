@@ -1,0 +1,102 @@
+"""The optional C accelerator of the SHA-256/BLAKE3 chains, and request packing helpers.
+
+:mod:`kvstream.hashing._chainnative` (``_chainnative.c``, built by ``pip install`` when a C
+compiler is present) hashes a whole request's chain in one call for ``v2_sha256(_64)``
+(``u32`` encoding), ``vllm_sha256_cbor(_64)`` and ``blake3(_64)``: SHA-256 on the x86 SHA
+extensions when the CPU has them (portable C otherwise), BLAKE3's portable compression, vLLM's
+canonical CBOR token arrays built in C. The hashers in :mod:`.trtllm`, :mod:`.vllm` and
+:mod:`.native` use it by default and keep their pure-Python loops as the reference and the
+fallback (``native=False`` per hasher; ``KVSTREAM_NO_NATIVE=1`` before import for all). Values
+are identical either way (property-tested).
+
+Also here, with pure-Python fallbacks: :func:`pack_request` (a request's ids as u32 LE bytes),
+:func:`fingerprints` and :func:`same_prefix` (what the prefix cache of
+:mod:`kvstream.hashing.prefix_cache` looks requests up with).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+from kvstream.errors import HashingError
+from kvstream.hashing.blocks import coerce_tokens
+
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.hashing import _chainnative
+    except ImportError:  # built without a C compiler: the pure-Python path
+        _chainnative = None  # type: ignore[assignment]
+else:
+    _chainnative = None  # type: ignore[assignment]
+
+__all__ = [
+    "KIND_BLAKE3",
+    "KIND_CBOR",
+    "KIND_V2",
+    "NATIVE_CHAINS",
+    "fingerprints",
+    "native_chains",
+    "pack_request",
+    "same_prefix",
+]
+
+#: Whether the C extension is loaded (the hashers' default path).
+NATIVE_CHAINS: Final[bool] = _chainnative is not None
+#: Chain kinds of ``_chainnative.chain``.
+KIND_V2: Final = 0
+KIND_CBOR: Final = 1
+KIND_BLAKE3: Final = 2
+
+
+def native_chains(native: bool | None, algo: str) -> Any:
+    """The C module a hasher should use: ``native`` None picks it when loaded, False never,
+    True requires it (HashingError when it is not available)."""
+    if native is None:
+        return _chainnative
+    if not native:
+        return None
+    if _chainnative is None:
+        raise HashingError(
+            f"the {algo} C extension is not available (not built, or KVSTREAM_NO_NATIVE is set)"
+        )
+    return _chainnative
+
+
+def pack_request(tokens: Any, drop_last_token: bool = False) -> bytes:
+    """A request's token ids as u32 little-endian bytes, without the last one when
+    ``drop_last_token``. Accepts what :func:`~kvstream.hashing.blocks.coerce_tokens` accepts
+    (HashingError for bad ids, naming ``tokens[i]``); lists and tuples of ints are packed in C."""
+    kind = type(tokens)
+    if _chainnative is not None and (kind is list or kind is tuple):
+        raw: bytes | None = _chainnative.pack(tokens, drop_last_token)
+        if raw is not None:
+            return raw
+    raw = coerce_tokens(tokens, "tokens")
+    return raw[:-4] if drop_last_token and raw else raw
+
+
+def fingerprints(raw: bytes, stride: int) -> list[int]:
+    """Fingerprints of ``raw[:k * stride]`` for ``k = 1 .. len(raw) // stride``.
+
+    Equal prefixes give equal fingerprints within one process (the pure-Python fallback uses
+    Python's salted ``hash``); they are a candidate filter, not a proof of equality: callers
+    confirm a hit with :func:`same_prefix`.
+    """
+    if _chainnative is not None:
+        out: list[int] = _chainnative.fingerprints(raw, stride)
+        return out
+    fps: list[int] = []
+    h = 0
+    for k in range(len(raw) // stride):
+        h = hash((h, raw[k * stride : (k + 1) * stride]))
+        fps.append(h)
+    return fps
+
+
+def same_prefix(a: bytes, b: bytes, n: int) -> bool:
+    """``a[:n] == b[:n]``, False when either is shorter than ``n``."""
+    if _chainnative is not None:
+        same: bool = _chainnative.same_prefix(a, b, n)
+        return same
+    return len(a) >= n and len(b) >= n and a[:n] == b[:n]

@@ -1,0 +1,208 @@
+"""A bounded LRU of requests' chain hashes, so a recurring prefix (a system prompt) is hashed once.
+
+:meth:`PrefixCache.chain` returns what ``hasher.chain_raw(root, raw, tokens_per_block)`` returns
+(the published hashes of the request's full blocks), reusing the chain of the longest cached
+request that shares a prefix with this one and hashing only the rest.
+
+How: the request's token bytes are cut into checkpoints of ``every`` blocks (``every`` =
+``checkpoint_tokens // tokens_per_block``, at least 1). Each cached request is indexed under the
+fingerprint of its token bytes up to each of its checkpoints, per context ``(hasher, block
+size, root chain state)`` (the root state holds the algorithm's parameters that shape its
+chain, e.g. vLLM's seed, and the request scope: LoRA, salt). A lookup fingerprints the new
+request at its checkpoints, finds the longest indexed one, **confirms it by comparing the
+token bytes** (a fingerprint is a filter, never trusted), takes the cached hashes up to there
+and resumes the chain from the cached key (:meth:`BlockHasher.resume`). The result is then
+cached in its turn, so a prefix stays cached while requests keep using it.
+
+Memory bound: the cache holds at most ``max_bytes`` of accounted memory: per request its token
+bytes (4 per token), per block 56 bytes plus the published width (the hash objects and their
+list slots) and per checkpoint 200 bytes (its index entry and chain key). An 8k-token request
+with 32-token blocks costs about 55 KiB, so the default 32 MiB keeps ~600 of them. A request
+larger than ``max_bytes`` is hashed without being cached. Thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvstream.errors import HashingError
+from kvstream.hashing.accel import fingerprints, same_prefix
+from kvstream.hashing.base import BlockHasher, ChainState
+
+__all__ = ["DEFAULT_CHECKPOINT_TOKENS", "DEFAULT_MAX_BYTES", "PrefixCache", "PrefixCacheStats"]
+
+#: Default bound of a cache's accounted memory.
+DEFAULT_MAX_BYTES: Final = 32 << 20
+#: Default distance between checkpoints, in tokens (rounded down to whole blocks).
+DEFAULT_CHECKPOINT_TOKENS: Final = 256
+_BLOCK_COST: Final = 56
+_CHECKPOINT_COST: Final = 200
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Counters of a :class:`PrefixCache`: requests that reused a cached prefix (``hits``) or
+    not (``misses``), blocks taken from the cache (``reused_blocks``) or hashed
+    (``hashed_blocks``), and the current ``entries`` and accounted ``bytes``."""
+
+    hits: int
+    misses: int
+    reused_blocks: int
+    hashed_blocks: int
+    entries: int
+    bytes: int
+
+
+@dataclass(eq=False, slots=True)  # eq=False: hashed by identity (the LRU's keys)
+class _Entry:
+    ctx: tuple[Any, ...]
+    raw: bytes
+    published: list[bytes]
+    keys: list[Any]
+    fps: list[int]
+    size: int
+
+
+class PrefixCache:
+    """Per-prefix chain hashes of recent requests (see the module docstring).
+
+    ``max_bytes``: bound of the accounted memory (0 disables caching: every call hashes the
+    whole request). ``checkpoint_tokens``: tokens between checkpoints (the reuse granularity:
+    a shared prefix is reused up to its last checkpoint, the rest is hashed).
+    """
+
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        checkpoint_tokens: int = DEFAULT_CHECKPOINT_TOKENS,
+    ) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise HashingError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        if (
+            isinstance(checkpoint_tokens, bool)
+            or not isinstance(checkpoint_tokens, int)
+            or checkpoint_tokens < 1
+        ):
+            raise HashingError(f"checkpoint_tokens must be an int >= 1, got {checkpoint_tokens!r}")
+        self.max_bytes = max_bytes
+        self.checkpoint_tokens = checkpoint_tokens
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[_Entry, None] = OrderedDict()
+        self._index: dict[tuple[Any, ...], dict[tuple[int, int], _Entry]] = {}
+        self._bytes = 0
+        self._hits = self._misses = self._reused = self._hashed = 0
+
+    def chain(
+        self, hasher: BlockHasher, root: ChainState, raw: bytes, tokens_per_block: int
+    ) -> list[bytes]:
+        """``hasher.chain_raw(root, raw, tokens_per_block)[0]``, reusing cached prefixes.
+
+        ``root`` must be ``hasher``'s root state of the request; ``raw`` its token ids as u32
+        little-endian bytes (see :func:`kvstream.hashing.accel.pack_request`).
+        """
+        step = 4 * tokens_per_block
+        n = len(raw) // step
+        every = max(1, self.checkpoint_tokens // tokens_per_block)
+        if n < every or self.max_bytes == 0:
+            out, _ = hasher.chain_raw(root, raw, tokens_per_block)
+            with self._lock:
+                self._misses += 1
+                self._hashed += len(out)
+            return out
+        stride = every * step
+        fps = fingerprints(raw, stride)
+        ctx = (hasher, tokens_per_block, root)
+        with self._lock:
+            hit, k = self._lookup(ctx, raw, fps, stride)
+            if (
+                hit is not None
+                and k == len(fps)
+                and len(hit.published) >= n
+                and same_prefix(hit.raw, raw, n * step)
+            ):
+                # every full block of the request is cached: no hashing at all
+                self._entries.move_to_end(hit)
+                self._hits += 1
+                self._reused += n
+                return hit.published[:n]
+            prefix: list[bytes] = [] if hit is None else hit.published[: k * every]
+            prefix_keys: list[Any] = [] if hit is None else hit.keys[:k]
+        if hit is None:
+            published, keys = hasher.chain_raw(root, raw, tokens_per_block, every=every)
+        else:
+            state = hasher.resume(root, prefix_keys[-1], k * every)
+            tail, tail_keys = hasher.chain_raw(
+                state, raw, tokens_per_block, start=k * every, every=every
+            )
+            published = prefix + tail
+            keys = prefix_keys + tail_keys
+        size = len(raw) + len(published) * (_BLOCK_COST + hasher.width)
+        size += len(fps) * _CHECKPOINT_COST
+        with self._lock:
+            if hit is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+                self._reused += k * every
+            self._hashed += len(published) - (0 if hit is None else k * every)
+            if size <= self.max_bytes:
+                self._insert(_Entry(ctx, raw, published, keys, fps, size))
+        return published[:]
+
+    def _lookup(
+        self, ctx: tuple[Any, ...], raw: bytes, fps: list[int], stride: int
+    ) -> tuple[_Entry | None, int]:
+        """The cached entry sharing the longest checkpointed prefix with ``raw``, and that
+        prefix in checkpoints (binary search: the indexed checkpoints of a request form a
+        prefix of its checkpoints; a fingerprint that fails the byte comparison is a miss)."""
+        index = self._index.get(ctx)
+        if index is None:
+            return None, 0
+        best: _Entry | None = None
+        lo, hi = 0, len(fps)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            e = index.get((mid, fps[mid - 1]))
+            if e is not None and same_prefix(e.raw, raw, mid * stride):
+                lo, best = mid, e
+            else:
+                hi = mid - 1
+        return best, lo
+
+    def _insert(self, e: _Entry) -> None:
+        index = self._index.setdefault(e.ctx, {})
+        for k, fp in enumerate(e.fps, 1):
+            index[k, fp] = e
+        self._entries[e] = None
+        self._bytes += e.size
+        while self._bytes > self.max_bytes:
+            old, _ = self._entries.popitem(last=False)
+            self._bytes -= old.size
+            idx = self._index[old.ctx]
+            for k, fp in enumerate(old.fps, 1):
+                if idx.get((k, fp)) is old:
+                    del idx[k, fp]
+            if not idx:
+                del self._index[old.ctx]
+
+    def clear(self) -> None:
+        """Drop every cached request (the counters stay)."""
+        with self._lock:
+            self._entries.clear()
+            self._index.clear()
+            self._bytes = 0
+
+    def stats(self) -> PrefixCacheStats:
+        """The current counters (see :class:`PrefixCacheStats`)."""
+        with self._lock:
+            return PrefixCacheStats(
+                self._hits,
+                self._misses,
+                self._reused,
+                self._hashed,
+                len(self._entries),
+                self._bytes,
+            )
