@@ -145,3 +145,17 @@ async def test_consumer_group_commits_only_after_a_snapshot(
         await consumer.snapshot(snap)
         assert await committed() == 4
         assert load_snapshot(snap).positions == source.checkpoint()
+
+
+async def test_stop_at_end_reads_past_a_short_listed_end(kafka: KafkaEnv) -> None:
+    """tansu lists a partition's end as its last record batch's base offset + 1; a source
+    resumed inside that batch must still read it to the end (the fetch's high watermark)."""
+    topic = kafka.topic("idx-short-end")
+    await create_topic(kafka.broker.bootstrap, topic, 1)
+    batches = stream("e", 6)
+    await publish(kafka, topic, batches)  # one send: one record batch
+    ckpt = {"kind": "kafka", "topic": topic, "offsets": {"0": 3}}
+    idx = reference(batches[:3])
+    source = KafkaSource(kafka.bootstrap, topic, stop_at_end=True, resume_from=ckpt)
+    assert await consume(source, idx) == len(batches) - 3
+    assert idx.canonical_state() == reference(batches).canonical_state()

@@ -13,6 +13,7 @@ from kvstream.cli import (
     index_cmd,
     replay_cmd,
     schema_cmd,
+    shard_cmd,
 )
 
 app = typer.Typer(
@@ -31,6 +32,7 @@ app.command("demo")(demo_cmd.demo)
 app.command("bridge")(bridge_cmd.bridge)
 app.command("replay")(replay_cmd.replay)
 app.command("index")(index_cmd.index)
+app.command("shard")(shard_cmd.shard)
 app.add_typer(schema_cmd.app, name="schema")
 app.add_typer(events_cmd.app, name="events")
 app.command("hash")(hash_cmd.hash_tokens)

@@ -5,6 +5,11 @@ Two modes:
 - **Assigned partitions** (no ``group_id``): the consumer reads the given partitions (default:
   all) from the checkpoint's offsets, or from the start. Nothing is committed to Kafka; the
   snapshot holding the checkpoint is the only record of progress.
+- **A shard** (``shard="K/N"``, :class:`~kvstream.index.shards.ShardSpec`): the partitions ``p``
+  with ``p % N == K``, assigned as above. Its checkpoints record the shard and the topic's
+  partition count; resuming one with another shard, an unsharded checkpoint, or after the
+  topic was re-partitioned (workers moved between partitions) raises SourceError. See
+  ``docs/scaling.md``.
 - **Consumer group** (``group_id``): partitions are assigned by the group. Offsets are never
   auto-committed: :meth:`KafkaSource.commit` commits a checkpoint's offsets, and a consumer
   calls it only after the snapshot holding that checkpoint is on disk, so Kafka never claims
@@ -29,15 +34,19 @@ from typing import Any, Final
 from kvstream.codec import AvroCodec
 from kvstream.errors import CodecError, ConfigError, EventValidationError
 from kvstream.index.errors import SourceError
+from kvstream.index.shards import ShardSpec
 from kvstream.index.sources.base import EventSource, SourceItem, decode_message, skipped_ids
 from kvstream.sink import parse_sink_url
 
 __all__ = ["KafkaSource"]
 
 HEADER_SCHEMA_VERSION: Final = "kvstream-schema-version"
+#: Polls a stop-at-end source waits for a fetch's high watermark before it trusts a listed end.
+_END_CHECKS: Final = 10
 _URL_KEYS: Final = (
     "group_id",
     "partitions",
+    "shard",
     "stop_at_end",
     "client_id",
     "schema_ids",
@@ -48,7 +57,8 @@ _URL_KEYS: Final = (
 class KafkaSource(EventSource):
     """Batches of ``topic`` on ``bootstrap_servers``; see the module docstring.
 
-    ``partitions``: the partitions to assign (no group; default all). ``resume_from``: a
+    ``partitions``: the partitions to assign (no group; default all). ``shard``: read only
+    that shard's partitions (``"K/N"``; no group, no ``partitions``). ``resume_from``: a
     :meth:`checkpoint`. ``schema_ids``: Confluent schema id -> kvstream schema version.
     ``consumer_options`` go to :class:`aiokafka.AIOKafkaConsumer` (security settings,
     ``fetch_max_wait_ms``...).
@@ -61,6 +71,7 @@ class KafkaSource(EventSource):
         *,
         group_id: str | None = None,
         partitions: Sequence[int] | None = None,
+        shard: ShardSpec | str | tuple[int, int] | None = None,
         resume_from: Mapping[str, Any] | None = None,
         stop_at_end: bool = False,
         schema_ids: Mapping[int, int] | None = None,
@@ -74,6 +85,10 @@ class KafkaSource(EventSource):
             raise ConfigError("a Kafka source needs a topic")
         if group_id is not None and partitions is not None:
             raise ConfigError("a Kafka source uses either a consumer group or partitions")
+        if shard is not None and (group_id is not None or partitions is not None):
+            raise ConfigError(
+                "a Kafka shard reads its own partitions: no consumer group, no partitions"
+            )
         servers = (
             bootstrap_servers if isinstance(bootstrap_servers, str) else ",".join(bootstrap_servers)
         )
@@ -83,27 +98,37 @@ class KafkaSource(EventSource):
         self.topic = topic
         self.group_id = group_id
         self.partitions = None if partitions is None else sorted(set(partitions))
+        self.shard = None if shard is None else ShardSpec.parse(shard)
+        #: The topic's partition count (known once a sharded source started).
+        self.num_partitions: int | None = None
         self.stop_at_end = stop_at_end
         self.schema_ids = dict(schema_ids or {})
         self.client_id = client_id
         self.codec = codec or AvroCodec()
         self.consumer_options = dict(consumer_options or {})
         self.max_records = max_records
-        self.name = f"kafka:{topic}"
+        self.name = f"kafka:{topic}" if self.shard is None else f"kafka:{topic}#{self.shard}"
         self._resume: dict[int, int] = {}
+        self._resume_partitions: int | None = None
         if resume_from is not None:
             if resume_from.get("kind") != "kafka" or resume_from.get("topic") != topic:
                 raise SourceError(f"not a checkpoint of Kafka topic {topic!r}: {resume_from!r}")
             self._resume = {int(p): int(o) for p, o in resume_from.get("offsets", {}).items()}
+            self._check_shard(resume_from)
+            count = resume_from.get("num_partitions")
+            self._resume_partitions = None if count is None else int(count)
         self._next: dict[int, int] = dict(self._resume)
         self._consumer: Any = None
         self._buf: deque[Any] = deque()
         self._ends: dict[int, int] | None = None
+        self._fetched_end: set[int] = set()
+        self._end_checks = 0
         self._lock = asyncio.Lock()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> KafkaSource:
-        """``kafka://host:port[,host:port]/topic?group_id=G&partitions=0,1&stop_at_end=1``.
+        """``kafka://host:port[,host:port]/topic?group_id=G&partitions=0,1&stop_at_end=1``
+        (or ``shard=K/N`` instead of a group or partitions).
 
         Also ``client_id``, ``request_timeout_ms`` and ``schema_ids=ID:VERSION,...``;
         ``kwargs`` override/extend the constructor arguments.
@@ -126,6 +151,9 @@ class KafkaSource(EventSource):
                 args["partitions"] = [int(p) for p in parts.split(",") if p.strip()]
             except ValueError:
                 raise ConfigError(f"partitions must be ints in {url!r}") from None
+        shard = u.get("shard")
+        if shard:
+            args["shard"] = ShardSpec.parse(shard)
         ids = u.get("schema_ids")
         if ids:
             try:
@@ -169,6 +197,13 @@ class KafkaSource(EventSource):
                     parts = self.partitions
                     if parts is None:
                         parts = await self._topic_partitions(consumer)
+                    if self.shard is not None:
+                        self._check_partition_count(len(parts))
+                        self.num_partitions = len(parts)
+                        try:
+                            parts = self.shard.partitions(len(parts))
+                        except ConfigError as exc:
+                            raise SourceError(str(exc)) from None
                     tps = [TopicPartition(self.topic, p) for p in parts]
                     consumer.assign(tps)
                     for tp in tps:
@@ -178,6 +213,9 @@ class KafkaSource(EventSource):
                         else:
                             consumer.seek(tp, off)
             except BaseException as exc:
+                # let aiokafka's coordinator task start: stopping a consumer before it ran
+                # once makes stop() raise CancelledError instead of closing
+                await asyncio.sleep(0)
                 await consumer.stop()
                 if isinstance(exc, Exception) and not isinstance(exc, SourceError):
                     raise SourceError(
@@ -185,6 +223,26 @@ class KafkaSource(EventSource):
                     ) from exc
                 raise
             self._consumer = consumer
+
+    def _check_shard(self, ckpt: Mapping[str, Any]) -> None:
+        """A sharded source resumes only its own shard's checkpoints (another shard's index
+        holds other workers; an unsharded one holds every worker)."""
+        if self.shard is None:
+            return  # partitions missing from a shard's checkpoint are read from the start
+        theirs = ckpt.get("shard")
+        if theirs != str(self.shard):
+            what = "an unsharded consumer" if theirs is None else f"shard {theirs}"
+            raise SourceError(
+                f"checkpoint of {what} of {self.topic!r} cannot resume shard {self.shard}"
+            )
+
+    def _check_partition_count(self, count: int) -> None:
+        before = self._resume_partitions
+        if before is not None and before != count:
+            raise SourceError(
+                f"topic {self.topic!r} has {count} partitions, the checkpoint was taken with "
+                f"{before}: workers moved between partitions, rebuild the shards from scratch"
+            )
 
     async def _topic_partitions(self, consumer: Any) -> list[int]:
         for _ in range(50):
@@ -204,6 +262,7 @@ class KafkaSource(EventSource):
             async def on_partitions_revoked(self, revoked: Any) -> None:
                 source._buf.clear()  # records of revoked partitions must not be yielded
                 source._ends = None
+                source._fetched_end.clear()
 
             async def on_partitions_assigned(self, assigned: Any) -> None:
                 for tp in assigned:
@@ -255,11 +314,23 @@ class KafkaSource(EventSource):
         if self._ends is None:
             ends = await consumer.end_offsets(list(tps))
             self._ends = {tp.partition: off for tp, off in ends.items()}
+            self._end_checks = 0
+        self._end_checks += 1
         for tp in tps:
             end = self._ends.get(tp.partition)
             if end is None:
                 self._ends = None
                 return False
+            if tp.partition not in self._fetched_end:
+                # Some brokers (tansu) list a partition's end as its last record batch's base
+                # offset + 1; a fetch reports the true high watermark. Wait for one (a few
+                # polls at most) before trusting the listed end.
+                hw = consumer.highwater(tp)
+                if hw is None and self._end_checks <= _END_CHECKS:
+                    return False
+                self._fetched_end.add(tp.partition)
+                if hw is not None and hw > end:
+                    self._ends[tp.partition] = end = hw
             if await consumer.position(tp) < end:
                 return False
         return True
@@ -289,12 +360,17 @@ class KafkaSource(EventSource):
     # ------------------------------------------------------------------ positions
 
     def checkpoint(self) -> dict[str, Any]:
-        """``{"kind": "kafka", "topic": T, "offsets": {"partition": next offset}}``."""
-        return {
+        """``{"kind": "kafka", "topic": T, "offsets": {"partition": next offset}}``; a
+        shard's also holds ``"shard": "K/N"`` and ``"num_partitions"`` (the topic's)."""
+        out: dict[str, Any] = {
             "kind": "kafka",
             "topic": self.topic,
             "offsets": {str(p): o for p, o in sorted(self._next.items())},
         }
+        if self.shard is not None:
+            out["shard"] = str(self.shard)
+            out["num_partitions"] = self.num_partitions or self._resume_partitions
+        return out
 
     async def commit(self, checkpoint: Mapping[str, Any]) -> None:
         """Commit ``checkpoint``'s offsets to the consumer group (no-op without a group)."""

@@ -1,0 +1,151 @@
+"""``kvstream shard``: one index shard process: consume shard K/N of a Kafka topic, serve matches.
+
+Register with ``app.command("shard")(shard_cmd.shard)``. Only typer is imported at module
+level; the index and aiokafka are imported when the command runs. Exit codes: 0 done; 1 the
+stream could not be read; 2 bad arguments (shard, URL, unreadable or mismatched snapshot,
+address in use).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+__all__ = ["shard"]
+
+
+def shard(
+    stream: Annotated[
+        str, typer.Argument(help="kafka://HOST:PORT/TOPIC (the Kafka sink's topic).")
+    ],
+    shard_spec: Annotated[
+        str,
+        typer.Option(
+            "--shard",
+            help="This process's shard K/N: the partitions p with p % N == K.",
+        ),
+    ],
+    listen: Annotated[
+        str,
+        typer.Option(help="HOST:PORT to serve matches on (port 0: a free one; printed)."),
+    ] = "127.0.0.1:0",
+    snapshot: Annotated[
+        Path | None,
+        typer.Option(help="Snapshot file: resumed from when it exists, written on exit."),
+    ] = None,
+    snapshot_every: Annotated[
+        int | None, typer.Option(min=1, help="Also snapshot every N batches.")
+    ] = None,
+    snapshot_every_s: Annotated[
+        float | None, typer.Option(min=0.1, help="Also snapshot every S seconds.")
+    ] = None,
+    key_mode: Annotated[
+        str, typer.Option(help="How blocks are keyed: engine or tokens (see kvstream index).")
+    ] = "engine",
+    block_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Block size of workers that advertise none."),
+    ] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(help="Keep consuming until SIGINT/SIGTERM (else stop at the end offsets)."),
+    ] = True,
+) -> None:
+    """Consume one shard of a Kafka topic into a prefix index and serve matches to a router.
+
+    Prints one JSON line when it listens ({"listening": "HOST:PORT", "shard": "K/N"}) and
+    one when it ends (batches, snapshots). A router reaches it with
+    kvstream.index.shard_rpc.RemoteShard; see docs/scaling.md.
+    """
+    import asyncio
+    import json
+    import signal
+
+    from kvstream.errors import ConfigError, KVStreamError
+    from kvstream.index import PrefixIndex, SnapshotError
+    from kvstream.index.shard_rpc import ShardServer, serve_shard
+    from kvstream.index.shards import ShardSpec, open_shard
+    from kvstream.index.sources.kafka import KafkaSource
+
+    def fail(code: int, msg: str) -> typer.Exit:
+        typer.echo(f"error: {msg}", err=True)
+        return typer.Exit(code)
+
+    try:
+        spec = ShardSpec.parse(shard_spec)
+        host, sep, port = listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"--listen takes HOST:PORT, got {listen!r}")
+        base = KafkaSource.from_url(stream)
+        if base.group_id is not None or base.partitions is not None or base.shard is not None:
+            raise ConfigError("give the shard with --shard, not in the URL")
+        from kvstream.index import KeyMode
+
+        mode = KeyMode.parse(key_mode)
+    except KVStreamError as exc:
+        raise fail(2, str(exc)) from None
+
+    def fresh() -> PrefixIndex:
+        return PrefixIndex(default_tokens_per_block=block_size, key_mode=mode)
+
+    options: dict[str, Any] = {
+        "stop_at_end": not follow,
+        "client_id": base.client_id,
+        "schema_ids": base.schema_ids,
+        "consumer_options": base.consumer_options,
+    }
+    try:
+        if snapshot is not None:
+            consumer = open_shard(
+                snapshot, base.bootstrap_servers, base.topic, spec, index_factory=fresh, **options
+            )
+            if consumer.index.key_mode is not mode:
+                raise ConfigError(
+                    f"snapshot {snapshot} holds a {consumer.index.key_mode.value}-keyed index; "
+                    f"pass --key-mode {consumer.index.key_mode.value}"
+                )
+        else:
+            from kvstream.index import IndexConsumer
+
+            source = KafkaSource(base.bootstrap_servers, base.topic, shard=spec, **options)
+            consumer = IndexConsumer(source, fresh(), meta={"shard": str(spec)})
+    except (SnapshotError, ConfigError) as exc:
+        raise fail(2, str(exc)) from None
+    except KVStreamError as exc:
+        raise fail(1, str(exc)) from None
+
+    def listening(server: ShardServer) -> None:
+        line = {"listening": f"{host or '127.0.0.1'}:{server.port}", "shard": str(spec)}
+        typer.echo(json.dumps(line), nl=True)
+
+    async def main() -> Any:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await serve_shard(
+            consumer,
+            host or "127.0.0.1",
+            int(port),
+            stop=stop if follow else None,
+            on_listen=listening,
+            snapshot_every_batches=snapshot_every,
+            snapshot_every_s=snapshot_every_s,
+        )
+
+    try:
+        report = asyncio.run(main())
+    except OSError as exc:
+        raise fail(2, f"{listen}: {exc}") from None
+    except KVStreamError as exc:
+        raise fail(1, str(exc)) from None
+    done = {
+        "shard": str(spec),
+        "batches": report.batches,
+        "snapshots": report.snapshots,
+        "workers": len(consumer.index.workers()),
+        "source": consumer.source.stats.as_dict(),
+    }
+    typer.echo(json.dumps(done))

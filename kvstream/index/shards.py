@@ -1,0 +1,303 @@
+"""Index shards past one core: partition by worker, one consumer process per shard, fan-out.
+
+The Kafka sink keys every message by its source (``instance_id/rank``) and places it with the
+Java client's murmur2 rule, so each worker's batches stay ordered in one partition. A worker's
+index state depends only on its own batches, so the partitions can be split among shards:
+
+- :class:`ShardSpec` ``K/N`` owns the partitions ``p`` with ``p % N == K`` (``KafkaSource(...,
+  shard="K/N")`` or ``kafka://host:port/topic?shard=K/N`` reads exactly those, with
+  ``assign()``); :func:`worker_partition` and :meth:`ShardSpec.owns_worker` say where a worker's
+  events land. Each shard is an :class:`~kvstream.index.consumer.IndexConsumer` in its own
+  process, snapshotting its index with its offsets; a replica restores that snapshot and
+  reads on from the stored offsets (:func:`open_shard`).
+- :class:`ShardedIndex` fans a match out to the shards (anything with ``workers()`` and
+  ``match()``: a :class:`~kvstream.index.index.PrefixIndex` in this process, or a
+  :class:`~kvstream.index.shard_rpc.RemoteShard` served by the shard's process) and merges the
+  per-worker
+  results; :func:`sharded_router` puts a :class:`~kvstream.index.router.Router` on top, so the
+  Dynamo-style scoring is the router's own and its decision equals that of one unsharded index
+  given the same candidates in the same order (property-tested).
+
+A worker held by two shards (a shard resumed with another split, or reading partitions it
+does not own) is reported untrusted rather than matched from either copy. Re-partitioning
+the topic moves workers between partitions: shards must then be rebuilt, and a sharded
+:class:`~kvstream.index.sources.kafka.KafkaSource` refuses a checkpoint taken with another
+partition count. See ``docs/scaling.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from kvstream.errors import ConfigError
+from kvstream.index.index import PrefixIndex
+from kvstream.index.load import LoadTracker
+from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
+from kvstream.index.router import Router, RouterConfig
+from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
+
+if TYPE_CHECKING:
+    from kvstream.index.consumer import IndexConsumer
+
+__all__ = [
+    "IndexShard",
+    "ShardSpec",
+    "ShardedIndex",
+    "open_shard",
+    "sharded_router",
+    "worker_partition",
+]
+
+_Worker = WorkerKey | tuple[str, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """Shard ``shard`` of ``count``: owns the partitions ``p`` with ``p % count == shard``.
+
+    ``str(spec)`` and :meth:`parse` use the form ``K/N``. ConfigError unless
+    ``0 <= shard < count``.
+    """
+
+    shard: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.shard < self.count:
+            raise ConfigError(f"a shard is K/N with 0 <= K < N, got {self.shard}/{self.count}")
+
+    def __str__(self) -> str:
+        return f"{self.shard}/{self.count}"
+
+    @classmethod
+    def parse(cls, value: ShardSpec | str | tuple[int, int]) -> ShardSpec:
+        """A spec from ``"K/N"``, ``(K, N)`` or a spec; ConfigError otherwise."""
+        if isinstance(value, ShardSpec):
+            return value
+        if isinstance(value, tuple) and len(value) == 2:
+            return cls(int(value[0]), int(value[1]))
+        if isinstance(value, str):
+            k, sep, n = value.partition("/")
+            if sep and k.strip().isdigit() and n.strip().isdigit():
+                return cls(int(k), int(n))
+        raise ConfigError(f"a shard is written K/N (e.g. 0/4), got {value!r}")
+
+    @classmethod
+    def all(cls, count: int) -> list[ShardSpec]:
+        """The ``count`` shards of a split."""
+        return [cls(k, count) for k in range(count)]
+
+    def owns_partition(self, partition: int) -> bool:
+        """True when ``partition`` belongs to this shard."""
+        return partition % self.count == self.shard
+
+    def partitions(self, num_partitions: int) -> list[int]:
+        """This shard's partitions of a topic with ``num_partitions``; ConfigError when it
+        gets none (more shards than partitions: the extra shards would idle)."""
+        parts = [p for p in range(num_partitions) if p % self.count == self.shard]
+        if not parts:
+            raise ConfigError(
+                f"shard {self} of a topic with {num_partitions} partition(s) owns none: "
+                f"use at most {num_partitions} shards"
+            )
+        return parts
+
+    def owns_worker(self, worker: _Worker, num_partitions: int) -> bool:
+        """True when ``worker``'s events land in one of this shard's partitions."""
+        return self.owns_partition(worker_partition(worker, num_partitions))
+
+
+def worker_partition(worker: _Worker, num_partitions: int) -> int:
+    """The partition the Kafka sink writes ``worker``'s batches to (its source key under the
+    murmur2 rule; needs the ``kafka`` extra)."""
+    from kvstream.events.model import SourceId
+    from kvstream.sinks.kafka import partition_for, source_key
+
+    if num_partitions < 1:
+        raise ConfigError(f"a topic has at least one partition, got {num_partitions}")
+    src = SourceId(instance_id=worker[0], attention_dp_rank=worker[1], incarnation=0)
+    return partition_for(source_key(src), num_partitions)
+
+
+class IndexShard(Protocol):
+    """What :class:`ShardedIndex` needs from a shard: a :class:`PrefixIndex`, or a
+    :class:`~kvstream.index.shard_rpc.RemoteShard` for a shard in another process (which
+    also has ``submit_match``: send now, wait later, so remote shards work in parallel)."""
+
+    def workers(self) -> list[WorkerKey]:
+        """The workers the shard holds."""
+        ...
+
+    def match(
+        self,
+        tokens: Any,
+        *,
+        layer_group_id: int = 0,
+        workers: Sequence[_Worker] | None = None,
+        request: HashRequest | None = None,
+        tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
+        hash_algo: str | None = None,
+        tokens_per_block: int | None = None,
+    ) -> MatchResult:
+        """Per-candidate matches, as :meth:`PrefixIndex.match`."""
+        ...
+
+
+def _order(w: WorkerKey) -> tuple[str, int]:
+    return (w.instance_id, -1 if w.dp_rank is None else w.dp_rank)
+
+
+class ShardedIndex:
+    """A read-only fan-out over shard indexes, answering ``workers()`` and ``match()`` as one
+    :class:`PrefixIndex` holding every shard's workers would.
+
+    ``workers()`` lists every shard's workers sorted by (instance id, rank), so the candidate
+    order (which breaks exact ties in a router) does not depend on how the fleet is sharded.
+    ``match()`` sends each shard only the candidates it holds and puts the answers back in
+    candidate order; a candidate no shard holds is reported as an unknown worker, one held by
+    several shards as untrusted (note ``held by shards i, j``). Errors a shard raises (e.g.
+    HashConfigMismatchError) propagate. Reads only: shards keep being fed by their consumers.
+    """
+
+    def __init__(self, shards: Sequence[IndexShard]) -> None:
+        if not shards:
+            raise ConfigError("a sharded index needs at least one shard")
+        self.shards = list(shards)
+
+    def owners(self) -> dict[WorkerKey, list[int]]:
+        """Worker -> the shards (positions in :attr:`shards`) holding it."""
+        out: dict[WorkerKey, list[int]] = {}
+        for i, shard in enumerate(self.shards):
+            for w in shard.workers():
+                out.setdefault(WorkerKey(w[0], w[1]), []).append(i)
+        return out
+
+    def workers(self) -> list[WorkerKey]:
+        """Every shard's workers, sorted by (instance id, rank)."""
+        return sorted(self.owners(), key=_order)
+
+    def __contains__(self, worker: object) -> bool:
+        if not isinstance(worker, tuple) or len(worker) != 2:
+            return False
+        return any(worker in shard.workers() for shard in self.shards)
+
+    def match(
+        self,
+        tokens: Any,
+        *,
+        layer_group_id: int = 0,
+        workers: Sequence[_Worker] | None = None,
+        request: HashRequest | None = None,
+        tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
+        hash_algo: str | None = None,
+        tokens_per_block: int | None = None,
+    ) -> MatchResult:
+        """How much of ``tokens`` each candidate holds (``workers``, default
+        :meth:`workers`), as :meth:`PrefixIndex.match` on the union of the shards."""
+        owners = self.owners()
+        if workers is None:
+            cands = sorted(owners, key=_order)
+        else:
+            cands = [WorkerKey(w[0], w[1]) for w in workers]
+        per_shard: dict[int, list[WorkerKey]] = {}
+        for w in cands:
+            held = owners.get(w)
+            if held is not None and len(held) == 1:
+                per_shard.setdefault(held[0], []).append(w)
+        args: dict[str, Any] = {
+            "layer_group_id": layer_group_id,
+            "request": request,
+            "tier_weights": tier_weights,
+            "hash_algo": hash_algo,
+            "tokens_per_block": tokens_per_block,
+        }
+        # remote shards get their requests first and work in parallel with the local ones
+        pending: list[Callable[[], MatchResult]] = []
+        for i, subset in per_shard.items():
+            submit = getattr(self.shards[i], "submit_match", None)
+            if submit is not None:
+                pending.append(submit(tokens, workers=subset, **args))
+        results = [
+            self.shards[i].match(tokens, workers=subset, **args)
+            for i, subset in per_shard.items()
+            if not hasattr(self.shards[i], "submit_match")
+        ]
+        results += [wait() for wait in pending]
+        found: dict[WorkerKey, WorkerMatch] = {}
+        num_tokens: int | None = None
+        for res in results:
+            num_tokens = res.num_tokens
+            for m in res.matches:
+                found[m.worker] = m
+        if num_tokens is None:
+            num_tokens = _count_tokens(tokens)
+        out: list[WorkerMatch] = []
+        for w in cands:
+            got = found.get(w)
+            if got is None:
+                held = owners.get(w)
+                note = (
+                    "unknown worker"
+                    if held is None
+                    else "held by shards " + ", ".join(map(str, held))
+                )
+                got = WorkerMatch(w, 0, 0.0, 0, None, None, False, note)
+            out.append(got)
+        return MatchResult(tuple(out), num_tokens)
+
+
+def sharded_router(
+    shards: ShardedIndex | Sequence[IndexShard],
+    workers: Sequence[_Worker] | None = None,
+    config: RouterConfig | None = None,
+    *,
+    load: LoadTracker | None = None,
+) -> Router:
+    """A :class:`Router` whose matches fan out to ``shards`` (see :class:`ShardedIndex`):
+    scoring, policies and load tracking are the router's own."""
+    view = shards if isinstance(shards, ShardedIndex) else ShardedIndex(shards)
+    # The router reads an index through workers() and match() only; ShardedIndex answers
+    # both as one PrefixIndex over the shards would (tests/test_index_scaleout.py).
+    return Router(cast(PrefixIndex, view), workers, config, load=load)
+
+
+def open_shard(
+    snapshot_path: str | os.PathLike[str],
+    bootstrap_servers: str | Sequence[str],
+    topic: str,
+    shard: ShardSpec | str | tuple[int, int],
+    *,
+    index_factory: Callable[[], PrefixIndex] | None = None,
+    hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
+    **source_options: Any,
+) -> IndexConsumer:
+    """The consumer of ``shard`` of ``topic``: restored from ``snapshot_path`` when it exists
+    (a replica joining: the index as snapshotted, reading on from the stored offsets), else
+    a fresh index reading the shard's partitions from the start. Snapshots it writes carry
+    the shard; one of another shard or split raises SourceError (from the source's
+    checkpoint check). ``source_options`` go to
+    :class:`~kvstream.index.sources.kafka.KafkaSource` (``stop_at_end``, ``client_id``...).
+    """
+    from kvstream.index.consumer import IndexConsumer
+    from kvstream.index.sources.kafka import KafkaSource
+
+    spec = ShardSpec.parse(shard)
+
+    def make(ckpt: dict[str, Any] | None) -> KafkaSource:
+        return KafkaSource(bootstrap_servers, topic, shard=spec, resume_from=ckpt, **source_options)
+
+    consumer = IndexConsumer.resume(
+        snapshot_path, make, index_factory=index_factory, hasher_params=hasher_params
+    )
+    consumer.meta.setdefault("shard", str(spec))
+    return consumer
+
+
+def _count_tokens(tokens: Any) -> int:
+    try:
+        return len(tokens)
+    except TypeError:
+        return 0
