@@ -43,6 +43,7 @@ __all__ = [
 
 #: Whether the C extension is loaded (the hashers' default path).
 NATIVE_CHAINS: Final[bool] = _chainnative is not None
+_native: Any = _chainnative  # typed Any: None when not built
 #: Chain kinds of ``_chainnative.chain``.
 KIND_V2: Final = 0
 KIND_CBOR: Final = 1
@@ -53,14 +54,14 @@ def native_chains(native: bool | None, algo: str) -> Any:
     """The C module a hasher should use: ``native`` None picks it when loaded, False never,
     True requires it (HashingError when it is not available)."""
     if native is None:
-        return _chainnative
+        return _native
     if not native:
         return None
-    if _chainnative is None:
+    if _native is None:
         raise HashingError(
             f"the {algo} C extension is not available (not built, or KVSTREAM_NO_NATIVE is set)"
         )
-    return _chainnative
+    return _native
 
 
 def pack_request(tokens: Any, drop_last_token: bool = False) -> bytes:
@@ -68,8 +69,8 @@ def pack_request(tokens: Any, drop_last_token: bool = False) -> bytes:
     ``drop_last_token``. Accepts what :func:`~kvstream.hashing.blocks.coerce_tokens` accepts
     (HashingError for bad ids, naming ``tokens[i]``); lists and tuples of ints are packed in C."""
     kind = type(tokens)
-    if _chainnative is not None and (kind is list or kind is tuple):
-        raw: bytes | None = _chainnative.pack(tokens, drop_last_token)
+    if _native is not None and (kind is list or kind is tuple):
+        raw: bytes | None = _native.pack(tokens, drop_last_token)
         if raw is not None:
             return raw
     raw = coerce_tokens(tokens, "tokens")
@@ -83,8 +84,8 @@ def fingerprints(raw: bytes, stride: int) -> list[int]:
     Python's salted ``hash``); they are a candidate filter, not a proof of equality: callers
     confirm a hit with :func:`same_prefix`.
     """
-    if _chainnative is not None:
-        out: list[int] = _chainnative.fingerprints(raw, stride)
+    if _native is not None:
+        out: list[int] = _native.fingerprints(raw, stride)
         return out
     fps: list[int] = []
     h = 0
@@ -96,7 +97,7 @@ def fingerprints(raw: bytes, stride: int) -> list[int]:
 
 def same_prefix(a: bytes, b: bytes, n: int) -> bool:
     """``a[:n] == b[:n]``, False when either is shorter than ``n``."""
-    if _chainnative is not None:
-        same: bool = _chainnative.same_prefix(a, b, n)
+    if _native is not None:
+        same: bool = _native.same_prefix(a, b, n)
         return same
     return len(a) >= n and len(b) >= n and a[:n] == b[:n]

@@ -1,0 +1,35 @@
+"""Type stub of the optional C extension ``kvstream.hashing._chainnative`` (``_chainnative.c``).
+
+Whole-request SHA-256/BLAKE3 block-hash chains (``v2_sha256``, ``vllm_sha256_cbor``,
+``blake3``; see :mod:`kvstream.hashing.accel`, which wraps it). Bad inputs raise
+:class:`kvstream.errors.HashingError`.
+"""
+
+from collections.abc import Sequence
+from typing import Final
+
+from typing_extensions import Buffer
+
+KIND_V2: Final[int]
+KIND_CBOR: Final[int]
+KIND_BLAKE3: Final[int]
+
+def chain(
+    kind: int,
+    tokens: Buffer | Sequence[Buffer],
+    block_tokens: int,
+    parent: Buffer,
+    start: int = 0,
+    width: int = 32,
+    offset: int = 0,
+    first_tail: Buffer | None = None,
+    tail: Buffer | None = None,
+    every: int = 0,
+) -> tuple[list[bytes], list[bytes]]: ...
+def pack(tokens: list[int] | tuple[int, ...], drop_last: bool = False) -> bytes | None: ...
+def fingerprints(raw: Buffer, stride: int, /) -> list[int]: ...
+def same_prefix(a: Buffer, b: Buffer, n: int, /) -> bool: ...
+def sha256(data: Buffer, /) -> bytes: ...
+def blake3(data: Buffer, /) -> bytes: ...
+def has_sha_ni() -> bool: ...
+def set_sha_ni(on: bool, /) -> bool: ...
