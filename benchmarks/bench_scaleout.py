@@ -15,7 +15,7 @@ allows: the table shows the largest shard's share of the blocks.
 Then a replica joining shard 0/2: loading the shard's snapshot (taken ``--tail`` before the
 end) and reading on from its offsets, against rebuilding the shard from the start.
 
-Usage: python benchmarks/bench_scaleout.py [--workers 64] [--blocks 300000] [--partitions 8]
+Usage: python benchmarks/bench_scaleout.py [--workers 64] [--blocks 200000] [--partitions 8]
        [--processes 1,2,4] [--rounds 3] [--tail 0.05] [--bootstrap HOST:PORT]
 
 The processes share the machine's cores (printed, with the load average): N processes on
@@ -275,7 +275,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=300_000, help="stored + removed, about")
+    ap.add_argument("--blocks", type=int, default=200_000, help="stored + removed, about")
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--processes", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=3)
