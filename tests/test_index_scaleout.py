@@ -214,9 +214,11 @@ def test_shards_hold_the_unsharded_state_and_fan_out_matches_it(
                 r, request=req, workers=extra
             )
 
-    # the router's Dynamo-style scoring over the fan-out == over one index, under load
-    for policy in ("kv", "least-loaded", "round-robin"):
-        cfg = RouterConfig(policy=policy, overlap_weight=2.0)
+    # the router's scoring over the fan-out == over one index, under load: Dynamo's fixed
+    # kv cost, the default kv policy, and baselines
+    configs = [RouterConfig(policy=p, overlap_weight=2.0) for p in ("kv", "least-loaded")]
+    configs += [RouterConfig(), RouterConfig(policy="round-robin")]
+    for cfg in configs:
         one = Router(whole, cands, cfg)
         many = sharded_router(pieces, None, cfg)
         for j, (r, w) in enumerate(busy):
