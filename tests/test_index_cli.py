@@ -33,7 +33,9 @@ runner = CliRunner()
 
 
 def small_trace(tmp_path: Path, rows: int = 300) -> Path:
-    lines = trace_path("conversation").read_text().splitlines()[:rows]
+    import gzip
+
+    lines = gzip.decompress(trace_path("conversation").read_bytes()).decode().splitlines()[:rows]
     path = tmp_path / "small_trace.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -50,7 +52,7 @@ def test_replay_reports_hits_balance_and_accuracy(tmp_path: Path) -> None:
     trace = small_trace(tmp_path)
     kv = run_json("replay", str(trace), "--workers", "4", "--capacity-blocks", "800")
     rr = run_json("replay", str(trace), "-w", "4", "-c", "800", "--router", "round-robin")
-    assert kv["requests"] + kv["rejected"] == rr["requests"] + rr["rejected"] == 300
+    assert kv["requests"] + kv["unservable"] == rr["requests"] + rr["unservable"] == 300
     assert kv["prediction_accuracy"] == 1.0
     assert kv["hit_ratio"] > rr["hit_ratio"] > 0
     assert kv["hit_ratio"] <= kv["ceiling_ratio"]

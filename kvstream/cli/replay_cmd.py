@@ -1,8 +1,9 @@
-"""``kvstream replay``: a Mooncake trace over N simulated workers, routed by a prefix index
+"""``kvstream replay``: a request trace over N simulated workers, routed by a prefix index
 built from the workers' own KV-cache events (see :mod:`kvstream.cli.replay_run`).
 
 Register with ``app.command("replay")(replay_cmd.replay)``. Exit codes: 0 done; 1 a sink or
-the stream failed; 2 bad arguments or a missing/malformed trace.
+the stream failed; 2 bad arguments or a missing/malformed trace. The simulation modules are
+imported inside the command, so ``kvstream --help`` does not pay for them.
 """
 
 from __future__ import annotations
@@ -10,24 +11,31 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from kvstream.cli.replay_run import ROUTERS, ReplayOptions, ReplayResult, run_replay
 from kvstream.errors import ConfigError, KVStreamError
 
-__all__ = ["replay"]
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvstream.cli.replay_compare import Comparison
+    from kvstream.cli.replay_result import ReplayResult
+    from kvstream.cli.replay_run import ReplayOptions
+
+__all__ = ["print_comparison", "print_result", "replay"]
+
+_POLICIES = "kv, round-robin, random, least-loaded, global-lru"
 
 
 def replay(
     trace: Annotated[
         str,
         typer.Argument(
-            help="conversation, synthetic (shared/data/mooncake/*_trace.jsonl) or a JSONL path."
+            help="A shipped trace (conversation, synthetic: Mooncake FAST'25) or a JSONL "
+            "file (.jsonl or .jsonl.gz): hash_ids + input_length rows, or token ids."
         ),
     ] = "conversation",
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=1024)] = 8,
@@ -35,18 +43,54 @@ def replay(
         int, typer.Option("--capacity-blocks", "-c", min=1, help="KV blocks per worker (LRU).")
     ] = 5859,
     router: Annotated[
-        str, typer.Option("--router", "-r", help=f"Routing policy: {', '.join(ROUTERS)}.")
+        str, typer.Option("--router", "-r", help=f"Routing policy: {_POLICIES}.")
     ] = "kv",
     overlap_weight: Annotated[
-        float,
-        typer.Option(min=0.0, help="kv cost: weight of prefill blocks against active blocks."),
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Fix the kv cost to Dynamo's: weight x prefill blocks + active blocks "
+            "[default: adapt the weight online].",
+        ),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            help="Replay each policy on the same trace and print one table, e.g. "
+            "kv,least_loaded,round_robin,global_lru.",
+        ),
+    ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(
+            help="Repeat over capacity=N,N,... (blocks per worker) or workers=N,N,...",
+        ),
+    ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a self-contained HTML report with plots (needs matplotlib: "
+            "pip install 'kvstream[report]').",
+        ),
+    ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", "-n", min=1, help="Replay only the first N rows.")
     ] = None,
     block_size: Annotated[
-        int, typer.Option(min=1, help="Tokens per KV block (the trace's hash ids are 512).")
-    ] = 512,
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens per KV block [default: the trace's tokens per hash id, 512 for "
+            "Mooncake; 16 for token-id traces].",
+        ),
+    ] = None,
+    trace_block_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tokens per hash id of the trace [default: inferred]."),
+    ] = None,
+    time_unit: Annotated[
+        str, typer.Option(help="Unit of the trace's timestamp field: ms or s.")
+    ] = "ms",
     hash_algo: Annotated[str, typer.Option(help="Block hash algorithm of the workers.")] = (
         "blake3_64"
     ),
@@ -81,14 +125,20 @@ def replay(
         typer.Option("--progress/--no-progress", help="Progress bar [default: on a terminal]."),
     ] = None,
 ) -> None:
-    """Replay a Mooncake trace over N workers; report hit ratio, balance and accuracy.
+    """Replay a request trace over N workers; report hit ratio, TTFT, balance and accuracy.
 
-    Each worker is a metadata-only KV cache of --capacity-blocks blocks. Its events go
-    through the pipeline (memory, or Kafka) into a prefix index; the router picks workers
-    from that index and their active load. Printed: prefix hit ratio, per-worker imbalance,
-    how often the index predicted exactly the reuse the worker then had, simulated time to
-    first token, and replay throughput.
+    Each worker is a metadata-only KV cache of --capacity-blocks blocks with a request queue;
+    a request waits there until the cache has room, and only one larger than a whole cache
+    is left unserved (counted, and out of every ratio). The workers' events go through the
+    pipeline (memory, or Kafka) into a prefix index; the router picks workers from that
+    index and their load. Printed: prefix hit ratio and its ceiling, modelled time to first
+    token (queue wait + uncached prefill), imbalance, how often the index predicted exactly
+    the reuse the worker then had, and replay throughput.
     """
+    from rich.console import Console
+
+    from kvstream.cli.replay_run import ReplayOptions
+
     opts = ReplayOptions(
         trace=trace,
         limit=limit,
@@ -105,50 +155,83 @@ def replay(
         output_to_cache=output_to_cache,
         max_lag_batches=max_lag,
         seed=seed,
+        trace_block_tokens=trace_block_tokens,
+        time_unit=time_unit,
     )
     err = Console(stderr=True)
     show = progress if progress is not None else (not as_json and sys.stderr.isatty())
     try:
-        result = _run(opts, err) if show else asyncio.run(run_replay(opts))
+        comparison = _run(opts, compare, sweep, err if show else None)
+        if report is not None:
+            from kvstream.cli.replay_report import write_report
+
+            write_report(comparison, report)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     except (KVStreamError, OSError, TimeoutError, RuntimeError) as exc:
         err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
         raise typer.Exit(1) from None
+    single = compare is None and sweep is None
     if as_json:
-        typer.echo(json.dumps(result.as_dict()))
+        out = comparison.results[0].as_dict() if single else comparison.as_dict()
+        typer.echo(json.dumps(out))
+    elif single:
+        print_result(comparison.results[0], Console())
     else:
-        print_result(result, Console())
+        print_comparison(comparison, Console())
+    if report is not None and not as_json:
+        err.print(f"report: {report}", highlight=False)
 
 
-def _run(opts: ReplayOptions, console: Console) -> ReplayResult:
+def _run(
+    opts: ReplayOptions, compare: str | None, sweep: str | None, console: Console | None
+) -> Comparison:
+    from kvstream.cli.replay_compare import parse_compare, parse_sweep, run_many
+
+    policies = parse_compare(compare) if compare is not None else [opts.router]
+    spec = parse_sweep(sweep) if sweep is not None else None
+    if console is None:
+        return asyncio.run(run_many(opts, policies, spec))
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     bar = Progress(
-        TextColumn("[bold]replaying"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("requests"),
         TimeElapsedColumn(),
         console=console,
         transient=True,
     )
-    task = bar.add_task("replay", total=None)
+    task = bar.add_task("replaying", total=None)
 
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
+    def on_run(i: int, total: int, label: str) -> None:
+        bar.update(task, completed=i, total=total, description=f"replaying {label}")
 
     with bar:
-        return asyncio.run(run_replay(opts, progress=update))
+        return asyncio.run(run_many(opts, policies, spec, on_run=on_run))
 
 
 def print_result(r: ReplayResult, out: Console) -> None:
-    """The human-readable report."""
+    """The human-readable report of one run."""
+    from rich.table import Table
+
     o = r.options
+    weight = (
+        f" (overlap weight {o.overlap_weight:g})" if o.overlap_weight is not None else " (adaptive)"
+    )
     out.print(
-        f"[bold]kvstream replay[/bold] {r.trace_file}: {r.requests:,} requests over "
-        f"{o.workers} workers x {o.capacity_blocks:,} blocks of {o.block_size} tokens, "
-        f"router [bold]{o.router}[/bold]"
-        + (f" (overlap weight {o.overlap_weight:g})" if o.router == "kv" else "")
+        f"[bold]kvstream replay[/bold] {r.trace_file}: {r.trace_requests:,} requests over "
+        f"{o.workers} workers x {o.capacity_blocks:,} blocks of {r.block_size} tokens, "
+        f"router [bold]{r.policy}[/bold]"
+        + (weight if r.policy == "kv" else "")
         + f", events via {o.sink}"
     )
     t = Table(show_header=False, title_justify="left")
@@ -156,14 +239,16 @@ def print_result(r: ReplayResult, out: Console) -> None:
     t.add_column(justify="right")
     t.add_column(style="dim")
     t.add_row(
+        "requests served",
+        f"{r.requests:,}",
+        f"{r.unservable:,} unservable (larger than a worker's cache; out of every ratio)",
+    )
+    t.add_row(
         "prefix hit ratio",
         f"{r.hit_ratio:.1%}",
         f"{r.hit_blocks:,} of {r.prompt_blocks:,} prompt blocks reused",
     )
-    if r.ceiling_blocks:
-        t.add_row(
-            "  unlimited shared cache", f"{r.ceiling_ratio:.1%}", "the ceiling, same counting"
-        )
+    t.add_row("  unlimited shared cache", f"{r.ceiling_ratio:.1%}", "the ceiling, same requests")
     t.add_row("token hit ratio", f"{r.token_hit_ratio:.1%}", f"{r.hit_tokens:,} prompt tokens")
     t.add_row(
         "index predicted the reuse",
@@ -177,17 +262,30 @@ def print_result(r: ReplayResult, out: Console) -> None:
     )
     t.add_row(
         "time to first token",
-        f"{sum(r.ttft_s) / max(len(r.ttft_s), 1):.2f} s",
-        f"simulated mean; p50 {r.ttft(0.5):.2f} s, p90 {r.ttft(0.9):.2f} s",
+        f"{r.ttft(0.5):.2f} s",
+        f"p50, modelled; p90 {r.ttft(0.9):.2f} s, p99 {r.ttft(0.99):.2f} s",
     )
+    t.add_row(
+        "queueing delay",
+        f"{r.queue(0.99):.2f} s",
+        f"p99; p50 {r.queue(0.5):.2f} s (waiting for cache room and earlier prefills)",
+    )
+    if r.router_signals:
+        s = r.router_signals
+        t.add_row(
+            "router signals",
+            f"w {s['affinity_weight']:.2f}",
+            f"affinity weight at the end: reuse {s['reuse']:.2f}, "
+            f"utilisation {s['utilisation']:.2f}",
+        )
     t.add_row(
         "throughput",
         f"{r.requests_per_s:,.0f} req/s",
         f"{r.wall_s:.1f} s wall for {r.simulated_s / 60:.1f} simulated minutes; "
         f"{r.events:,} events in {r.batches:,} batches",
     )
-    if r.rejected or r.malformed:
-        t.add_row("rejected / malformed", f"{r.rejected} / {r.malformed}", "")
+    if r.malformed:
+        t.add_row("malformed batches", f"{r.malformed}", "")
     out.print(t)
     w = Table(title="Per worker", title_justify="left")
     for col in ("worker", "requests", "prompt blocks", "hit ratio", "prefill tokens", "evictions"):
@@ -202,3 +300,48 @@ def print_result(r: ReplayResult, out: Console) -> None:
             f"{ws.evictions:,}",
         )
     out.print(w)
+
+
+def print_comparison(c: Comparison, out: Console) -> None:
+    """One table for ``--compare``/``--sweep``: a row per policy (per swept value)."""
+    from rich.table import Table
+
+    first = c.results[0]
+    o = c.base
+    out.print(
+        f"[bold]kvstream replay[/bold] {first.trace_file}: {first.trace_requests:,} requests, "
+        f"{o.workers} workers x {o.capacity_blocks:,} blocks of {first.block_size} tokens"
+        + (f", sweeping {c.sweep.param}" if c.sweep is not None else "")
+    )
+    t = Table(title_justify="left")
+    cols = ["policy"]
+    if c.sweep is not None:
+        cols.append(c.sweep.param)
+    cols += ["hit ratio", "x ceiling", "TTFT p50", "TTFT p99", "imbalance", "queue p99"]
+    cols += ["predicted", "unservable"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for value in c.values:
+        for r in c.at(value):
+            row = [r.policy]
+            if c.sweep is not None:
+                row.append(f"{value:,}")
+            row += [
+                f"{r.hit_ratio:.3f}",
+                f"{r.hit_ratio / r.ceiling_ratio:.2f}" if r.ceiling_ratio else "-",
+                f"{r.ttft(0.5):.2f} s",
+                f"{r.ttft(0.99):.2f} s",
+                f"{r.imbalance:.2f}",
+                f"{r.queue(0.99):.2f} s",
+                f"{r.prediction_accuracy:.0%}",
+                f"{r.unservable:,}",
+            ]
+            t.add_row(*row)
+    out.print(t)
+    for value in c.values:
+        r = c.at(value)[0]
+        where = f" at {c.sweep.param}={value:,}" if c.sweep is not None else ""
+        out.print(
+            f"ceiling{where}: {r.ceiling_ratio:.3f} (an unlimited cache shared by everyone, "
+            f"same {r.requests:,} requests; {r.unservable:,} unservable left out)"
+        )

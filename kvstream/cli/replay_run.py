@@ -1,67 +1,101 @@
-"""The replay behind ``kvstream replay``: a Mooncake trace over N simulated workers, routed by
+"""The replay behind ``kvstream replay``: a request trace over N simulated workers, routed by
 a prefix index built from the workers' own KV-cache events.
 
 Each worker is a :class:`~kvstream.cache.KVCacheManager` in metadata-only mode with a
-capacity in blocks (LRU eviction). Requests are processed in arrival order in simulated time:
+capacity in blocks (LRU eviction), scheduled as vLLM's and SGLang's schedulers do: a request
+routed to a worker waits in that worker's queue (first come, first served) until its cache
+can hold the prompt, then holds its blocks until it finishes. In simulated time, per arrival:
 
-1. requests whose simulated completion time has passed finish first: their output tokens are
-   appended (committing full output blocks), they are freed, and the worker's events go out;
-2. the router picks a worker for the request from the index (and the active load it tracks);
-3. the chosen worker adds the request (reusing its cached prefix); its events go through the
-   pipeline (memory sink by default, or Kafka) into the consumer that updates the index;
-4. the request is scheduled: prefill of its uncached tokens after the worker's earlier
-   prefills (``prefill_tokens_per_s``), then one output token per ``decode_ms_per_token``.
+1. requests whose first token is out stop counting as pending prefill for the router; those
+   whose decode is over finish: their output tokens are appended (committing full output
+   blocks), they are freed, the worker's events go out, and its queue is admitted again;
+2. a request needing more blocks than a worker's whole cache can never be served: it is
+   counted as *unservable* (and left out of every ratio, ceiling included);
+3. the router picks a worker from the index (and the load it tracks); the request joins that
+   worker's queue and is admitted when the cache has room (immediately, usually);
+4. on admission the worker reuses its cached prefix and commits the prompt; its events go
+   through the pipeline (memory sink by default, or Kafka) into the consumer that updates the
+   index; prefill of the uncached tokens starts after the worker's earlier prefills
+   (``prefill_tokens_per_s``), then one output token per ``decode_ms_per_token``.
 
-By default the index catches up with every batch before the next routing decision
+Whether a request is served depends only on its size and the capacity, never on the timing
+options: those move *when* it is served (queueing delay, time to first token).
+``prediction_accuracy`` compares the blocks the index said the worker held with the blocks
+it reused, at the moment of admission (a request that had to wait is matched again then).
+
+By default the index catches up with every batch before a routing decision
 (``max_lag_batches=0``); a positive lag lets routing run ahead of the stream, as a router
-behind Kafka would. Reported: hit ratios, how often the index's predicted reuse equalled the
-worker's actual reuse, per-worker balance, simulated time to first token, and throughput.
+behind Kafka would. ``router="global-lru"`` replays one worker with every worker's capacity
+and prefill speed together: the hit ratio partitioned caches approach when routing is
+perfect.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import heapq
-import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvstream.cache import CacheConfig, CacheFullError, KVCacheManager, LayerGroupSpec
+from kvstream.cli.replay_result import LoadSample, ReplayResult, WorkerSummary
+from kvstream.cli.replay_transport import Transport
 from kvstream.errors import ConfigError
-from kvstream.events.model import EventBatch, SourceId
-from kvstream.index import (
-    IndexConsumer,
-    MemorySource,
-    PrefixIndex,
-    Router,
-    RouterConfig,
-    RoutingPolicy,
-    WorkerKey,
-)
-from kvstream.pipeline import Pipeline, PipelineConfig
-from kvstream.sink import Sink, create_sink
-from kvstream.workloads import MOONCAKE_BLOCK_TOKENS, MooncakeTokens, TraceRow, load_trace
+from kvstream.events.model import SourceId
+from kvstream.index import PrefixIndex, Router, RouterConfig, RoutingPolicy, WorkerKey
+from kvstream.workloads import MooncakeTokens, TraceRow, load_trace, resolve_trace
 
-__all__ = ["ReplayOptions", "ReplayResult", "WorkerSummary", "run_replay", "trace_ceiling"]
+__all__ = [
+    "GLOBAL_LRU",
+    "POLICIES",
+    "ROUTERS",
+    "ReplayOptions",
+    "ReplayResult",
+    "WorkerSummary",
+    "load_rows",
+    "normalize_policy",
+    "run_replay",
+]
 
-ROUTERS = tuple(p.value for p in RoutingPolicy)
+#: The reference "policy": one cache of every worker's capacity together.
+GLOBAL_LRU = "global-lru"
+#: ``--router`` choices (routing policies; ``global-lru`` is the shared-cache reference).
+ROUTERS = (*(p.value for p in RoutingPolicy), GLOBAL_LRU)
+POLICIES = ROUTERS
+#: Tokens per block for token-id traces when ``block_size`` is not given (vLLM's default).
+TOKEN_TRACE_BLOCK_SIZE = 16
+
+
+def normalize_policy(name: str) -> str:
+    """A policy name as :data:`ROUTERS` spells it (``least_loaded`` -> ``least-loaded``);
+    ConfigError for an unknown one."""
+    p = name.strip().lower().replace("_", "-")
+    if p not in ROUTERS:
+        raise ConfigError(f"unknown router {name!r}; use one of {', '.join(ROUTERS)}")
+    return p
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """What to replay and how (see the module docstring)."""
+    """What to replay and how (see the module docstring).
+
+    ``block_size``: tokens per KV block (None: the trace's tokens per hash id, 512 for
+    Mooncake; 16 for token-id traces). ``overlap_weight``: None for the adaptive ``kv``
+    router, a number for Dynamo's fixed cost. ``trace_block_tokens``/``time_unit``: how to
+    read the trace (see :func:`kvstream.workloads.load_trace`). ``timeline_points``: load
+    samples over the trace's duration (for the report).
+    """
 
     trace: str = "conversation"
     limit: int | None = None
     workers: int = 8
     capacity_blocks: int = 5859
-    block_size: int = MOONCAKE_BLOCK_TOKENS
+    block_size: int | None = None
     router: str = "kv"
-    overlap_weight: float = 1.0
+    overlap_weight: float | None = None
     hash_algo: str = "blake3_64"
     key_mode: str = "engine"
     sink: str = "memory"
@@ -70,396 +104,348 @@ class ReplayOptions:
     output_to_cache: bool = True
     max_lag_batches: int = 0
     seed: int = 0
+    trace_block_tokens: int | None = None
+    time_unit: str = "ms"
+    timeline_points: int = 200
 
     def check(self) -> None:
         """ConfigError for values out of range."""
-        if self.workers < 1 or self.capacity_blocks < 1 or self.block_size < 1:
-            raise ConfigError("--workers, --capacity-blocks and --block-size must be >= 1")
-        if self.router not in ROUTERS:
-            raise ConfigError(f"unknown router {self.router!r}; use one of {', '.join(ROUTERS)}")
+        if self.workers < 1 or self.capacity_blocks < 1:
+            raise ConfigError("--workers and --capacity-blocks must be >= 1")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError("--block-size must be >= 1")
+        normalize_policy(self.router)
+        if self.overlap_weight is not None and self.overlap_weight < 0:
+            raise ConfigError("--overlap-weight must be >= 0")
         if self.prefill_tokens_per_s <= 0 or self.decode_ms_per_token < 0:
             raise ConfigError("--prefill-tps must be > 0 and --decode-ms >= 0")
         if self.max_lag_batches < 0:
             raise ConfigError("--max-lag must be >= 0")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("--limit must be >= 1")
         if self.sink != "memory" and not self.sink.startswith("kafka://"):
             raise ConfigError(
                 f"--sink must be memory or kafka://HOST:PORT/TOPIC, got {self.sink!r}"
             )
 
 
-@dataclass
-class WorkerSummary:
-    """One worker's share: requests, prompt blocks, blocks reused, evictions."""
-
-    worker: str
-    requests: int = 0
-    prompt_blocks: int = 0
-    hit_blocks: int = 0
-    prefill_tokens: int = 0
-    evictions: int = 0
-
-    @property
-    def hit_ratio(self) -> float:
-        """Reused over prompt blocks."""
-        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+def load_rows(opts: ReplayOptions) -> list[TraceRow]:
+    """The trace rows ``opts`` names (DataNotFoundError/TraceFormatError on problems)."""
+    return load_trace(
+        opts.trace,
+        limit=opts.limit,
+        block_tokens=opts.trace_block_tokens,
+        time_unit=opts.time_unit,
+    )
 
 
-@dataclass
-class ReplayResult:
-    """Everything a replay measured."""
-
-    options: ReplayOptions
-    trace_file: str = ""
-    requests: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    prompt_blocks: int = 0
-    hit_blocks: int = 0
-    hit_tokens: int = 0
-    ceiling_blocks: int = 0
-    predicted_equal: int = 0
-    predicted_more: int = 0
-    predicted_less: int = 0
-    batches: int = 0
-    events: int = 0
-    wall_s: float = 0.0
-    simulated_s: float = 0.0
-    ttft_s: list[float] = field(default_factory=list, repr=False)
-    workers: list[WorkerSummary] = field(default_factory=list)
-    index: dict[str, Any] = field(default_factory=dict)
-    malformed: int = 0
-
-    @property
-    def hit_ratio(self) -> float:
-        """Reused prompt blocks over all prompt blocks (partial last blocks included; with
-        512-token blocks: over the trace's hash ids, the measure the published 36.6% uses)."""
-        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        """Reused prompt tokens over all prompt tokens."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def ceiling_ratio(self) -> float:
-        """The hit ratio of an unlimited cache shared by everyone (same counting)."""
-        return self.ceiling_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
-
-    @property
-    def prediction_accuracy(self) -> float:
-        """How often the index's predicted reuse equalled the worker's actual reuse."""
-        n = self.predicted_equal + self.predicted_more + self.predicted_less
-        return self.predicted_equal / n if n else 0.0
-
-    @property
-    def imbalance(self) -> float:
-        """Most requests on one worker over the mean (1.0: perfectly even)."""
-        counts = [w.requests for w in self.workers]
-        mean = sum(counts) / len(counts) if counts else 0
-        return max(counts) / mean if mean else 0.0
-
-    @property
-    def prefill_imbalance(self) -> float:
-        """Most prefill tokens on one worker over the mean."""
-        work = [w.prefill_tokens for w in self.workers]
-        mean = sum(work) / len(work) if work else 0
-        return max(work) / mean if mean else 0.0
-
-    @property
-    def requests_per_s(self) -> float:
-        """Replayed requests per wall-clock second."""
-        return self.requests / self.wall_s if self.wall_s else 0.0
-
-    def ttft(self, q: float) -> float:
-        """Quantile ``q`` of the simulated time to first token, seconds."""
-        if not self.ttft_s:
-            return 0.0
-        xs = sorted(self.ttft_s)
-        return xs[min(int(q * len(xs)), len(xs) - 1)]
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-able summary."""
-        return {
-            "options": asdict(self.options),
-            "trace_file": self.trace_file,
-            "requests": self.requests,
-            "rejected": self.rejected,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_blocks": self.prompt_blocks,
-            "hit_blocks": self.hit_blocks,
-            "hit_ratio": round(self.hit_ratio, 6),
-            "token_hit_ratio": round(self.token_hit_ratio, 6),
-            "ceiling_ratio": round(self.ceiling_ratio, 6),
-            "prediction_accuracy": round(self.prediction_accuracy, 6),
-            "predicted": {
-                "equal": self.predicted_equal,
-                "more_than_actual": self.predicted_more,
-                "less_than_actual": self.predicted_less,
-            },
-            "imbalance": round(self.imbalance, 4),
-            "prefill_imbalance": round(self.prefill_imbalance, 4),
-            "ttft_s": {
-                "mean": round(statistics.fmean(self.ttft_s), 4) if self.ttft_s else 0.0,
-                "p50": round(self.ttft(0.5), 4),
-                "p90": round(self.ttft(0.9), 4),
-                "p99": round(self.ttft(0.99), 4),
-            },
-            "wall_s": round(self.wall_s, 3),
-            "requests_per_s": round(self.requests_per_s, 1),
-            "simulated_s": round(self.simulated_s, 1),
-            "batches": self.batches,
-            "events": self.events,
-            "malformed": self.malformed,
-            "workers": [{**asdict(w), "hit_ratio": round(w.hit_ratio, 6)} for w in self.workers],
-            "index": self.index,
-        }
-
-
-def trace_ceiling(rows: list[TraceRow], block_size: int) -> int:
-    """Blocks an unlimited shared cache would reuse: per row, the leading full blocks (the
-    last prompt token excluded) seen as full blocks of earlier rows. Exact for 512-token
-    blocks (the trace's hash ids); for other sizes it is left at 0."""
-    if block_size != MOONCAKE_BLOCK_TOKENS:
-        return 0
-    seen: set[int] = set()
-    hits = 0
+def _block_size(opts: ReplayOptions, rows: list[TraceRow]) -> int:
+    if opts.block_size is not None:
+        return opts.block_size
     for r in rows:
-        nf = r.input_length // block_size
-        cap = min(nf, (r.input_length - 1) // block_size)
-        k = 0
-        while k < cap and r.hash_ids[k] in seen:
-            k += 1
-        hits += k
-        seen.update(r.hash_ids[:nf])
-    return hits
-
-
-# ----------------------------------------------------------------------------- transport
-
-
-class _Transport:
-    """Batches from the workers -> pipeline -> sink -> source -> index consumer."""
-
-    def __init__(self, opts: ReplayOptions, index: PrefixIndex) -> None:
-        self.opts = opts
-        self.index = index
-        self.published = 0
-        self.sink: Sink
-        self.consumer: IndexConsumer
-        if opts.sink == "memory":
-            self.sink = create_sink(f"memory?max_batches={1 << 16}")
-            source = MemorySource(cast(Any, self.sink), from_start=False)
-            self.consumer = IndexConsumer(source, index)
-        else:
-            self.sink = create_sink(_kafka_sink_url(opts.sink))
-            self.consumer = IndexConsumer(_kafka_source(opts.sink), index)
-        cfg = PipelineConfig.load(
-            defaults={"linger_s": 0.0, "overflow": "block", "block_timeout_s": 30.0},
-            handoff_timeout_s=60.0,
-            close_timeout_s=60.0,
-        )
-        self.pipe = Pipeline([self.sink], cfg)
-        self.memory = opts.sink == "memory"
-
-    async def start(self) -> None:
-        await asyncio.wait_for(self.sink.start(), 30)
-        await self.pipe.start()
-        await self.consumer.source.start()
-
-    async def publish(self, batch: EventBatch | None) -> None:
-        if batch is None:
-            return
-        if not await self.pipe.put(batch):
-            raise RuntimeError("the pipeline refused a batch (sink down?)")
-        self.published += 1
-
-    async def sync(self, lag: int) -> None:
-        """Apply delivered batches until the index is at most ``lag`` batches behind."""
-        consumer = self.consumer
-        if self.memory:
-            spins = 0
-            while True:
-                consumer.drain()
-                if self.published - consumer.batches <= lag:
-                    return
-                spins += 1
-                await asyncio.sleep(0 if spins < 100 else 0.001)
-        while self.published - consumer.batches > lag:
-            await consumer.catch_up(0.01)
-        if lag:
-            await consumer.catch_up(0.0)
-
-    async def aclose(self) -> None:
-        await self.pipe.aclose()
-        await self.consumer.source.aclose()
-
-
-def _kafka_sink_url(url: str) -> str:
-    return url if "create_topic" in url or "partitions" in url else f"{url}?partitions=1"
-
-
-def _kafka_source(url: str) -> Any:
-    from kvstream.index.sources.kafka import KafkaSource
-
-    base = url.split("?", 1)[0]
-    return KafkaSource.from_url(base)
-
-
-# ------------------------------------------------------------------------------- replay
-
-
-@dataclass(order=True)
-class _Running:
-    finish: float
-    seq: int
-    request_id: str = field(compare=False)
-    worker: int = field(compare=False)
-    output: Any = field(compare=False)
+        if r.tokens is None:
+            return r.block_tokens
+    return TOKEN_TRACE_BLOCK_SIZE
 
 
 async def run_replay(
     opts: ReplayOptions,
     *,
     progress: Callable[[int, int], None] | None = None,
+    rows: list[TraceRow] | None = None,
 ) -> ReplayResult:
-    """Replay ``opts.trace`` (a name under shared/data/mooncake or a JSONL path).
-
-    ``progress(done, total)`` is called as requests are routed. Raises ConfigError for bad
-    options, DataNotFoundError/TraceFormatError for trace problems.
-    """
+    """Replay ``opts.trace`` (a shipped trace's name or a JSONL path; ``rows`` when already
+    loaded). ``progress(done, total)`` is called as requests arrive. Raises ConfigError for
+    bad options, DataNotFoundError/TraceFormatError for trace problems."""
     opts.check()
-    rows = load_trace(opts.trace, limit=opts.limit)
-    result = ReplayResult(options=opts, trace_file=_trace_file(opts.trace))
-    bs = opts.block_size
-    toks = MooncakeTokens(seed=opts.seed)
-    cfg = CacheConfig(
-        tokens_per_block=bs,
-        groups=[
-            LayerGroupSpec(
-                num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=opts.capacity_blocks
-            )
-        ],
-        hash_algo=opts.hash_algo,
-        metadata_only=True,
-        event_capacity=1 << 20,
-    )
-    keys = [WorkerKey(f"worker-{i}") for i in range(opts.workers)]
-    managers = [
-        KVCacheManager(cfg, source=SourceId(instance_id=k.instance_id, incarnation=time.time_ns()))
-        for k in keys
-    ]
-    result.workers = [WorkerSummary(str(k)) for k in keys]
-    index = PrefixIndex(key_mode=opts.key_mode)
-    router = Router(
-        index,
-        keys,
-        RouterConfig(
-            policy=opts.router,
-            overlap_weight=opts.overlap_weight,
-            hash_algo=opts.hash_algo,
+    policy = normalize_policy(opts.router)
+    if rows is None:
+        rows = load_rows(opts)
+    if policy == GLOBAL_LRU:
+        shared = replace(
+            opts,
+            workers=1,
+            capacity_blocks=opts.capacity_blocks * opts.workers,
+            # as fast as all workers together, or its queue (and held blocks) explode
+            prefill_tokens_per_s=opts.prefill_tokens_per_s * opts.workers,
+            router=RoutingPolicy.ROUND_ROBIN.value,
+        )
+        result = await _Replay(shared, rows, progress).run()
+        result.options = opts
+        result.policy = GLOBAL_LRU
+        return result
+    return await _Replay(replace(opts, router=policy), rows, progress).run()
+
+
+# ------------------------------------------------------------------------------- replay
+
+_FIRST_TOKEN = 0  # heap event kinds; the first token of a request sorts before its finish
+_FINISH = 1
+
+
+@dataclass(eq=False)
+class _Request:
+    row: TraceRow
+    rid: str
+    prompt: Any
+    worker: int
+    arrival: float
+    blocks: int
+    predicted: int  # the index's prediction at routing time
+    fresh: bool = False  # admitted right at routing, nothing changed in between
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class _Replay:
+    """One replay run: the workers, their queues and the simulated clock."""
+
+    def __init__(
+        self,
+        opts: ReplayOptions,
+        rows: list[TraceRow],
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.opts = opts
+        self.rows = rows
+        self.progress = progress
+        self.bs = bs = _block_size(opts, rows)
+        self.tokens = MooncakeTokens(seed=opts.seed)
+        cfg = CacheConfig(
             tokens_per_block=bs,
-            seed=opts.seed,
-        ),
-    )
-    transport = _Transport(opts, index)
-    prefill_rate = opts.prefill_tokens_per_s
-    decode_s = opts.decode_ms_per_token / 1000.0
-    busy = [0.0] * opts.workers
-    heap: list[_Running] = []
-    seq = 0
-    lag = opts.max_lag_batches
-    t0 = time.perf_counter()
-    await transport.start()
-    try:
-        for m in managers:
-            await transport.publish(m.flush_events())
-        await transport.sync(0)
-        router.check()
+            groups=[
+                LayerGroupSpec(
+                    num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=opts.capacity_blocks
+                )
+            ],
+            hash_algo=opts.hash_algo,
+            metadata_only=True,
+            event_capacity=1 << 20,
+        )
+        self.keys = [WorkerKey(f"worker-{i}") for i in range(opts.workers)]
+        self.slot = {k: i for i, k in enumerate(self.keys)}
+        incarnation = time.time_ns()
+        self.managers = [
+            KVCacheManager(cfg, source=SourceId(instance_id=k.instance_id, incarnation=incarnation))
+            for k in self.keys
+        ]
+        self.index = PrefixIndex(key_mode=opts.key_mode)
+        self.router = Router(
+            self.index,
+            self.keys,
+            RouterConfig(
+                policy=opts.router,
+                overlap_weight=opts.overlap_weight,
+                hash_algo=opts.hash_algo,
+                tokens_per_block=bs,
+                seed=opts.seed,
+            ),
+        )
+        self.transport = Transport(opts.sink, self.index)
+        self.result = ReplayResult(
+            options=opts, trace_file=_trace_file(opts.trace), policy=opts.router
+        )
+        self.result.workers = [WorkerSummary(str(k)) for k in self.keys]
+        self.result.block_size = bs
+        self.queues: list[deque[_Request]] = [deque() for _ in self.keys]
+        self.running = [0] * opts.workers
+        self.busy = [0.0] * opts.workers  # when each worker's prefill queue drains
+        self.heap: list[tuple[float, int, int, _Request]] = []
+        self.seq = 0
+        self.served: list[_Request] = []
+        self.now = 0.0
+        self.rate = opts.prefill_tokens_per_s
+        self.decode_s = opts.decode_ms_per_token / 1000.0
 
-        async def complete(r: _Running) -> None:
-            mgr = managers[r.worker]
-            if opts.output_to_cache and len(r.output):
-                with contextlib.suppress(CacheFullError):  # no room: the output is not cached
-                    mgr.append_tokens(r.request_id, r.output)
-            mgr.free_request(r.request_id)
-            router.load.finish(r.request_id)
-            await transport.publish(mgr.flush_events())
+    async def run(self) -> ReplayResult:
+        rows, result = self.rows, self.result
+        transport = self.transport
+        result.trace_requests = len(rows)
+        t0 = time.perf_counter()
+        await transport.start()
+        try:
+            for m in self.managers:
+                await transport.publish(m.flush_events())
+            await transport.sync(0)
+            self.router.check()
+            await self._replay_rows()
+            await transport.sync(0)
+        finally:
+            await transport.aclose()
+        result.wall_s = time.perf_counter() - t0
+        result.simulated_s = self.now
+        result.ceiling_blocks = self._ceiling()
+        result.batches = transport.consumer.batches
+        st = self.index.stats()
+        result.events = st.counters.events + st.counters.lost_markers
+        result.index = st.as_dict()
+        result.malformed = transport.consumer.source.stats.malformed
+        for ws, m in zip(result.workers, self.managers, strict=True):
+            ws.evictions = m.stats().groups[0].evictions
+        if self.router.config.policy is RoutingPolicy.KV:
+            result.router_signals = self.router.signals
+        if len(self.served) + result.unservable != len(rows):
+            raise RuntimeError("replay lost track of a request")  # never expected
+        return result
 
+    async def _replay_rows(self) -> None:
+        opts, rows, result = self.opts, self.rows, self.result
+        bs, cap = self.bs, opts.capacity_blocks
         total = len(rows)
-        now = 0.0
+        start = rows[0].timestamp_ms / 1000.0 if rows else 0.0
+        span = (rows[-1].timestamp_ms / 1000.0 - start) if rows else 0.0
+        every = span / opts.timeline_points if opts.timeline_points > 0 and span > 0 else 0.0
+        next_sample = start
+        lag = opts.max_lag_batches
+        router, transport = self.router, self.transport
         for i, row in enumerate(rows):
             now = row.timestamp_ms / 1000.0
-            while heap and heap[0].finish <= now:
-                await complete(heapq.heappop(heap))
-            await transport.sync(lag)
-            prompt = toks.prompt(row)
-            decision = router.route(prompt)
-            w = keys.index(decision.worker)
-            rid = f"m{row.index}"
-            try:
-                match = managers[w].add_request(rid, prompt)
-            except CacheFullError:
-                result.rejected += 1
+            await self._advance(now)
+            self.now = max(self.now, now)
+            if every and now >= next_sample:
+                self._sample(now)
+                next_sample = now + every
+            nblocks = -(-row.input_length // bs)
+            if nblocks > cap:
+                result.unservable += 1
+            else:
+                await transport.sync(lag)
+                prompt = self.tokens.prompt(row)
+                decision = router.route(prompt)
+                w = self.slot[decision.worker]
+                chosen = decision.chosen
+                req = _Request(
+                    row,
+                    f"m{row.index}",
+                    prompt,
+                    w,
+                    now,
+                    nblocks,
+                    decision.predicted_blocks,
+                )
+                router.load.start(
+                    req.rid,
+                    decision.worker,
+                    nblocks,
+                    prefill_blocks=nblocks if chosen is None else chosen.prefill_blocks,
+                )
+                queue = self.queues[w]
+                req.fresh = not queue
+                queue.append(req)
+                await self._admit(w, now)
+            if self.progress is not None and (i % 64 == 0 or i == total - 1):
+                self.progress(i + 1, total)
+        await self._advance(float("inf"))
+        if any(self.queues):  # never expected: every queued request fits an idle worker
+            raise RuntimeError("replay stalled with requests still queued")
+
+    async def _advance(self, until: float) -> None:
+        """Process first tokens and completions up to ``until`` (simulated seconds)."""
+        heap = self.heap
+        load = self.router.load
+        while heap and heap[0][0] <= until:
+            t, _, kind, req = heapq.heappop(heap)
+            self.now = max(self.now, t)
+            if kind == _FIRST_TOKEN:
+                load.prefilled(req.rid)
                 continue
-            n = len(prompt)
-            nblocks = -(-n // bs)
+            w = req.worker
+            mgr = self.managers[w]
+            if self.opts.output_to_cache and req.row.output_length:
+                with contextlib.suppress(CacheFullError):  # no room: the output is not cached
+                    mgr.append_tokens(req.rid, self.tokens.output(req.row))
+            mgr.free_request(req.rid)
+            load.finish(req.rid)
+            self.running[w] -= 1
+            await self.transport.publish(mgr.flush_events())
+            if self.queues[w]:
+                await self._admit(w, t)
+
+    async def _admit(self, w: int, now: float) -> None:
+        """Admit worker ``w``'s queue, first come first served, while its cache has room."""
+        queue = self.queues[w]
+        mgr = self.managers[w]
+        bs = self.bs
+        result = self.result
+        while queue:
+            req = queue[0]
+            try:
+                match = mgr.add_request(req.rid, req.prompt)
+            except CacheFullError:
+                if not self.running[w]:  # cannot happen: it fits an idle cache
+                    raise RuntimeError(f"request {req.rid} does not fit an idle worker") from None
+                req.fresh = False
+                return
+            queue.popleft()
             hit = match.groups[0].matched_tokens // bs
-            predicted = decision.predicted_blocks
+            predicted = req.predicted
+            if not req.fresh:
+                # the cache changed while it waited: ask the index again, as of now (its own
+                # events are not published yet)
+                await self.transport.sync(self.opts.max_lag_batches)
+                m = self.index.match(
+                    req.prompt,
+                    workers=[self.keys[w]],
+                    tier_weights=self.router.config.tier_weights,
+                )
+                predicted = m.matches[0].usable_blocks
+                result.requeried += 1
             if predicted == hit:
                 result.predicted_equal += 1
             elif predicted > hit:
                 result.predicted_more += 1
             else:
                 result.predicted_less += 1
+            n = req.row.input_length
             ws = result.workers[w]
             ws.requests += 1
-            ws.prompt_blocks += nblocks
+            ws.prompt_blocks += req.blocks
             ws.hit_blocks += hit
             ws.prefill_tokens += n - hit * bs
             result.requests += 1
             result.prompt_tokens += n
-            result.prompt_blocks += nblocks
+            result.prompt_blocks += req.blocks
             result.hit_blocks += hit
             result.hit_tokens += hit * bs
-            start = max(now, busy[w])
-            first_token = start + (n - hit * bs) / prefill_rate
-            busy[w] = first_token
-            result.ttft_s.append(first_token - now)
-            output = toks.output(row)
-            router.load.start(rid, decision.worker, nblocks)
-            seq += 1
-            heapq.heappush(
-                heap, _Running(first_token + len(output) * decode_s, seq, rid, w, output)
-            )
-            await transport.publish(managers[w].flush_events())
-            if progress is not None and (i % 64 == 0 or i == total - 1):
-                progress(i + 1, total)
-        while heap:
-            r = heapq.heappop(heap)
-            now = max(now, r.finish)
-            await complete(r)
-        await transport.sync(0)
-        result.simulated_s = now
-    finally:
-        await transport.aclose()
-    result.wall_s = time.perf_counter() - t0
-    result.ceiling_blocks = trace_ceiling(rows, bs)
-    result.batches = transport.consumer.batches
-    st = index.stats()
-    result.events = st.counters.events + st.counters.lost_markers
-    result.index = st.as_dict()
-    result.malformed = transport.consumer.source.stats.malformed
-    for ws, m in zip(result.workers, managers, strict=True):
-        ws.evictions = m.stats().groups[0].evictions
-    return result
+            req.hashes = mgr.block_hashes(req.rid)
+            self.served.append(req)
+            start = max(now, self.busy[w])
+            first = start + (n - hit * bs) / self.rate
+            self.busy[w] = first
+            result.queue_s.append(start - req.arrival)
+            result.ttft_s.append(first - req.arrival)
+            self.running[w] += 1
+            self.seq += 1
+            heapq.heappush(self.heap, (first, self.seq, _FIRST_TOKEN, req))
+            finish = first + req.row.output_length * self.decode_s
+            heapq.heappush(self.heap, (finish, self.seq, _FINISH, req))
+            req.prompt = None  # the tokens are no longer needed
+            await self.transport.publish(mgr.flush_events())
+
+    def _sample(self, t: float) -> None:
+        self.result.timeline.append(
+            LoadSample(t, tuple(self.running), tuple(len(q) for q in self.queues))
+        )
+
+    def _ceiling(self) -> int:
+        """Blocks an unlimited cache shared by everyone would reuse, over the served
+        requests in arrival order: per request, its leading full blocks (the last prompt
+        token excluded) already seen as full blocks of earlier requests."""
+        seen: set[bytes] = set()
+        hits = 0
+        bs = self.bs
+        for req in sorted(self.served, key=lambda r: r.row.index):
+            hs = req.hashes
+            cap = min(len(hs), (req.row.input_length - 1) // bs)
+            k = 0
+            while k < cap and hs[k] in seen:
+                k += 1
+            hits += k
+            seen.update(hs)
+        return hits
 
 
 def _trace_file(trace: str) -> str:
     try:
-        from kvstream.workloads import trace_path
-
-        if trace.endswith(".jsonl") or "/" in trace:
-            return str(Path(trace))
-        return str(trace_path(trace))
+        return str(resolve_trace(trace))
     except Exception:
         return trace

@@ -2,19 +2,36 @@
 
 ::
 
-    router = Router(index, workers, RouterConfig(policy="kv", overlap_weight=1.0))
+    router = Router(index, workers)             # the adaptive kv policy: nothing to tune
     decision = router.route(tokens)             # RouteDecision: worker + per-worker scores
-    router.load.start(request_id, decision.worker, blocks)
-    ...
+    router.load.start(request_id, decision.worker, blocks,
+                      prefill_blocks=decision.chosen.prefill_blocks)
+    router.load.prefilled(request_id)           # first token out
     router.load.finish(request_id)
 
 Policies:
 
-- ``kv`` (Dynamo-style cost): for each worker, ``prefill_blocks`` = the request's blocks
-  minus the tier-weighted cached prefix the worker holds (GPU 1.0, host 0.8, disk 0.5 by
-  default; a stale worker counts none), and ``cost = overlap_weight * prefill_blocks +
-  active_blocks``. The lowest cost wins. Pure prefix affinity would send every request that
-  shares a first block to one worker; the load term spreads them.
+- ``kv`` (the default), for each worker: ``prefill_blocks`` = the request's blocks minus the
+  tier-weighted cached prefix the worker holds (GPU 1.0, host 0.8, disk 0.5 by default; a
+  stale worker counts none). The lowest cost wins:
+
+  - **adaptive** (``overlap_weight=None``, the default): ``cost = w * prefill_blocks +
+    pending_prefill_blocks``, where ``pending_prefill_blocks`` is the prefill the worker still
+    has to do for requests already sent to it (what this request would queue behind: both
+    terms are blocks of prefill, i.e. time to first token), and the affinity weight
+    ``w = (1 + m) / (1 - u)`` is learnt online from two signals the router observes itself:
+    ``m``, how many times a prefilled block has been reused (cached blocks it routed to over
+    blocks it had prefilled, a decaying average), the future value of keeping a prefix where
+    it is; and ``u``, the fleet's prefill utilisation (the share of workers with pending
+    prefill at each decision, which Poisson arrivals see as the time average), because work
+    added to a queue that is busy a fraction ``u`` of the time delays later requests by
+    about ``1 / (1 - u)`` times its own length. Idle fleets therefore route for the earliest
+    first token, busy ones for affinity (saving prefill is then what shortens the queues).
+    See docs/replay.md for the measurements.
+  - **fixed** (``overlap_weight`` a number, Dynamo's cost): ``cost = overlap_weight *
+    prefill_blocks + active_blocks``. Pure prefix affinity would send every request that
+    shares a first block to one worker; the load term spreads them.
+
 - ``round-robin``, ``random`` (seeded), ``least-loaded`` (fewest active blocks, then
   requests): baselines that ignore the cache.
 
@@ -46,6 +63,13 @@ from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
 
+#: Decisions over which the utilisation estimate averages (an EWMA's 1/alpha).
+UTILISATION_HORIZON = 100
+#: Decisions over which the reuse estimate averages (a decaying sum's 1/decay).
+REUSE_HORIZON = 1000
+#: Utilisation is capped here (the weight then is at most 20 * (1 + m)).
+MAX_UTILISATION = 0.95
+
 
 class RoutingPolicy(str, enum.Enum):
     """How a worker is picked."""
@@ -60,15 +84,16 @@ class RoutingPolicy(str, enum.Enum):
 class RouterConfig:
     """Router settings; see the module docstring.
 
-    ``overlap_weight`` weighs prefill work against active load in the ``kv`` cost (higher:
-    more cache affinity); ``tier_weights`` per cache level; ``layer_group_id`` the group
-    whose blocks are matched; ``hash_algo``/``tokens_per_block`` optional expectations
-    checked against every worker; ``seed`` for ``random``; ``explain`` computes the
-    per-worker match for the baselines too.
+    ``overlap_weight``: None (the default) adapts the ``kv`` trade-off between prefix affinity
+    and load online; a number fixes it (Dynamo's cost: weight of prefill blocks against
+    active blocks; higher: more cache affinity). ``tier_weights`` per cache level;
+    ``layer_group_id`` the group whose blocks are matched; ``hash_algo``/
+    ``tokens_per_block`` optional expectations checked against every worker; ``seed`` for
+    ``random``; ``explain`` computes the per-worker match for the baselines too.
     """
 
     policy: RoutingPolicy | str = RoutingPolicy.KV
-    overlap_weight: float = 1.0
+    overlap_weight: float | None = None
     tier_weights: tuple[float, ...] = DEFAULT_TIER_WEIGHTS
     layer_group_id: int = 0
     hash_algo: str | None = None
@@ -84,7 +109,7 @@ class RouterConfig:
             raise ConfigError(
                 f"unknown routing policy {self.policy!r}; use one of {names}"
             ) from None
-        if not 0.0 <= self.overlap_weight <= 1e6:
+        if self.overlap_weight is not None and not 0.0 <= self.overlap_weight <= 1e6:
             raise ConfigError(f"overlap_weight must be >= 0, got {self.overlap_weight}")
         try:
             object.__setattr__(self, "tier_weights", weights_tuple(self.tier_weights))
@@ -96,13 +121,15 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class WorkerScore:
-    """One worker's side of a decision: its match, load, and (``kv``) the cost terms."""
+    """One worker's side of a decision: its match, load, and (``kv``) the cost terms
+    (``pending_prefill_blocks``: prefill already queued on the worker)."""
 
     match: WorkerMatch
     active_requests: int
     active_blocks: int
     prefill_blocks: float
     cost: float
+    pending_prefill_blocks: float = 0.0
 
     @property
     def worker(self) -> WorkerKey:
@@ -116,6 +143,7 @@ class WorkerScore:
             active_requests=self.active_requests,
             active_blocks=self.active_blocks,
             prefill_blocks=round(self.prefill_blocks, 6),
+            pending_prefill_blocks=round(self.pending_prefill_blocks, 6),
             cost=round(self.cost, 6),
         )
         return d
@@ -123,12 +151,14 @@ class WorkerScore:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """The chosen worker and every candidate's score (candidate order)."""
+    """The chosen worker and every candidate's score (candidate order); ``affinity_weight``
+    the ``kv`` weight of prefill blocks used (None for the baselines)."""
 
     worker: WorkerKey
     policy: RoutingPolicy
     num_tokens: int
     scores: tuple[WorkerScore, ...] = field(default=())
+    affinity_weight: float | None = None
 
     @property
     def chosen(self) -> WorkerScore | None:
@@ -150,6 +180,7 @@ class RouteDecision:
             "worker": str(self.worker),
             "policy": self.policy.value,
             "num_tokens": self.num_tokens,
+            "affinity_weight": self.affinity_weight,
             "scores": [s.as_dict() for s in self.scores],
         }
 
@@ -179,6 +210,31 @@ class Router:
         self._rng = random.Random(self.config.seed)
         self._turn = 0
         self.decisions = 0
+        # adaptive kv: decaying sums of reused and prefilled blocks (one of each as the prior:
+        # a block is taken to be reused once until the router has seen otherwise), and the
+        # utilisation EWMA
+        self._reused = 1.0
+        self._prefilled = 1.0
+        self._utilisation = 0.0
+
+    @property
+    def affinity_weight(self) -> float:
+        """The adaptive ``kv`` policy's current weight of prefill blocks, ``(1 + m) / (1 -
+        u)`` (see the module docstring); the configured one when ``overlap_weight`` is set."""
+        if self.config.overlap_weight is not None:
+            return self.config.overlap_weight
+        u = min(self._utilisation, MAX_UTILISATION)
+        return (1.0 + self._reused / self._prefilled) / (1.0 - u)
+
+    @property
+    def signals(self) -> dict[str, float]:
+        """The adaptive policy's observed signals: ``reuse`` (m), ``utilisation`` (u) and
+        the resulting ``affinity_weight``."""
+        return {
+            "reuse": self._reused / self._prefilled,
+            "utilisation": self._utilisation,
+            "affinity_weight": self.affinity_weight,
+        }
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -225,6 +281,12 @@ class Router:
         result = self.match(tokens, request) if explain else None
         n_tokens = result.num_tokens if result is not None else _len(tokens)
         load = self.load
+        adaptive = policy is RoutingPolicy.KV and cfg.overlap_weight is None
+        pending = [load.pending_prefill_blocks(w) for w in workers]
+        if adaptive:
+            busy = sum(1 for p in pending if p > 0) / n
+            self._utilisation += (busy - self._utilisation) / UTILISATION_HORIZON
+        weight = self.affinity_weight if policy is RoutingPolicy.KV else None
         scores: list[WorkerScore] = []
         for i, w in enumerate(workers):
             m = (
@@ -235,14 +297,12 @@ class Router:
             blocks = load.active_blocks(w)
             tpb = m.tokens_per_block or cfg.tokens_per_block or 1
             prefill = max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb
+            if adaptive:
+                cost = (weight or 0.0) * prefill + pending[i]
+            else:
+                cost = (cfg.overlap_weight or 0.0) * prefill + blocks
             scores.append(
-                WorkerScore(
-                    m,
-                    load.active_requests(w),
-                    blocks,
-                    prefill,
-                    cfg.overlap_weight * prefill + blocks,
-                )
+                WorkerScore(m, load.active_requests(w), blocks, prefill, cost, pending[i])
             )
 
         def rotation(i: int) -> int:
@@ -267,7 +327,14 @@ class Router:
                     rotation(i),
                 ),
             )
-        return RouteDecision(workers[pick], policy, n_tokens, tuple(scores) if explain else ())
+        if adaptive:
+            chosen = scores[pick]
+            keep = 1.0 - 1.0 / REUSE_HORIZON
+            self._reused = self._reused * keep + chosen.match.usable_weighted
+            self._prefilled = self._prefilled * keep + chosen.prefill_blocks
+        return RouteDecision(
+            workers[pick], policy, n_tokens, tuple(scores) if explain else (), weight
+        )
 
 
 def _len(tokens: Any) -> int:

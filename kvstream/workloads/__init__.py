@@ -1,6 +1,8 @@
 """Deterministic workloads for benchmarks, the demo and replays (layer L1; no torch).
 
-- :mod:`.mooncake`: the Mooncake FAST'25 traces (``shared/data/mooncake``) turned into tokens;
+- :mod:`.traces`: request traces (the shipped Mooncake FAST'25 traces; hash-id and token-id
+  JSON Lines files), validated line by line;
+- :mod:`.mooncake`: trace rows turned into tokens;
 - :mod:`.chat`: synthetic multi-turn chats with shared system prompts.
 
 Both yield :class:`WorkloadRequest` objects (request id, arrival time, prompt and output
@@ -14,18 +16,24 @@ from kvstream.workloads.base import (
     pseudo_tokens,
 )
 from kvstream.workloads.chat import ChatWorkload, multi_turn_chats
-from kvstream.workloads.mooncake import (
+from kvstream.workloads.mooncake import MooncakeTokens, mooncake_requests
+from kvstream.workloads.traces import (
+    DATA_DIR_ENV,
     MOONCAKE_BLOCK_TOKENS,
-    MooncakeTokens,
+    TRACE_NAMES,
     TraceRow,
     data_dir,
+    infer_block_tokens,
     load_trace,
-    mooncake_requests,
+    packaged_data_dir,
+    resolve_trace,
     trace_path,
 )
 
 __all__ = [
+    "DATA_DIR_ENV",
     "MOONCAKE_BLOCK_TOKENS",
+    "TRACE_NAMES",
     "ChatWorkload",
     "DataNotFoundError",
     "MooncakeTokens",
@@ -33,9 +41,12 @@ __all__ = [
     "TraceRow",
     "WorkloadRequest",
     "data_dir",
+    "infer_block_tokens",
     "load_trace",
     "mooncake_requests",
     "multi_turn_chats",
+    "packaged_data_dir",
     "pseudo_tokens",
+    "resolve_trace",
     "trace_path",
 ]

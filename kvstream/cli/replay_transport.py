@@ -1,0 +1,89 @@
+"""How a replay's workers' events reach the router's index: pipeline -> sink -> source ->
+:class:`~kvstream.index.IndexConsumer` (a memory sink by default, or Kafka)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from kvstream.events.model import EventBatch
+from kvstream.index import IndexConsumer, MemorySource, PrefixIndex
+from kvstream.pipeline import Pipeline, PipelineConfig
+from kvstream.sink import Sink, create_sink
+
+__all__ = ["Transport"]
+
+
+class Transport:
+    """Batches from the workers -> pipeline -> sink -> source -> index consumer.
+
+    ``sink`` is ``memory`` or ``kafka://HOST:PORT/TOPIC``. :meth:`publish` hands a batch to
+    the pipeline (RuntimeError when it refuses one), :meth:`sync` applies delivered batches
+    until the index is at most ``lag`` batches behind.
+    """
+
+    def __init__(self, sink: str, index: PrefixIndex) -> None:
+        self.index = index
+        self.published = 0
+        self.sink: Sink
+        self.consumer: IndexConsumer
+        self.memory = sink == "memory"
+        if self.memory:
+            self.sink = create_sink(f"memory?max_batches={1 << 16}")
+            source = MemorySource(cast(Any, self.sink), from_start=False)
+            self.consumer = IndexConsumer(source, index)
+        else:
+            self.sink = create_sink(_kafka_sink_url(sink))
+            self.consumer = IndexConsumer(_kafka_source(sink), index)
+        cfg = PipelineConfig.load(
+            defaults={"linger_s": 0.0, "overflow": "block", "block_timeout_s": 30.0},
+            handoff_timeout_s=60.0,
+            close_timeout_s=60.0,
+        )
+        self.pipe = Pipeline([self.sink], cfg)
+
+    async def start(self) -> None:
+        """Start the sink, the pipeline and the source (30 s to reach the sink)."""
+        await asyncio.wait_for(self.sink.start(), 30)
+        await self.pipe.start()
+        await self.consumer.source.start()
+
+    async def publish(self, batch: EventBatch | None) -> None:
+        """Hand ``batch`` (None: nothing) to the pipeline."""
+        if batch is None:
+            return
+        if not await self.pipe.put(batch):
+            raise RuntimeError("the pipeline refused a batch (sink down?)")
+        self.published += 1
+
+    async def sync(self, lag: int) -> None:
+        """Apply delivered batches until the index is at most ``lag`` batches behind."""
+        consumer = self.consumer
+        if self.memory:
+            spins = 0
+            while True:
+                consumer.drain()
+                if self.published - consumer.batches <= lag:
+                    return
+                spins += 1
+                await asyncio.sleep(0 if spins < 100 else 0.001)
+        while self.published - consumer.batches > lag:
+            await consumer.catch_up(0.01)
+        if lag:
+            await consumer.catch_up(0.0)
+
+    async def aclose(self) -> None:
+        """Close the pipeline (delivering what it holds) and the source."""
+        await self.pipe.aclose()
+        await self.consumer.source.aclose()
+
+
+def _kafka_sink_url(url: str) -> str:
+    return url if "create_topic" in url or "partitions" in url else f"{url}?partitions=1"
+
+
+def _kafka_source(url: str) -> Any:
+    from kvstream.index.sources.kafka import KafkaSource
+
+    base = url.split("?", 1)[0]
+    return KafkaSource.from_url(base)
