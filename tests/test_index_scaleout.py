@@ -339,6 +339,25 @@ def test_remote_shard_errors() -> None:
         RemoteShard("127.0.0.1", port, timeout_s=1).match(REQUESTS[0])
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["kafka://127.0.0.1:1/t", "--shard", "4/4"], "K/N"),
+        (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--listen", "nowhere"], "HOST:PORT"),
+        (["kafka://127.0.0.1:1/t?shard=0/2", "--shard", "0/2"], "not in the URL"),
+        (["/some/dir", "--shard", "0/2"], "kafka://"),
+    ],
+)
+def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None:
+    from typer.testing import CliRunner
+
+    from kvstream.cli.main import app
+
+    result = CliRunner().invoke(app, ["shard", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+
+
 # ---------------------------------------------------------------------- the real broker
 
 PARTS = 4

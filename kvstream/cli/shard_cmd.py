@@ -78,6 +78,10 @@ def shard(
         host, sep, port = listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"--listen takes HOST:PORT, got {listen!r}")
+        if not stream.startswith("kafka://"):
+            raise ConfigError(
+                f"a shard reads a Kafka topic: kafka://HOST:PORT/TOPIC, got {stream!r}"
+            )
         base = KafkaSource.from_url(stream)
         if base.group_id is not None or base.partitions is not None or base.shard is not None:
             raise ConfigError("give the shard with --shard, not in the URL")
