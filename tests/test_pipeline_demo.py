@@ -104,3 +104,29 @@ def test_demo_into_kafka(kafka: KafkaEnv) -> None:
     (sink,) = json.loads(out)["sinks"]
     assert sink["ok"]
     assert sink["events"] > 0
+
+
+def test_mooncake_demo_is_sized_to_the_trace_and_states_its_ceiling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("KVSTREAM_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # the trace ships in the package
+    code, out, err = run("--trace", "mooncake-conversation", "-n", "150", "-s", "memory", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["ok"] is True
+    assert s["requests"] == 150
+    assert s["rejected_requests"] == 0
+    ceiling = s["ceiling_hit_rate"]
+    assert 0 < ceiling < 1
+    # room for every distinct block of the rows: the hit rate is what the trace offers
+    assert 0.9 * ceiling <= s["prefix_hit_rate"] <= ceiling
+    code, out, err = run("--trace", "mooncake-conversation", "-n", "150", "-s", "memory")
+    assert code == 0, err
+    assert "unlimited cache" in out
+    small = json.loads(
+        run("--trace", "mooncake-conversation", "-n", "150", "-s", "memory",
+            "--gpu-blocks", "512", "--json")[1]
+    )  # fmt: skip
+    assert small["evictions"] > s["evictions"]  # a cache too small for the trace
+    assert small["ceiling_hit_rate"] == ceiling

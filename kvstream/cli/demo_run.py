@@ -57,7 +57,9 @@ class DemoOptions:
     conversations: int = 48
     ranks: int = 2
     tokens_per_block: int | None = None  # None: 16 for chat, 64 for Mooncake traces
-    gpu_blocks: int | None = None  # None: 2048 for chat, 16384 for Mooncake traces
+    #: None: 2048 for chat; for a Mooncake trace, room for every distinct block of the rows
+    #: replayed, so what the trace can reuse is not evicted first
+    gpu_blocks: int | None = None
     window: int = 512
     #: Host-tier blocks per GPU block (0: no host tier; evicted blocks are dropped).
     host_ratio: float = 0.0
@@ -97,6 +99,9 @@ class DemoResult:
     generated_tokens: int = 0
     iterations: int = 0
     batches: int = 0
+    #: An unlimited cache's token hit rate on the same requests (Mooncake traces only): what
+    #: the workload itself offers (the start of a trace is cold: most reuse comes later).
+    ceiling_rate: float | None = None
     events_by_kind: Counter[str] = field(default_factory=Counter)
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -134,6 +139,7 @@ class DemoResult:
             "prompt_tokens": self.prompt_tokens,
             "reused_prompt_tokens": self.reused_tokens,
             "prefix_hit_rate": round(self.hit_rate, 4),
+            "ceiling_hit_rate": None if self.ceiling_rate is None else round(self.ceiling_rate, 4),
             "generated_tokens": self.generated_tokens,
             "engine_iterations": self.iterations,
             "layer_groups": self.groups,
@@ -156,8 +162,17 @@ class DemoResult:
 # ---------------------------------------------------------------------------- workload
 
 
-def _requests(opts: DemoOptions) -> tuple[str, Iterator[WorkloadRequest], int]:
-    """(label, requests, how many) of the chosen workload."""
+@dataclass(frozen=True)
+class _Workload:
+    label: str
+    requests: Iterator[WorkloadRequest]
+    total: int
+    blocks_needed: int | None = None  # Mooncake: distinct blocks of the rows (demo block size)
+    ceiling_rate: float | None = None
+
+
+def _requests(opts: DemoOptions) -> _Workload:
+    """The chosen workload (``opts`` resolved except Mooncake's ``gpu_blocks``)."""
     if opts.trace == "chat":
         work = ChatWorkload(num_conversations=opts.conversations, seed=opts.seed)
         label = (
@@ -167,14 +182,41 @@ def _requests(opts: DemoOptions) -> tuple[str, Iterator[WorkloadRequest], int]:
         total = sum(1 for _ in multi_turn_chats(work))  # cheap: prompts are small
         if opts.requests is not None:
             total = min(total, opts.requests)
-        return label, multi_turn_chats(work), total
+        return _Workload(label, multi_turn_chats(work), total)
     if opts.trace.startswith("mooncake-"):
         from kvstream.workloads import load_trace, mooncake_requests
 
         name = opts.trace.removeprefix("mooncake-")
         rows = load_trace(name, limit=opts.requests)
         label = f"Mooncake {name} trace ({len(rows)} requests)"
-        return label, mooncake_requests(rows, seed=opts.seed), len(rows)
+        tpb = opts.tokens_per_block or 64
+        distinct: set[int] = set()
+        covered: dict[int, int] = {}  # hash id -> most of its tokens an earlier row held
+        reused = prompt = 0
+        for r in rows:  # what an unlimited cache of tpb-token blocks would reuse
+            bt = r.block_tokens
+            budget = (r.input_length - 1) // tpb * tpb  # the last token is never reused
+            for i, h in enumerate(r.hash_ids):
+                have = min(covered.get(h, 0), budget - i * bt)
+                if have <= 0:
+                    break
+                reused += have
+                if have < bt:
+                    break
+            prompt += r.input_length
+            for i, h in enumerate(r.hash_ids):
+                held = min(bt, r.input_length - i * bt) // tpb * tpb
+                covered[h] = max(covered.get(h, 0), held)
+            distinct.update(r.hash_ids)
+        bt = rows[0].block_tokens if rows else tpb
+        needed = len(distinct) * -(-bt // tpb) + 64  # + room for the running outputs
+        return _Workload(
+            label,
+            mooncake_requests(rows, seed=opts.seed),
+            len(rows),
+            blocks_needed=needed,
+            ceiling_rate=reused / prompt if prompt else 0.0,
+        )
     raise ConfigError(f"unknown trace {opts.trace!r}; choose one of {', '.join(TRACES)}")
 
 
@@ -183,7 +225,7 @@ def _resolved(opts: DemoOptions) -> DemoOptions:
     return replace(
         opts,
         tokens_per_block=opts.tokens_per_block or (16 if chat else 64),
-        gpu_blocks=opts.gpu_blocks or (2048 if chat else 16384),
+        gpu_blocks=opts.gpu_blocks or (2048 if chat else None),
         requests=opts.requests if opts.requests is not None or chat else MOONCAKE_DEFAULT_REQUESTS,
     )
 
@@ -257,11 +299,12 @@ def _drive(
                 return
             read += 1
             # prefix affinity, as a KV-aware router: a conversation (or else a prompt's first
-            # block) sticks to one rank, where its prefix is cached, unless that rank is
-            # overloaded compared with the least loaded one
+            # 1024 tokens: past a system prompt that everyone shares) sticks to one rank,
+            # where its prefix is cached, unless that rank is overloaded compared with the
+            # least loaded one
             key = req.conversation
             if key is None:
-                key = zlib.crc32(req.prompt.raw[: 4 * tpb])
+                key = zlib.crc32(req.prompt.raw[: 4 * max(tpb, 1024)])
             rank = key % n
             least = min(range(n), key=lambda i: len(waiting[i]) + len(running[i]))
             if len(waiting[rank]) + len(running[rank]) > 2 * opts.concurrency + len(
@@ -400,7 +443,10 @@ async def run_demo(
     if opts.ranks < 1 or opts.concurrency < 1:
         raise ConfigError("--ranks and --concurrency must be >= 1")
     opts = _resolved(opts)
-    label, requests, total = _requests(opts)
+    work = _requests(opts)
+    label, requests, total = work.label, work.requests, work.total
+    if opts.gpu_blocks is None:
+        opts = replace(opts, gpu_blocks=max(work.blocks_needed or 0, 64))
     cfg = _cache_config(opts)
     incarnation = time.time_ns()
     managers = [
@@ -412,7 +458,7 @@ async def run_demo(
         )
         for rank in range(opts.ranks)
     ]
-    result = DemoResult(options=opts, workload=label)
+    result = DemoResult(options=opts, workload=label, ceiling_rate=work.ceiling_rate)
     result.groups = [
         "full attention" if g.window_size is None else f"sliding window {g.window_size}"
         for g in cfg.groups

@@ -1,0 +1,163 @@
+"""``kvstream replay --compare/--sweep/--report`` through typer's CliRunner, and the HTML
+report opened in a real headless browser (Chromium) when one is installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kvstream.cli import replay_cmd
+
+app = typer.Typer()
+app.callback()(lambda: None)  # a command group, as in kvstream's own app
+app.command("replay")(replay_cmd.replay)
+runner = CliRunner()
+# the synthetic trace reuses prefixes from its first rows on (conversation's start is cold)
+SMALL = ["synthetic", "-n", "200", "-w", "3", "-c", "600", "--no-progress"]
+
+
+def run(*args: str) -> str:
+    res = runner.invoke(app, ["replay", *args], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def test_compare_runs_every_policy_on_the_same_requests() -> None:
+    out = json.loads(run(*SMALL, "--compare", "kv,least_loaded,round_robin,global_lru", "--json"))
+    assert out["policies"] == ["kv", "least-loaded", "round-robin", "global-lru"]
+    runs = out["runs"]
+    assert [r["policy"] for r in runs] == out["policies"]
+    assert len({r["ceiling_ratio"] for r in runs}) == 1  # the same requests, counted alike
+    for r in runs:
+        assert r["requests"] + r["unservable"] == r["trace_requests"] == 200
+        assert r["hit_ratio"] <= r["ceiling_ratio"] <= 1.0
+        assert r["prediction_accuracy"] == 1.0
+        assert r["ttft_s"]["p99"] >= r["ttft_s"]["p50"] >= 0
+    kv, _, rr, shared = runs
+    assert kv["hit_ratio"] > rr["hit_ratio"]
+    assert shared["hit_ratio"] >= rr["hit_ratio"]
+    assert len(shared["workers"]) == 1
+    text = run(*SMALL, "--compare", "kv,round-robin")
+    assert "TTFT p99" in text
+    assert "ceiling: " in text
+
+
+def test_sweep_capacity_answers_how_much_cache() -> None:
+    out = json.loads(
+        run(*SMALL, "--compare", "kv,global_lru", "--sweep", "capacity=40,800", "--json")
+    )
+    assert out["sweep"] == {"param": "capacity", "values": [40, 800]}
+    got = [(r["policy"], r["options"]["capacity_blocks"]) for r in out["runs"]]
+    assert got == [("kv", 40), ("global-lru", 40), ("kv", 800), ("global-lru", 800)]
+    small, big = out["runs"][0], out["runs"][2]
+    assert small["unservable"] > 0  # prompts over 40 blocks cannot be served at 40
+    assert small["requests"] + small["unservable"] == 200
+    assert big["unservable"] == 0
+    assert big["hit_ratio"] > small["hit_ratio"]
+    workers = json.loads(run(*SMALL, "--sweep", "workers=1,2", "--json"))
+    assert [len(r["workers"]) for r in workers["runs"]] == [1, 2]
+    text = run(*SMALL, "--sweep", "workers=1,2")
+    assert "ceiling at workers=2" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sweep", "memory=3"], "--sweep must be"),
+        (["--sweep", "capacity=a"], "integers"),
+        (["--sweep", "capacity=0"], ">= 1"),
+        (["--compare", "kv,fastest"], "unknown router"),
+        (["--compare", ","], "at least one"),
+        (["--router", "fastest"], "unknown router"),
+    ],
+)
+def test_bad_compare_and_sweep_exit_2(args: list[str], message: str) -> None:
+    res = runner.invoke(app, ["replay", *SMALL, *args])
+    assert res.exit_code == 2
+    assert message in res.output
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[str, int] = {}
+        self.refs: list[str] = []
+        self.csp = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        a = dict(attrs)
+        for key in ("src", "href", "xlink:href"):
+            if a.get(key):
+                self.refs.append(a[key] or "")
+        if a.get("http-equiv") == "Content-Security-Policy":
+            self.csp = a.get("content") or ""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("matplotlib")
+    path = tmp_path_factory.mktemp("report") / "out.html"
+    res = runner.invoke(
+        app,
+        ["replay", *SMALL, "--compare", "kv,round_robin", "--sweep", "capacity=300,600",
+         "--report", str(path)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return path
+
+
+def test_report_is_self_contained_html(report: Path) -> None:
+    page = _Page()
+    page.feed(report.read_text())
+    page.close()
+    assert page.tags.get("svg", 0) >= 4  # capacity, TTFT CDF, a load plot per policy
+    assert page.tags.get("table") == 1
+    assert "default-src 'none'" in page.csp  # the browser may fetch nothing
+    assert page.tags.get("script", 0) == 0
+    assert page.refs  # matplotlib's SVG refers to its own glyphs and clip paths
+    assert all(r.startswith(("#", "data:")) for r in page.refs), page.refs[:5]
+    text = report.read_text()
+    assert "Hit ratio against cache capacity" in text
+    assert "Time to first token" in text
+    assert "Per-worker load over time" in text
+
+
+def _browser() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_browser() is None, reason="no Chromium installed (parser check above)")
+def test_report_renders_in_a_headless_browser(report: Path, tmp_path: Path) -> None:
+    mpimg = pytest.importorskip("matplotlib.image")
+    browser = _browser()
+    assert browser is not None
+    shot = tmp_path / "shot.png"
+    base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
+    dom = subprocess.run(
+        [*base, "--dump-dom", report.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert dom.count("<svg") >= 4  # the browser parsed every inline plot
+    subprocess.run(
+        [*base, f"--screenshot={shot}", "--window-size=1100,1600", report.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    img = mpimg.imread(str(shot))
+    rgb = (img[..., :3] * 255).round().astype(int)
+    # the plots' lines are drawn: matplotlib's first two colours (tab:blue, tab:orange)
+    for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
+        near = (abs(rgb - colour).sum(axis=-1) < 40).sum()
+        assert near > 200, colour
