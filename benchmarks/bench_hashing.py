@@ -22,15 +22,43 @@ included); ``extend`` drives ``root``/``extend`` one block at a time. Best of R 
 Runs alternate between the four measurements so that machine noise hits them alike.
 ``--profile ALGO`` prints a cProfile of that algorithm's chain instead (a row label such as
 ``v1_block_key[python]`` is accepted too).
+
+``--request``: request hashing and matching against NVIDIA Dynamo (issue 13 item 3)::
+
+    python benchmarks/bench_hashing.py --request [--tokens 8192] [--block-sizes 16,32,64]
+        [--algos A,B] [--workers 64] [--queries 300] [--repeat 3]
+
+An index of ``--workers`` workers, each holding random-length prefixes of 4 requests of a pool
+(``--tokens``-token requests, 8 system prompts of a quarter of the request each); queries are
+new requests (a system prompt plus fresh tokens), matched on all their tokens (as Dynamo's
+``find_matches``). Per query, p50 over the queries, best of ``--repeat`` rounds:
+
+- ``hash``: ``RequestHasher.hashes`` (with the prefix cache, and with ``prefix_cache_bytes=0``);
+- ``hash+match``: that plus ``PrefixIndex.match_hashes`` (per-worker depths, what Dynamo's
+  ``find_matches(...).scores`` returns);
+- ``match()``: the full ``PrefixIndex.match`` (hash, then per-worker ``WorkerMatch`` results);
+- Dynamo (when ``ai-dynamo-runtime`` is importable, e.g. ``.peers-venv/bin/python``):
+  ``compute_block_hash_for_seq`` and ``RadixTree.find_matches`` of its result, on a tree fed
+  the same stored blocks. ``ratio`` = kvstream / Dynamo hash+match p50 (target <= 0.8).
+
+Each operation uses its own RequestHasher, so no query is ever served from a cache filled by
+another measurement of the same query. The caches are first filled to their bound by
+``--warm`` other requests (steady state: a full cache recycles the memory it evicts; a cache
+still growing pays page faults for fresh memory). Each operation runs over all queries in its
+own loop (as Dynamo's harness does: interleaving calls lets Dynamo's worker threads fall
+asleep between calls, which on a loaded machine costs milliseconds per call).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import hashlib
+import json
 import pstats
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,9 +72,29 @@ import numpy as np
 from blake3 import blake3
 
 from kvstream._types import TokenIds
-from kvstream.hashing import BlockHasher, available_hashers, get_hasher
+from kvstream.events.model import (
+    Created,
+    EventBatch,
+    KVCacheEvent,
+    SourceId,
+    Stored,
+    StoredBlock,
+)
+from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, split_blocks
 from kvstream.hashing.cbor import dumps as cbor_dumps
 from kvstream.hashing.trtllm import V1BlockKeyHasher
+from kvstream.index import DomainKey, HashRequest, PrefixIndex, RequestHasher, WorkerKey
+
+#: Algorithms of ``--request`` (the C chains, then the other engine hashes for scale).
+REQUEST_ALGOS = (
+    "vllm_sha256_cbor_64",
+    "vllm_sha256_cbor",
+    "v2_sha256",
+    "v2_sha256_64",
+    "blake3",
+    "blake3_64",
+    "v1_block_key",
+)
 
 
 def _best_interleaved(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
@@ -128,7 +176,25 @@ def main(argv: list[str] | None = None) -> int:
         help="token id distribution: uniform (worst case for lookup tables) or zipf(1.1)",
     )
     ap.add_argument("--profile", metavar="ALGO", help="cProfile ALGO's chain and exit")
+    ap.add_argument("--request", action="store_true", help="request hashing vs Dynamo")
+    ap.add_argument("--tokens", type=int, default=8192, help="--request: tokens per request")
+    ap.add_argument("--block-sizes", default="16,32,64", help="--request: block sizes")
+    ap.add_argument("--algos", default=",".join(REQUEST_ALGOS), help="--request: algorithms")
+    ap.add_argument("--workers", type=int, default=64, help="--request: workers in the index")
+    ap.add_argument("--queries", type=int, default=300, help="--request: queries per round")
+    ap.add_argument("--warm", type=int, default=700, help="--request: cache warm-up requests")
     args = ap.parse_args(argv)
+    if args.request:
+        return run_request_bench(
+            tokens=args.tokens,
+            block_sizes=[int(x) for x in args.block_sizes.split(",")],
+            algos=args.algos.split(","),
+            workers=args.workers,
+            queries=args.queries,
+            warm=args.warm,
+            repeat=args.repeat,
+            vocab=args.vocab,
+        )
 
     n, tpb = args.blocks, args.tokens_per_block
     if args.dist == "zipf":
@@ -194,6 +260,292 @@ def main(argv: list[str] | None = None) -> int:
     elif py:
         print("# v1_block_key: C extension not loaded (not built or KVSTREAM_NO_NATIVE set)")
     return 0
+
+
+# ----------------------------------------------------------------------------- --request
+
+
+def _dynamo() -> Any:
+    """``dynamo.llm`` when ai-dynamo-runtime is importable, else None."""
+    try:
+        from dynamo import llm
+    except ImportError:
+        return None
+    return llm
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _index(
+    algo: str, tpb: int, stored: list[tuple[int, list[int], int]], rh: RequestHasher
+) -> PrefixIndex:
+    """A PrefixIndex holding, per (worker, request tokens, n blocks), the request's first n
+    blocks stored under ``algo`` (one Stored event per request, parent = the held prefix)."""
+    idx = PrefixIndex()
+    h = get_hasher(algo)
+    evs: dict[int, list[KVCacheEvent]] = {}
+    held: dict[int, set[bytes]] = {}
+    for w, toks, n in stored:
+        blocks = split_blocks(toks, tpb)[:n]
+        hashes = h.chain_bytes(blocks)
+        have = held.setdefault(w, set())
+        k = 0
+        while k < n and hashes[k] in have:
+            k += 1
+        lst = evs.setdefault(w, [])
+        if not lst:
+            lst.append(
+                KVCacheEvent(
+                    event_id=0,
+                    hash_algo=algo,
+                    window_size=131072,
+                    data=Created(num_blocks_per_cache_level=(1 << 20,), tokens_per_block=tpb),
+                )
+            )
+        if k < n:
+            lst.append(
+                KVCacheEvent(
+                    event_id=len(lst),
+                    hash_algo=algo,
+                    window_size=131072,
+                    data=Stored(
+                        parent_hash=hashes[k - 1] if k else None,
+                        blocks=tuple(
+                            StoredBlock(block_hash=bh, token_ids=b, cache_level=0)
+                            for bh, b in zip(hashes[k:], blocks[k:n], strict=True)
+                        ),
+                    ),
+                )
+            )
+            have.update(hashes[k:])
+    for w, lst in evs.items():
+        idx.apply(
+            EventBatch(
+                source=SourceId(instance_id=f"worker-{w}", incarnation=1),
+                ts_ns=0,
+                events=tuple(lst),
+            )
+        )
+    idx.hasher = rh
+    return idx
+
+
+def _dynamo_tree(llm: Any, tpb: int, stored: list[tuple[int, list[int], int]]) -> Any:
+    """A Dynamo RadixTree holding the same blocks (external hashes: vllm_sha256_cbor_64)."""
+    tree = llm.RadixTree()
+    h = get_hasher("vllm_sha256_cbor_64")
+    eids: dict[int, int] = {}
+    held: dict[int, set[int]] = {}
+    for w, toks, n in stored:
+        ext = [int.from_bytes(b, "big") for b in h.chain_bytes(split_blocks(toks, tpb)[:n])]
+        local = list(llm.compute_block_hash_for_seq(toks[: n * tpb], tpb))
+        have = held.setdefault(w, set())
+        k = 0
+        while k < n and ext[k] in have:
+            k += 1
+        if k == n:
+            continue
+        ev = {
+            "event_id": eids.get(w, 0),
+            "data": {
+                "stored": {
+                    "parent_hash": ext[k - 1] if k else None,
+                    "blocks": [
+                        {"block_hash": e, "tokens_hash": t}
+                        for e, t in zip(ext[k:], local[k:], strict=True)
+                    ],
+                }
+            },
+            "dp_rank": 0,
+        }
+        eids[w] = eids.get(w, 0) + 1
+        tree.apply_event(w, json.dumps(ev).encode())
+        have.update(ext[k:])
+    return tree
+
+
+def run_request_bench(
+    *,
+    tokens: int,
+    block_sizes: list[int],
+    algos: list[str],
+    workers: int,
+    queries: int,
+    warm: int,
+    repeat: int,
+    vocab: int,
+) -> int:
+    """The ``--request`` benchmark (see the module docstring)."""
+    llm = _dynamo()
+    rng = random.Random(0)
+    prompt_len = tokens // 4
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(8)]
+
+    def request() -> list[int]:
+        return rng.choice(prompts) + [rng.randrange(vocab) for _ in range(tokens - prompt_len)]
+
+    pool = [request() for _ in range(64)]
+    print(
+        f"# request hashing: {tokens}-token requests (system prompts of {prompt_len} tokens, "
+        f"8 of them), {workers} workers, {queries} queries, p50 in us, best of {repeat}; "
+        f"python {sys.version.split()[0]}; C chains "
+        f"{'on' if accel.NATIVE_CHAINS else 'off'}"
+        + (f" (SHA-NI {'on' if _sha_ni() else 'off'})" if accel.NATIVE_CHAINS else "")
+    )
+    if llm is None:
+        print("# Dynamo: ai-dynamo-runtime not importable (run with .peers-venv/bin/python)")
+    header = (
+        f"{'algorithm':22} {'block':>5} {'hash':>7} {'hash':>7} {'hash+m':>7} {'hash+m':>7} "
+        f"{'match()':>8} {'dyn h':>7} {'dyn h+m':>8} {'ratio':>6} {'ratio':>6}"
+    )
+    print(header)
+    print(
+        f"{'':22} {'':>5} {'cache':>7} {'none':>7} {'cache':>7} {'none':>7} {'cache':>8} "
+        f"{'':>7} {'':>8} {'cache':>6} {'none':>6}"
+    )
+    print("-" * len(header))
+    req = HashRequest(drop_last_token=False)
+    for tpb in block_sizes:
+        n_blocks = tokens // tpb
+        stored = [
+            (w, rng.choice(pool), rng.randint(1, n_blocks))
+            for w in range(workers)
+            for _ in range(4)
+        ]
+        tree = _dynamo_tree(llm, tpb, stored) if llm is not None else None
+        for algo in algos:
+            domain = DomainKey(algo, tpb, 0)
+            best: dict[str, float] = {}
+            rh = {k: RequestHasher() for k in ("h", "hm", "m")}
+            rh0 = RequestHasher(prefix_cache_bytes=0)
+            for r in rh.values():
+                for _ in range(warm):
+                    r.hashes(request(), algo, tpb, req)
+            idx = _index(algo, tpb, stored, rh["m"])
+            for _ in range(repeat):
+                qs = [request() for _ in range(queries)]
+                check = rh0.hashes(qs[0], algo, tpb, req)
+                assert rh["h"].hashes(list(qs[0]), algo, tpb, req) == check
+                ops: dict[str, Callable[[list[int]], Any]] = {
+                    "hash": partial(_hash, rh["h"], algo, tpb, req),
+                    "hash0": partial(_hash, rh0, algo, tpb, req),
+                    "hm": partial(_hash_match, rh["hm"], idx, domain, algo, tpb, req),
+                    "hm0": partial(_hash_match, rh0, idx, domain, algo, tpb, req),
+                    "match": partial(_full_match, idx, req),
+                }
+                if tree is not None:
+                    ops["dh"] = partial(_dyn_hash, llm, tpb)
+                    ops["dhm"] = partial(_dyn_hash_match, llm, tree, tpb)
+                    _agree(llm, tree, idx, domain, qs[:5], rh0, algo, tpb, req)
+                lat = _per_op(ops, qs)
+                for k, xs in lat.items():
+                    best[k] = min(best.get(k, float("inf")), _p50(xs))
+            dyn = ""
+            if "dhm" in best:
+                dyn = (
+                    f"{best['dh']:7.1f} {best['dhm']:8.1f} {best['hm'] / best['dhm']:5.2f}x "
+                    f"{best['hm0'] / best['dhm']:5.2f}x"
+                )
+            print(
+                f"{algo:22} {tpb:5} {best['hash']:7.1f} {best['hash0']:7.1f} {best['hm']:7.1f} "
+                f"{best['hm0']:7.1f} {best['match']:8.1f} {dyn}"
+            )
+    print(
+        "# hash: RequestHasher.hashes; hash+m: + PrefixIndex.match_hashes (Dynamo: "
+        "compute_block_hash_for_seq + RadixTree.find_matches); match(): PrefixIndex.match; "
+        "cache/none: with the prefix cache / prefix_cache_bytes=0; ratio: kvstream hash+m / "
+        "Dynamo hash+m (target <= 0.8)"
+    )
+    return 0
+
+
+def _sha_ni() -> bool:
+    from kvstream.hashing import _chainnative
+
+    return bool(_chainnative.has_sha_ni())
+
+
+def _hash(rh: RequestHasher, algo: str, tpb: int, req: HashRequest, q: list[int]) -> Any:
+    return rh.hashes(q, algo, tpb, req)
+
+
+def _hash_match(  # noqa: PLR0917
+    rh: RequestHasher,
+    idx: PrefixIndex,
+    domain: DomainKey,
+    algo: str,
+    tpb: int,
+    req: HashRequest,
+    q: list[int],
+) -> Any:
+    return idx.match_hashes(domain, rh.hashes(q, algo, tpb, req))
+
+
+def _full_match(idx: PrefixIndex, req: HashRequest, q: list[int]) -> Any:
+    return idx.match(q, request=req)
+
+
+def _dyn_hash(llm: Any, tpb: int, q: list[int]) -> Any:
+    return llm.compute_block_hash_for_seq(q, tpb)
+
+
+def _dyn_hash_match(llm: Any, tree: Any, tpb: int, q: list[int]) -> Any:
+    return tree.find_matches(llm.compute_block_hash_for_seq(q, tpb)).scores
+
+
+def _agree(  # noqa: PLR0917
+    llm: Any,
+    tree: Any,
+    idx: PrefixIndex,
+    domain: DomainKey,
+    qs: list[list[int]],
+    rh: RequestHasher,
+    algo: str,
+    tpb: int,
+    req: HashRequest,
+) -> None:
+    """kvstream's and Dynamo's per-worker matched blocks agree on a few queries."""
+    for q in qs:
+        ours = {
+            int(str(w.instance_id).split("-")[1]): d
+            for w, d in _hm_items(idx, domain, rh, q, algo, tpb, req)
+        }
+        theirs = {w: n for (w, _r), n in _dyn_hash_match(llm, tree, tpb, q).items()}
+        assert ours == theirs, (ours, theirs)
+
+
+def _hm_items(  # noqa: PLR0917
+    idx: PrefixIndex,
+    domain: DomainKey,
+    rh: RequestHasher,
+    q: list[int],
+    algo: str,
+    tpb: int,
+    req: HashRequest,
+) -> list[tuple[WorkerKey, int]]:
+    return list(_hash_match(rh, idx, domain, algo, tpb, req, q).items())
+
+
+def _per_op(
+    ops: dict[str, Callable[[list[int]], Any]], qs: list[list[int]]
+) -> dict[str, list[float]]:
+    """Per-query latency (us) of every op, each op in its own loop over the queries."""
+    clock = time.perf_counter_ns
+    lat: dict[str, list[float]] = {}
+    for k, fn in ops.items():
+        xs = lat[k] = []
+        gc.collect()
+        gc.disable()
+        try:
+            for q in qs:
+                t0 = clock()
+                fn(q)
+                xs.append((clock() - t0) / 1e3)
+        finally:
+            gc.enable()
+    return lat
 
 
 if __name__ == "__main__":

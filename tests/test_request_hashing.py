@@ -92,11 +92,18 @@ def test_recurring_prompt_is_hashed_once() -> None:
     assert (s.hits, s.misses, s.entries) == (4, 1, 5)
     assert s.reused_blocks == 4 * 256  # the whole 4096-token prompt, each time after the first
     assert s.hashed_blocks == 5 * 262 - s.reused_blocks
-    # the latest request again: nothing hashed (an older one reuses the prompt, hashes its tail)
-    assert rh.hashes(reqs[-1], "vllm_sha256_cbor_64", 16) == reference(
-        reqs[-1], "vllm_sha256_cbor_64", 16, HashRequest()
-    )
+    # any of them again: nothing hashed
+    for tokens in (reqs[-1], reqs[1]):
+        assert rh.hashes(tokens, "vllm_sha256_cbor_64", 16) == reference(
+            tokens, "vllm_sha256_cbor_64", 16, HashRequest()
+        )
     assert rh.prefix_cache.stats().hashed_blocks == s.hashed_blocks
+    # a shorter prefix of one: reused up to its last checkpoint (3999 tokens: 249 blocks, 240)
+    tokens = reqs[2][:4000]
+    assert rh.hashes(tokens, "vllm_sha256_cbor_64", 16) == reference(
+        tokens, "vllm_sha256_cbor_64", 16, HashRequest()
+    )
+    assert rh.prefix_cache.stats().hashed_blocks == s.hashed_blocks + 9
 
 
 @pytest.mark.parametrize("algo", ["vllm_sha256_cbor", "v2_sha256", "blake3", "v1_block_key"])
@@ -136,9 +143,11 @@ def test_hasher_params_never_share_entries() -> None:
 
 def test_fingerprint_collisions_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every prefix fingerprints alike: the byte comparison still keeps requests apart."""
-    monkeypatch.setattr(
-        prefix_cache_mod, "fingerprints", lambda raw, stride: [7] * (len(raw) // stride)
-    )
+
+    def constant(raw: bytes, stride: int, whole: bool = False) -> list[int]:
+        return [7] * (len(raw) // stride + (1 if whole and len(raw) % stride else 0))
+
+    monkeypatch.setattr(prefix_cache_mod, "fingerprints", constant)
     rh = RequestHasher(checkpoint_tokens=8)
     rng = random.Random(3)
     for tokens in requests_sharing(rng, 20, 50):

@@ -252,5 +252,11 @@ def test_fingerprints_and_same_prefix() -> None:
     assert accel.same_prefix(raw, other, 200)
     assert not accel.same_prefix(raw, other, 204)
     assert not accel.same_prefix(raw, raw[:8], 12)
-    with pytest.raises(HashingError, match="multiple of 4"):
-        native.fingerprints(raw, 6)
+    assert accel.fingerprints(raw, 40, True) == fps  # ends on a checkpoint
+    with_whole = accel.fingerprints(raw[:396], 40, True)
+    assert with_whole[:9] == fps[:9]
+    assert len(with_whole) == 10
+    assert with_whole[9] not in fps
+    for stride, data in ((6, raw), (40, raw[:5])):
+        with pytest.raises(HashingError, match="multiple of 4"):
+            native.fingerprints(data, stride)

@@ -783,27 +783,31 @@ fp_segment(uint64_t h, const unsigned char *p, size_t len)
 }
 
 PyDoc_STRVAR(fingerprints_doc,
-             "fingerprints(raw, stride) -> list[int]\n\n"
+             "fingerprints(raw, stride, whole=False) -> list[int]\n\n"
              "64-bit fingerprints of raw[:k * stride] for k = 1 .. len(raw) // stride "
-             "(stride a positive multiple of 4).");
+             "(stride a positive multiple of 4), then, with whole and a partial last stride, "
+             "the fingerprint of all of raw (a multiple of 4 bytes).");
 
 static PyObject *
 cn_fingerprints(PyObject *self, PyObject *args)
 {
     Py_buffer raw;
-    Py_ssize_t stride, k, n;
+    Py_ssize_t stride, k, n, rest;
+    int whole = 0;
     PyObject *out;
     uint64_t h = 0;
 
-    if (!PyArg_ParseTuple(args, "y*n", &raw, &stride))
+    if (!PyArg_ParseTuple(args, "y*n|p", &raw, &stride, &whole))
         return NULL;
-    if (stride < 4 || stride % 4) {
+    if (stride < 4 || stride % 4 || raw.len % 4) {
         PyBuffer_Release(&raw);
-        PyErr_Format(HashingError, "stride must be a positive multiple of 4, got %zd", stride);
+        PyErr_Format(HashingError,
+                     "stride must be a positive multiple of 4 (got %zd), raw whole u32 ids", stride);
         return NULL;
     }
     n = raw.len / stride;
-    out = PyList_New(n);
+    rest = raw.len - n * stride;
+    out = PyList_New(n + (whole && rest ? 1 : 0));
     if (out == NULL) {
         PyBuffer_Release(&raw);
         return NULL;
@@ -818,6 +822,17 @@ cn_fingerprints(PyObject *self, PyObject *args)
             return NULL;
         }
         PyList_SET_ITEM(out, k, v);
+    }
+    if (whole && rest) {
+        PyObject *v;
+        h = fp_segment(h, (const unsigned char *)raw.buf + stride * n, (size_t)rest);
+        v = PyLong_FromUnsignedLongLong(h);
+        if (v == NULL) {
+            Py_DECREF(out);
+            PyBuffer_Release(&raw);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, n, v);
     }
     PyBuffer_Release(&raw);
     return out;

@@ -77,21 +77,30 @@ def pack_request(tokens: Any, drop_last_token: bool = False) -> bytes:
     return raw[:-4] if drop_last_token and raw else raw
 
 
-def fingerprints(raw: bytes, stride: int) -> list[int]:
-    """Fingerprints of ``raw[:k * stride]`` for ``k = 1 .. len(raw) // stride``.
+def fingerprints(raw: bytes, stride: int, whole: bool = False) -> list[int]:
+    """Fingerprints of ``raw[:k * stride]`` for ``k = 1 .. len(raw) // stride``, then, with
+    ``whole`` and a partial last stride, the fingerprint of all of ``raw``.
 
-    Equal prefixes give equal fingerprints within one process (the pure-Python fallback uses
-    Python's salted ``hash``); they are a candidate filter, not a proof of equality: callers
-    confirm a hit with :func:`same_prefix`.
+    ``raw`` holds whole u32 ids and ``stride`` is a positive multiple of 4 (HashingError
+    otherwise). Equal prefixes give equal fingerprints within one process (the pure-Python
+    fallback uses Python's salted ``hash``); they are a candidate filter, not a proof of
+    equality: callers confirm a hit with :func:`same_prefix`.
     """
     if _native is not None:
-        out: list[int] = _native.fingerprints(raw, stride)
+        out: list[int] = _native.fingerprints(raw, stride, whole)
         return out
+    if stride < 4 or stride % 4 or len(raw) % 4:
+        raise HashingError(
+            f"stride must be a positive multiple of 4 (got {stride}), raw whole u32 ids"
+        )
     fps: list[int] = []
     h = 0
-    for k in range(len(raw) // stride):
+    n = len(raw) // stride
+    for k in range(n):
         h = hash((h, raw[k * stride : (k + 1) * stride]))
         fps.append(h)
+    if whole and len(raw) % stride:
+        fps.append(hash((h, raw[n * stride :])))
     return fps
 
 

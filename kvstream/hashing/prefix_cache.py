@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Final
 
 from kvstream.errors import HashingError
@@ -58,11 +59,13 @@ class PrefixCacheStats:
 
 @dataclass(eq=False, slots=True)  # eq=False: hashed by identity (the LRU's keys)
 class _Entry:
+    # tuples, not lists: immutable, and untracked by the garbage collector once it has seen
+    # them (a cache of many requests must not make every collection slower)
     ctx: tuple[Any, ...]
     raw: bytes
-    published: list[bytes]
-    keys: list[Any]
-    fps: list[int]
+    published: tuple[bytes, ...]
+    keys: tuple[Any, ...]
+    fps: tuple[int, ...]
     size: int
 
 
@@ -91,7 +94,10 @@ class PrefixCache:
         self.checkpoint_tokens = checkpoint_tokens
         self._lock = threading.Lock()
         self._entries: OrderedDict[_Entry, None] = OrderedDict()
-        self._index: dict[tuple[Any, ...], dict[tuple[int, int], _Entry]] = {}
+        # ctx -> {fingerprint of a checkpointed prefix: an entry with that prefix}; the
+        # fingerprint of checkpoint k depends on k (the whole prefix is hashed), and a hit is
+        # confirmed by comparing bytes, so no checkpoint number is needed in the key
+        self._index: dict[tuple[Any, ...], dict[int, _Entry]] = {}
         self._bytes = 0
         self._hits = self._misses = self._reused = self._hashed = 0
 
@@ -113,34 +119,41 @@ class PrefixCache:
                 self._hashed += len(out)
             return out
         stride = every * step
-        fps = fingerprints(raw, stride)
+        fps = fingerprints(raw, stride, True)
+        # the fingerprint of the whole request (the last checkpoint's when it ends on one)
+        whole = fps.pop() if len(raw) % stride else fps[-1]
         ctx = (hasher, tokens_per_block, root)
         with self._lock:
-            hit, k = self._lookup(ctx, raw, fps, stride)
+            index = self._index.get(ctx)
+            same = None if index is None else index.get(whole)
             if (
-                hit is not None
-                and k == len(fps)
-                and len(hit.published) >= n
-                and same_prefix(hit.raw, raw, n * step)
+                same is not None
+                and len(same.published) >= n
+                and same_prefix(same.raw, raw, len(raw))
             ):
-                # every full block of the request is cached: no hashing at all
-                self._entries.move_to_end(hit)
+                # a request starting with all of this one was cached: no hashing at all
+                self._entries.move_to_end(same)
                 self._hits += 1
                 self._reused += n
-                return hit.published[:n]
-            prefix: list[bytes] = [] if hit is None else hit.published[: k * every]
-            prefix_keys: list[Any] = [] if hit is None else hit.keys[:k]
+                return list(same.published[:n])
+            hit, k = self._lookup(index, raw, fps, stride)
+            if hit is not None:
+                # the prefix's entry stays as recent as the prefix is used: its index entries
+                # serve the next request that shares it
+                self._entries.move_to_end(hit)
         if hit is None:
             published, keys = hasher.chain_raw(root, raw, tokens_per_block, every=every)
         else:
-            state = hasher.resume(root, prefix_keys[-1], k * every)
+            state = hasher.resume(root, hit.keys[k - 1], k * every)
             tail, tail_keys = hasher.chain_raw(
                 state, raw, tokens_per_block, start=k * every, every=every
             )
-            published = prefix + tail
-            keys = prefix_keys + tail_keys
+            published = list(hit.published[: k * every])
+            published += tail
+            keys = [*hit.keys[:k], *tail_keys]
         size = len(raw) + len(published) * (_BLOCK_COST + hasher.width)
         size += len(fps) * _CHECKPOINT_COST
+        entry = _Entry(ctx, raw, tuple(published), tuple(keys), (*fps, whole), size)
         with self._lock:
             if hit is None:
                 self._misses += 1
@@ -149,42 +162,44 @@ class PrefixCache:
                 self._reused += k * every
             self._hashed += len(published) - (0 if hit is None else k * every)
             if size <= self.max_bytes:
-                self._insert(_Entry(ctx, raw, published, keys, fps, size))
-        return published[:]
+                # the checkpoints up to the hit stay with the hit's entry (just refreshed)
+                self._insert(entry, k)
+        return published
 
     def _lookup(
-        self, ctx: tuple[Any, ...], raw: bytes, fps: list[int], stride: int
+        self, index: dict[int, _Entry] | None, raw: bytes, fps: list[int], stride: int
     ) -> tuple[_Entry | None, int]:
         """The cached entry sharing the longest checkpointed prefix with ``raw``, and that
         prefix in checkpoints (binary search: the indexed checkpoints of a request form a
         prefix of its checkpoints; a fingerprint that fails the byte comparison is a miss)."""
-        index = self._index.get(ctx)
         if index is None:
             return None, 0
         best: _Entry | None = None
         lo, hi = 0, len(fps)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            e = index.get((mid, fps[mid - 1]))
+            e = index.get(fps[mid - 1])
             if e is not None and same_prefix(e.raw, raw, mid * stride):
                 lo, best = mid, e
             else:
                 hi = mid - 1
         return best, lo
 
-    def _insert(self, e: _Entry) -> None:
+    def _insert(self, e: _Entry, skip: int) -> None:
+        """Add ``e``, indexed under its checkpoints after the first ``skip`` and its whole
+        fingerprint (``e.fps[-1]``); evict the least recently used entries beyond the bound."""
         index = self._index.setdefault(e.ctx, {})
-        for k, fp in enumerate(e.fps, 1):
-            index[k, fp] = e
+        index.update(zip(e.fps[skip:], repeat(e)))
+        index[e.fps[-1]] = e
         self._entries[e] = None
         self._bytes += e.size
         while self._bytes > self.max_bytes:
             old, _ = self._entries.popitem(last=False)
             self._bytes -= old.size
             idx = self._index[old.ctx]
-            for k, fp in enumerate(old.fps, 1):
-                if idx.get((k, fp)) is old:
-                    del idx[k, fp]
+            for fp in old.fps:
+                if idx.get(fp) is old:
+                    del idx[fp]
             if not idx:
                 del self._index[old.ctx]
 
