@@ -48,6 +48,7 @@ from kvstream.index.shard_rpc import RemoteShard, ShardServer, ShardUnavailableE
 from kvstream.index.shards import (
     ShardedIndex,
     ShardSpec,
+    open_group_shard,
     open_shard,
     sharded_router,
     worker_partition,
@@ -346,6 +347,8 @@ def test_remote_shard_errors() -> None:
         (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--listen", "nowhere"], "HOST:PORT"),
         (["kafka://127.0.0.1:1/t?shard=0/2", "--shard", "0/2"], "not in the URL"),
         (["/some/dir", "--shard", "0/2"], "kafka://"),
+        (["kafka://127.0.0.1:1/t"], "exactly one"),
+        (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--group-id", "g"], "exactly one"),
     ],
 )
 def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None:
@@ -541,3 +544,66 @@ async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
         assert json.loads(out.splitlines()[-1])["snapshots"] >= 1
         pieces.append(load_snapshot(snap).index)
     assert union_state(pieces) == whole.canonical_state()
+
+
+@pytest_kafka
+@pytest.mark.slow
+async def test_elastic_group_shards_hand_partitions_over(kafka: KafkaEnv, tmp_path: Path) -> None:
+    """Consumer-group members as index shards: a member joining takes partitions with their
+    workers (rebuilt from the start), the one giving them up forgets them; together they
+    always converge to the unsharded index, and the survivor of a leave holds it all."""
+    topic = kafka.topic("idx-elastic")
+    await create_topic(kafka.broker.bootstrap, topic, PARTS)
+    ps = fleet()
+    batches = events(ps, range(4), created=True)
+    await publish(kafka, topic, batches)
+    group = f"{topic}-shards"
+
+    def member(name: str) -> tuple[IndexConsumer, asyncio.Event, asyncio.Task[Any]]:
+        c = open_group_shard(tmp_path / f"{name}.snap", kafka.bootstrap, topic, group)
+        stop = asyncio.Event()
+
+        async def go() -> Any:
+            async with c.source:
+                return await c.run(stop=stop)
+
+        return c, stop, asyncio.ensure_future(go())
+
+    async def until(cond: Any, what: str, timeout_s: float = 60) -> None:
+        for _ in range(int(timeout_s / 0.1)):
+            if cond():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def split_is_whole(members: list[IndexConsumer], want: PrefixIndex) -> bool:
+        states = [m.index.canonical_state() for m in members]
+        if any(not s for s in states) or sum(map(len, states)) != len(want.workers()):
+            return False
+        return union_state([m.index for m in members]) == want.canonical_state()
+
+    whole = build(batches, "engine")
+    a, stop_a, run_a = member("a")
+    try:
+        await until(lambda: split_is_whole([a], whole), "the first member to read everything")
+        b, stop_b, run_b = member("b")
+        try:
+            await until(lambda: split_is_whole([a, b], whole), "the two members to split")
+            for m in (a, b):
+                owned = {tp.partition for tp in m.source._consumer.assignment()}  # type: ignore[attr-defined]
+                assert {worker_partition(w, PARTS) for w in m.index.workers()} <= owned
+                assert {int(p) for p in m.source.checkpoint()["offsets"]} <= owned
+            fan = ShardedIndex([a.index, b.index])
+            q = tokens(8, seed=1) + tail(NAMES[0], 3)
+            assert fan.match(q, workers=fan.workers()) == whole.match(q, workers=fan.workers())
+        finally:
+            stop_b.set()
+            await asyncio.wait_for(run_b, 30)
+        assert load_snapshot(tmp_path / "b.snap").meta["group_id"] == group
+        more = events(ps, range(4, 6), created=False)
+        await publish(kafka, topic, more)
+        whole = build(batches + more, "engine")
+        await until(lambda: split_is_whole([a], whole), "the survivor to hold every worker")
+    finally:
+        stop_a.set()
+        await asyncio.wait_for(run_a, 30)

@@ -21,12 +21,19 @@ def shard(
         str, typer.Argument(help="kafka://HOST:PORT/TOPIC (the Kafka sink's topic).")
     ],
     shard_spec: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--shard",
             help="This process's shard K/N: the partitions p with p % N == K.",
         ),
-    ],
+    ] = None,
+    group_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead of --shard: an elastic shard, a member of this consumer group "
+            "(partitions it gains are read from the start, those it loses forgotten).",
+        ),
+    ] = None,
     listen: Annotated[
         str,
         typer.Option(help="HOST:PORT to serve matches on (port 0: a free one; printed)."),
@@ -55,8 +62,8 @@ def shard(
 ) -> None:
     """Consume one shard of a Kafka topic into a prefix index and serve matches to a router.
 
-    Prints one JSON line when it listens ({"listening": "HOST:PORT", "shard": "K/N"}) and
-    one when it ends (batches, snapshots). A router reaches it with
+    Prints one JSON line when it listens ({"listening": "HOST:PORT", "shard": "K/N" or
+    "group G"}) and one when it ends (batches, snapshots). A router reaches it with
     kvstream.index.shard_rpc.RemoteShard; see docs/scaling.md.
     """
     import asyncio
@@ -66,7 +73,7 @@ def shard(
     from kvstream.errors import ConfigError, KVStreamError
     from kvstream.index import PrefixIndex, SnapshotError
     from kvstream.index.shard_rpc import ShardServer, serve_shard
-    from kvstream.index.shards import ShardSpec, open_shard
+    from kvstream.index.shards import ShardSpec, open_group_shard, open_shard
     from kvstream.index.sources.kafka import KafkaSource
 
     def fail(code: int, msg: str) -> typer.Exit:
@@ -74,7 +81,9 @@ def shard(
         return typer.Exit(code)
 
     try:
-        spec = ShardSpec.parse(shard_spec)
+        if (shard_spec is None) == (group_id is None):
+            raise ConfigError("give exactly one of --shard K/N and --group-id GROUP")
+        spec = None if shard_spec is None else ShardSpec.parse(shard_spec)
         host, sep, port = listen.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"--listen takes HOST:PORT, got {listen!r}")
@@ -84,7 +93,7 @@ def shard(
             )
         base = KafkaSource.from_url(stream)
         if base.group_id is not None or base.partitions is not None or base.shard is not None:
-            raise ConfigError("give the shard with --shard, not in the URL")
+            raise ConfigError("give the shard with --shard or --group-id, not in the URL")
         from kvstream.index import KeyMode
 
         mode = KeyMode.parse(key_mode)
@@ -101,27 +110,33 @@ def shard(
         "consumer_options": base.consumer_options,
     }
     try:
-        if snapshot is not None:
+        if spec is None:
+            assert group_id is not None
+            consumer = open_group_shard(
+                snapshot,
+                base.bootstrap_servers,
+                base.topic,
+                group_id,
+                index_factory=fresh,
+                **options,
+            )
+        else:
             consumer = open_shard(
                 snapshot, base.bootstrap_servers, base.topic, spec, index_factory=fresh, **options
             )
-            if consumer.index.key_mode is not mode:
-                raise ConfigError(
-                    f"snapshot {snapshot} holds a {consumer.index.key_mode.value}-keyed index; "
-                    f"pass --key-mode {consumer.index.key_mode.value}"
-                )
-        else:
-            from kvstream.index import IndexConsumer
-
-            source = KafkaSource(base.bootstrap_servers, base.topic, shard=spec, **options)
-            consumer = IndexConsumer(source, fresh(), meta={"shard": str(spec)})
+        if consumer.index.key_mode is not mode:
+            raise ConfigError(
+                f"snapshot {snapshot} holds a {consumer.index.key_mode.value}-keyed index; "
+                f"pass --key-mode {consumer.index.key_mode.value}"
+            )
     except (SnapshotError, ConfigError) as exc:
         raise fail(2, str(exc)) from None
     except KVStreamError as exc:
         raise fail(1, str(exc)) from None
+    where = str(spec) if spec is not None else f"group {group_id}"
 
     def listening(server: ShardServer) -> None:
-        line = {"listening": f"{host or '127.0.0.1'}:{server.port}", "shard": str(spec)}
+        line = {"listening": f"{host or '127.0.0.1'}:{server.port}", "shard": where}
         typer.echo(json.dumps(line), nl=True)
 
     async def main() -> Any:
@@ -146,7 +161,7 @@ def shard(
     except KVStreamError as exc:
         raise fail(1, str(exc)) from None
     done = {
-        "shard": str(spec),
+        "shard": where,
         "batches": report.batches,
         "snapshots": report.snapshots,
         "workers": len(consumer.index.workers()),

@@ -46,6 +46,7 @@ __all__ = [
     "IndexShard",
     "ShardSpec",
     "ShardedIndex",
+    "open_group_shard",
     "open_shard",
     "sharded_router",
     "worker_partition",
@@ -265,7 +266,7 @@ def sharded_router(
 
 
 def open_shard(
-    snapshot_path: str | os.PathLike[str],
+    snapshot_path: str | os.PathLike[str] | None,
     bootstrap_servers: str | Sequence[str],
     topic: str,
     shard: ShardSpec | str | tuple[int, int],
@@ -276,12 +277,12 @@ def open_shard(
 ) -> IndexConsumer:
     """The consumer of ``shard`` of ``topic``: restored from ``snapshot_path`` when it exists
     (a replica joining: the index as snapshotted, reading on from the stored offsets), else
-    a fresh index reading the shard's partitions from the start. Snapshots it writes carry
+    a fresh index reading the shard's partitions from the start (``snapshot_path`` None: one
+    that never snapshots). Snapshots it writes carry
     the shard; one of another shard or split raises SourceError (from the source's
     checkpoint check). ``source_options`` go to
     :class:`~kvstream.index.sources.kafka.KafkaSource` (``stop_at_end``, ``client_id``...).
     """
-    from kvstream.index.consumer import IndexConsumer
     from kvstream.index.sources.kafka import KafkaSource
 
     spec = ShardSpec.parse(shard)
@@ -289,11 +290,68 @@ def open_shard(
     def make(ckpt: dict[str, Any] | None) -> KafkaSource:
         return KafkaSource(bootstrap_servers, topic, shard=spec, resume_from=ckpt, **source_options)
 
-    consumer = IndexConsumer.resume(
-        snapshot_path, make, index_factory=index_factory, hasher_params=hasher_params
-    )
+    consumer = _consumer(snapshot_path, make, index_factory, hasher_params)
     consumer.meta.setdefault("shard", str(spec))
     return consumer
+
+
+def open_group_shard(
+    snapshot_path: str | os.PathLike[str] | None,
+    bootstrap_servers: str | Sequence[str],
+    topic: str,
+    group_id: str,
+    *,
+    index_factory: Callable[[], PrefixIndex] | None = None,
+    hasher_params: Mapping[str, Mapping[str, Any]] | None = None,
+    **source_options: Any,
+) -> IndexConsumer:
+    """An elastic shard: a member of consumer group ``group_id`` whose partitions the group
+    assigns and moves. A partition it gains is read from the start; when it loses one, the
+    workers of that partition leave its index (so no two members keep the same worker for
+    long) and its offsets leave the checkpoint. Restored from ``snapshot_path`` when it
+    exists. Rebalances cost a group re-join and the rebuild of every moved partition; see
+    ``docs/scaling.md`` for when to prefer the fixed split of :func:`open_shard`.
+    """
+    from kvstream.index.sources.kafka import KafkaSource
+
+    def drop(partitions: set[int], num_partitions: int) -> None:
+        index = consumer.index
+        for w in index.workers():
+            if worker_partition(w, num_partitions) in partitions:
+                index.forget(w)
+
+    def make(ckpt: dict[str, Any] | None) -> KafkaSource:
+        return KafkaSource(
+            bootstrap_servers,
+            topic,
+            group_id=group_id,
+            elastic=True,
+            on_drop=drop,
+            resume_from=ckpt,
+            **source_options,
+        )
+
+    consumer = _consumer(snapshot_path, make, index_factory, hasher_params)
+    consumer.meta.setdefault("group_id", group_id)
+    return consumer
+
+
+def _consumer(
+    snapshot_path: str | os.PathLike[str] | None,
+    make: Callable[[dict[str, Any] | None], Any],
+    index_factory: Callable[[], PrefixIndex] | None,
+    hasher_params: Mapping[str, Mapping[str, Any]] | None,
+) -> IndexConsumer:
+    """Resumed from the snapshot when there is one; without a path, a fresh index that
+    never snapshots."""
+    from kvstream.index.consumer import IndexConsumer
+
+    if snapshot_path is not None:
+        return IndexConsumer.resume(
+            snapshot_path, make, index_factory=index_factory, hasher_params=hasher_params
+        )
+    index = index_factory() if index_factory is not None else PrefixIndex()
+    return IndexConsumer(make(None), index)
 
 
 def _count_tokens(tokens: Any) -> int:

@@ -10,6 +10,12 @@ Two modes:
   partition count; resuming one with another shard, an unsharded checkpoint, or after the
   topic was re-partitioned (workers moved between partitions) raises SourceError. See
   ``docs/scaling.md``.
+- **Elastic shards** (``group_id`` with ``elastic=True``): index shards that are members of
+  one consumer group. A partition the group moves to this member is read from its start
+  (its committed offset belongs to the previous owner's index, not to this one); when the
+  group takes a partition away, its offsets leave the checkpoint and ``on_drop(partitions,
+  num_partitions)`` is called so the consumer forgets that partition's workers
+  (:func:`kvstream.index.shards.open_group_shard` wires it). See ``docs/scaling.md``.
 - **Consumer group** (``group_id``): partitions are assigned by the group. Offsets are never
   auto-committed: :meth:`KafkaSource.commit` commits a checkpoint's offsets, and a consumer
   calls it only after the snapshot holding that checkpoint is on disk, so Kafka never claims
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from kvstream.codec import AvroCodec
@@ -58,10 +64,11 @@ class KafkaSource(EventSource):
     """Batches of ``topic`` on ``bootstrap_servers``; see the module docstring.
 
     ``partitions``: the partitions to assign (no group; default all). ``shard``: read only
-    that shard's partitions (``"K/N"``; no group, no ``partitions``). ``resume_from``: a
-    :meth:`checkpoint`. ``schema_ids``: Confluent schema id -> kvstream schema version.
-    ``consumer_options`` go to :class:`aiokafka.AIOKafkaConsumer` (security settings,
-    ``fetch_max_wait_ms``...).
+    that shard's partitions (``"K/N"``; no group, no ``partitions``). ``elastic`` (with a
+    ``group_id``): a member of a group of index shards, ``on_drop`` called with the partitions
+    the group took away (module docstring). ``resume_from``: a :meth:`checkpoint`.
+    ``schema_ids``: Confluent schema id -> kvstream schema version. ``consumer_options`` go
+    to :class:`aiokafka.AIOKafkaConsumer` (security settings, ``fetch_max_wait_ms``...).
     """
 
     def __init__(
@@ -79,12 +86,16 @@ class KafkaSource(EventSource):
         codec: AvroCodec | None = None,
         consumer_options: Mapping[str, Any] | None = None,
         max_records: int = 1000,
+        elastic: bool = False,
+        on_drop: Callable[[set[int], int], None] | None = None,
     ) -> None:
         super().__init__()
         if not topic:
             raise ConfigError("a Kafka source needs a topic")
         if group_id is not None and partitions is not None:
             raise ConfigError("a Kafka source uses either a consumer group or partitions")
+        if elastic and group_id is None:
+            raise ConfigError("elastic index shards are members of a consumer group: set group_id")
         if shard is not None and (group_id is not None or partitions is not None):
             raise ConfigError(
                 "a Kafka shard reads its own partitions: no consumer group, no partitions"
@@ -99,6 +110,8 @@ class KafkaSource(EventSource):
         self.group_id = group_id
         self.partitions = None if partitions is None else sorted(set(partitions))
         self.shard = None if shard is None else ShardSpec.parse(shard)
+        self.elastic = elastic
+        self.on_drop = on_drop
         #: The topic's partition count (known once a sharded source started).
         self.num_partitions: int | None = None
         self.stop_at_end = stop_at_end
@@ -192,6 +205,10 @@ class KafkaSource(EventSource):
             try:
                 await consumer.start()
                 if self.group_id is not None:
+                    if self.elastic:
+                        count = len(await self._topic_partitions(consumer))
+                        self._check_partition_count(count)
+                        self.num_partitions = count
                     consumer.subscribe([self.topic], listener=self._listener(consumer))
                 else:
                     parts = self.partitions
@@ -265,12 +282,27 @@ class KafkaSource(EventSource):
                 source._fetched_end.clear()
 
             async def on_partitions_assigned(self, assigned: Any) -> None:
+                if source.elastic:
+                    source._drop({tp.partition for tp in assigned})
                 for tp in assigned:
                     off = source._next.get(tp.partition)
                     if off is not None:
                         consumer.seek(tp, off)
+                    elif source.elastic:  # no state for it here: build it from the start
+                        await consumer.seek_to_beginning(tp)
 
         return _Seek()
+
+    def _drop(self, kept: set[int]) -> None:
+        """Forget the positions of partitions this member no longer owns, and tell
+        ``on_drop`` (elastic mode)."""
+        dropped = set(self._next) - kept
+        if not dropped:
+            return
+        for p in dropped:
+            del self._next[p]
+        if self.on_drop is not None:
+            self.on_drop(dropped, self.num_partitions or 0)
 
     async def aclose(self) -> None:
         """Stop the consumer (nothing is committed here)."""
@@ -361,7 +393,8 @@ class KafkaSource(EventSource):
 
     def checkpoint(self) -> dict[str, Any]:
         """``{"kind": "kafka", "topic": T, "offsets": {"partition": next offset}}``; a
-        shard's also holds ``"shard": "K/N"`` and ``"num_partitions"`` (the topic's)."""
+        shard's also holds ``"shard": "K/N"`` and ``"num_partitions"`` (the topic's), an
+        elastic member's ``"num_partitions"``."""
         out: dict[str, Any] = {
             "kind": "kafka",
             "topic": self.topic,
@@ -369,6 +402,7 @@ class KafkaSource(EventSource):
         }
         if self.shard is not None:
             out["shard"] = str(self.shard)
+        if self.shard is not None or self.elastic:
             out["num_partitions"] = self.num_partitions or self._resume_partitions
         return out
 
