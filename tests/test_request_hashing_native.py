@@ -56,19 +56,19 @@ def pair(name: str, **params: Any) -> tuple[BlockHasher, BlockHasher]:
     return Blake3Hasher(width, native=True), Blake3Hasher(width, native=False)
 
 
-@pytest.fixture(params=["sha_ni", "portable"])
+@pytest.fixture(params=["simd", "portable"])
 def sha_impl(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test on each SHA-256 implementation the CPU offers."""
+    """Run a test on the SIMD (SHA extensions, SSE4.1 BLAKE3) and on the portable code."""
     before = native.has_sha_ni()
-    if request.param == "sha_ni" and not native.set_sha_ni(True):
-        native.set_sha_ni(before)
+    if request.param == "simd" and not native.set_simd(True):
+        native.set_simd(before)
         pytest.skip("this CPU has no SHA extensions")
     if request.param == "portable":
-        native.set_sha_ni(False)
+        native.set_simd(False)
     try:
         yield request.param
     finally:
-        native.set_sha_ni(before)
+        native.set_simd(before)
 
 
 # --------------------------------------------------------------------------- primitives
@@ -80,11 +80,11 @@ def test_primitives_equal_hashlib_and_blake3(data: bytes) -> None:
     before = native.has_sha_ni()
     try:
         for on in (True, False):
-            native.set_sha_ni(on)
+            native.set_simd(on)
             assert native.sha256(data) == hashlib.sha256(data).digest()
+            assert native.blake3(data) == blake3(data).digest()
     finally:
-        native.set_sha_ni(before)
-    assert native.blake3(data) == blake3(data).digest()
+        native.set_simd(before)
 
 
 @pytest.mark.parametrize("n", [0, 1, 55, 56, 63, 64, 65, 119, 120, 1023, 1024, 1025, 2048, 2049])
