@@ -252,6 +252,7 @@ class _Replay:
         self.heap: list[tuple[float, int, int, _Request]] = []
         self.seq = 0
         self.served: list[_Request] = []
+        self.dirty: set[int] = set()  # workers with events not yet handed to the pipeline
         self.now = 0.0
         self.rate = opts.prefill_tokens_per_s
         self.decode_s = opts.decode_ms_per_token / 1000.0
@@ -308,6 +309,7 @@ class _Replay:
             if nblocks > cap:
                 result.unservable += 1
             else:
+                await self._publish_dirty()
                 await transport.sync(lag)
                 prompt = self.tokens.prompt(row)
                 decision = router.route(prompt)
@@ -335,6 +337,7 @@ class _Replay:
             if self.progress is not None and (i % 64 == 0 or i == total - 1):
                 self.progress(i + 1, total)
         await self._advance(float("inf"))
+        await self._publish_dirty()
         if any(self.queues):  # never expected: every queued request fits an idle worker
             raise RuntimeError("replay stalled with requests still queued")
 
@@ -356,7 +359,7 @@ class _Replay:
             mgr.free_request(req.rid)
             load.finish(req.rid)
             self.running[w] -= 1
-            await self.transport.publish(mgr.flush_events())
+            self.dirty.add(w)
             if self.queues[w]:
                 await self._admit(w, t)
 
@@ -368,6 +371,8 @@ class _Replay:
         result = self.result
         while queue:
             req = queue[0]
+            if not req.fresh and w in self.dirty:
+                await self._publish(w)  # the index must see the cache as admission finds it
             try:
                 match = mgr.add_request(req.rid, req.prompt)
             except CacheFullError:
@@ -419,7 +424,16 @@ class _Replay:
             finish = first + req.row.output_length * self.decode_s
             heapq.heappush(self.heap, (finish, self.seq, _FINISH, req))
             req.prompt = None  # the tokens are no longer needed
-            await self.transport.publish(mgr.flush_events())
+            self.dirty.add(w)
+
+    async def _publish(self, w: int) -> None:
+        """Hand worker ``w``'s events to the pipeline (one batch: its engine iteration)."""
+        self.dirty.discard(w)
+        await self.transport.publish(self.managers[w].flush_events())
+
+    async def _publish_dirty(self) -> None:
+        for w in sorted(self.dirty):
+            await self._publish(w)
 
     def _sample(self, t: float) -> None:
         self.result.timeline.append(
