@@ -6,8 +6,9 @@ small as in BPE vocabularies) plus one removed event (4 hashes) per 8 stored eve
 
 Formats, each encoding the same information:
 
-(a) kvstream ``AvroCodec`` (single-object encoding, schema v3) from ``EventBatch`` models;
-    decode back to validated models (and, for reference, the fastavro stage alone).
+(a) kvstream ``AvroCodec`` (single-object encoding, schema v4, token ids packed per batch:
+    ``token_encoding="auto"``) from ``EventBatch`` models; decode back to validated models
+    (and, for reference, the fastavro stage alone). Schema v3 (bit-plane tokens) for reference.
 (b) fastavro ``schemaless_writer`` of pre-built plain dicts in a naive row-wise layout (one
     record per block, ``array<long>`` of token ids), decode to dicts.
 (c) msgspec msgpack of vLLM >= 0.24 events (``KVEventBatch`` array-like ``[ts, events, rank]``,
@@ -16,10 +17,21 @@ Formats, each encoding the same information:
 
 Timing: rounds interleave the formats; each figure is the best round, measured as thread CPU
 time (robust on a shared machine) with the GC paused like ``timeit`` (``--gc`` leaves it
-on). Targets: kvstream encode blocks/s >= msgspec's, and kvstream bytes/block <= 0.6x
-msgspec's.
+on). Targets: kvstream encode blocks/s >= msgspec's; kvstream bytes <= 0.6x msgspec's on
+uniform ids and <= 0.8x on Zipf ids.
 
-Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile]``
+Two more tables:
+
+* token encodings: bytes per id and the cost of each v4 token encoding alone (encode_tokens /
+  tokens_from_record on the batch's ids) and of the whole codec with it;
+* Kafka producer compression: the same events as Kafka record batches built by aiokafka's own
+  ``DefaultRecordBatchBuilder`` (what ``AIOKafkaProducer(compression_type=...)`` sends:
+  ``max_batch_size`` 16 KiB, one record per engine batch of ``--kafka-events`` events), for
+  kvstream v4 (packed tokens), kvstream v3 (bit planes) and msgspec, uncompressed and with
+  gzip/snappy/lz4/zstd: bytes on the wire, producer CPU to build the batches, consumer CPU to
+  read them back (skipped without aiokafka).
+
+Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile] [--kafka-events 4]``
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from kvstream._types import TokenIds
 from kvstream.codec import AvroCodec
 from kvstream.codec.decoder import read_record
 from kvstream.codec.framing import split_single_object
+from kvstream.codec.tokens import TOKEN_ENCODINGS, encode_tokens, tokens_from_record
 from kvstream.events.model import (
     EventBatch,
     KVCacheEvent,
@@ -334,12 +347,18 @@ def naive_decode(data: bytes) -> object:
     return fastavro.schemaless_reader(io.BytesIO(data), NAIVE_SCHEMA, None)
 
 
+def _same(a: EventBatch, b: EventBatch) -> bool:
+    return a.model_copy(update={"schema_version": b.schema_version}) == b
+
+
 def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
-    codec = AvroCodec()
+    codec = AvroCodec(4)
+    codec_v3 = AvroCodec(3)
     enc_msgspec = msgspec.msgpack.Encoder()
     dec_msgspec = msgspec.msgpack.Decoder(KVEventBatch)
     data_kv = codec.encode(w.batch)
-    if codec.decode(data_kv) != w.batch:
+    data_v3 = codec_v3.encode(w.batch)
+    if not (_same(codec.decode(data_kv), w.batch) and _same(codec.decode(data_v3), w.batch)):
         raise SystemExit("kvstream round trip failed")
     data_naive = naive_encode(w.naive)
     data_ms = enc_msgspec.encode(w.vllm)
@@ -350,6 +369,7 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
     enc = best_time(
         {
             "kvstream": lambda: codec.encode(w.batch),
+            "kvstream_v3": lambda: codec_v3.encode(w.batch),
             "fastavro": lambda: naive_encode(w.naive),
             "msgspec": lambda: enc_msgspec.encode(w.vllm),
         },
@@ -359,6 +379,7 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
     dec = best_time(
         {
             "kvstream": lambda: codec.decode(data_kv),
+            "kvstream_v3": lambda: codec.decode(data_v3),
             "kvstream_records": lambda: read_record(body, writer, writer),
             "fastavro": lambda: naive_decode(data_naive),
             "msgspec": lambda: dec_msgspec.decode(data_ms),
@@ -366,16 +387,22 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
         max(3, rounds // 3),
         max(1, number // 2),
     )
-    sizes = {"kvstream": len(data_kv), "fastavro": len(data_naive), "msgspec": len(data_ms)}
+    sizes = {
+        "kvstream": len(data_kv),
+        "kvstream_v3": len(data_v3),
+        "fastavro": len(data_naive),
+        "msgspec": len(data_ms),
+    }
     return {"encode": enc, "decode": dec, "size": {k: float(v) for k, v in sizes.items()}}
 
 
-def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float]:
+def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float, float]:
     b = w.blocks
     print(f"\n== {w.name} token ids: {b} blocks/batch, {len(w.batch.events)} events ==")
     print(f"{'format':34s} {'encode blocks/s':>16s} {'decode blocks/s':>16s} {'bytes/block':>12s}")
     rows = [
-        ("kvstream AvroCodec v3 (models)", "kvstream"),
+        ("kvstream AvroCodec v4 (models)", "kvstream"),
+        ("kvstream AvroCodec v3 (bit planes)", "kvstream_v3"),
         ("fastavro naive row-wise (dicts)", "fastavro"),
         ("msgspec vLLM>=0.24 (structs)", "msgspec"),
     ]
@@ -390,17 +417,169 @@ def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float]:
     )
     enc_ratio = r["encode"]["msgspec"] / r["encode"]["kvstream"]
     size_ratio = r["size"]["kvstream"] / r["size"]["msgspec"]
+    target = SIZE_TARGET[w.name]
     print(
-        f"kvstream/msgspec: encode speed {enc_ratio:.2f}x (target >= 1.00), "
-        f"bytes {size_ratio:.2f}x (target <= 0.60), "
+        f"kvstream v4/msgspec: encode speed {enc_ratio:.2f}x (target >= 1.00), "
+        f"bytes {size_ratio:.2f}x (target <= {target:.2f}), "
         f"decode speed {r['decode']['msgspec'] / r['decode']['kvstream']:.2f}x"
+    )
+    print(
+        f"kvstream v3/msgspec: encode speed "
+        f"{r['encode']['msgspec'] / r['encode']['kvstream_v3']:.2f}x, "
+        f"bytes {r['size']['kvstream_v3'] / r['size']['msgspec']:.2f}x, "
+        f"decode speed {r['decode']['msgspec'] / r['decode']['kvstream_v3']:.2f}x"
     )
     print(
         f"kvstream/naive fastavro: encode speed "
         f"{r['encode']['fastavro'] / r['encode']['kvstream']:.2f}x, "
         f"bytes {r['size']['kvstream'] / r['size']['fastavro']:.2f}x"
     )
-    return enc_ratio, size_ratio
+    return enc_ratio, size_ratio, target
+
+
+SIZE_TARGET = {"uniform": 0.6, "zipf": 0.8}
+
+
+def batch_tokens(batch: EventBatch) -> bytes:
+    return b"".join(
+        b.token_ids.raw
+        for ev in batch.events
+        if isinstance(ev.data, Stored)
+        for b in ev.data.blocks
+    )
+
+
+def token_table(w: Workload, rounds: int, number: int) -> None:
+    """Bytes and CPU of every v4 token encoding, alone and inside the whole codec."""
+    raw = batch_tokens(w.batch)
+    n = len(raw) // 4
+    print(f"\n-- token encodings ({w.name}, {n} ids of {w.blocks} blocks) --")
+    print(
+        f"{'encoding':20s} {'bytes/id':>9s} {'tokens enc ns/id':>17s} {'tokens dec ns/id':>17s} "
+        f"{'codec bytes/block':>18s} {'codec enc blocks/s':>19s} {'codec dec blocks/s':>19s}"
+    )
+    for name in TOKEN_ENCODINGS:
+        enc = encode_tokens(raw, name)
+        record = {
+            "count": enc.planes.count,
+            "high_bits": enc.planes.high_bits,
+            "low16": enc.planes.low16,
+            "high_planes": enc.planes.high_planes,
+            "packed_encoding": enc.encoding,
+            "packed_compression": enc.compression,
+            "packed_count": enc.count if enc.is_packed else 0,
+            "packed": enc.packed,
+        }
+        if tokens_from_record(record) != raw:
+            raise SystemExit(f"token encoding {name} does not round-trip")
+        codec = AvroCodec(4, token_encoding=name)
+        data = codec.encode(w.batch)
+        t_tok = best_time(
+            {
+                "enc": lambda name=name: encode_tokens(raw, name),
+                "dec": lambda record=record: tokens_from_record(record),
+            },
+            rounds,
+            number,
+        )
+        t_codec = best_time(
+            {
+                "enc": lambda codec=codec: codec.encode(w.batch),
+                "dec": lambda codec=codec, data=data: codec.decode(data),
+            },
+            max(3, rounds // 3),
+            max(1, number // 2),
+        )
+        label = (
+            name if name != "auto" else f"auto ({enc.encoding.lower()}/{enc.compression.lower()})"
+        )
+        print(
+            f"{label:20s} {enc.wire_bytes / n:9.3f} {t_tok['enc'] / n * 1e9:17.2f} "
+            f"{t_tok['dec'] / n * 1e9:17.2f} {len(data) / w.blocks:18.1f} "
+            f"{w.blocks / t_codec['enc']:19,.0f} {w.blocks / t_codec['dec']:19,.0f}"
+        )
+
+
+def _chunks(w: Workload, events_per_message: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """The workload as engine-sized messages: kvstream v4, kvstream v3, msgspec values."""
+    v4, v3 = AvroCodec(4), AvroCodec(3)
+    enc = msgspec.msgpack.Encoder()
+    evs, vevs = w.batch.events, w.vllm.events
+    out: tuple[list[bytes], list[bytes], list[bytes]] = ([], [], [])
+    for i in range(0, len(evs), events_per_message):
+        part = w.batch.model_copy(update={"events": evs[i : i + events_per_message]})
+        out[0].append(v4.encode(part))
+        out[1].append(v3.encode(part))
+        vpart = KVEventBatch(w.vllm.ts, vevs[i : i + events_per_message], 0)
+        out[2].append(enc.encode(vpart))
+    return out
+
+
+def kafka_table(w: Workload, events_per_message: int, rounds: int) -> None:
+    """Kafka record batches as aiokafka's producer builds them, per format and compression."""
+    try:
+        from aiokafka.record.default_records import (
+            DefaultRecordBatch,
+            DefaultRecordBatchBuilder,
+        )
+    except ImportError:
+        print("\n(aiokafka not installed: Kafka compression table skipped)")
+        return
+    codecs = {
+        "none": 0,
+        "gzip": DefaultRecordBatch.CODEC_GZIP,
+        "snappy": DefaultRecordBatch.CODEC_SNAPPY,
+        "lz4": DefaultRecordBatch.CODEC_LZ4,
+        "zstd": DefaultRecordBatch.CODEC_ZSTD,
+    }
+    v4, v3, ms = _chunks(w, events_per_message)
+
+    def produce(values: list[bytes], attrs: int) -> list[bytes]:
+        """Record batches as aiokafka's accumulator fills them (offsets relative per batch)."""
+        batches: list[bytes] = []
+        builder = DefaultRecordBatchBuilder(2, attrs, False, -1, -1, 0, 16384)
+        offset = 0
+        for value in values:
+            if builder.append(offset, None, b"worker-0/0", value, []) is None:
+                batches.append(bytes(builder.build()))
+                builder = DefaultRecordBatchBuilder(2, attrs, False, -1, -1, 0, 16384)
+                offset = 0
+                builder.append(offset, None, b"worker-0/0", value, [])
+            offset += 1
+        batches.append(bytes(builder.build()))
+        return batches
+
+    def consume(batches: list[bytes]) -> int:
+        return sum(len(r.value) for b in batches for r in DefaultRecordBatch(b))
+
+    base = sum(map(len, produce(ms, 0)))
+    print(
+        f"\n-- Kafka record batches ({w.name}; {len(v4)} messages of {events_per_message} "
+        f"events; aiokafka max_batch_size 16 KiB) --"
+    )
+    print(
+        f"{'format':22s} {'compression':>11s} {'bytes':>10s} {'vs msgspec raw':>15s} "
+        f"{'produce us/block':>17s} {'consume us/block':>17s}"
+    )
+    for label, values in (
+        ("kvstream v4 (packed)", v4),
+        ("kvstream v3 (planes)", v3),
+        ("msgspec", ms),
+    ):
+        for cname, attrs in codecs.items():
+            batches = produce(values, attrs)
+            if consume(batches) != sum(map(len, values)):
+                raise SystemExit("Kafka record batch round trip failed")
+            t = best_time(
+                {"p": lambda v=values, a=attrs: produce(v, a), "c": lambda b=batches: consume(b)},
+                max(3, rounds // 3),
+                1,
+            )
+            size = sum(map(len, batches))
+            print(
+                f"{label:22s} {cname:>11s} {size:10,d} {size / base:14.2f}x "
+                f"{t['p'] / w.blocks * 1e6:17.3f} {t['c'] / w.blocks * 1e6:17.3f}"
+            )
 
 
 def main() -> None:
@@ -414,6 +593,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="cProfile kvstream encode and decode")
     p.add_argument("--gc", action="store_true", help="leave the garbage collector on while timing")
+    p.add_argument(
+        "--kafka-events", type=int, default=4, help="events per Kafka message (0: no Kafka table)"
+    )
+    p.add_argument("--no-tokens", action="store_true", help="skip the token encodings table")
     args = p.parse_args()
     global KEEP_GC  # noqa: PLW0603 - a script-level switch
     KEEP_GC = args.gc
@@ -422,10 +605,14 @@ def main() -> None:
     verdicts = []
     for dist in dists:
         w = build(dist, args.events, args.blocks, args.tokens, args.seed)
-        enc_ratio, size_ratio = report(w, run(w, args.rounds, args.number))
-        verdicts.append((dist, enc_ratio >= 1.0, size_ratio <= 0.6))
+        enc_ratio, size_ratio, target = report(w, run(w, args.rounds, args.number))
+        verdicts.append((dist, enc_ratio >= 1.0, size_ratio <= target))
+        if not args.no_tokens:
+            token_table(w, args.rounds, args.number)
+        if args.kafka_events:
+            kafka_table(w, args.kafka_events, args.rounds)
         if args.profile:
-            codec = AvroCodec()
+            codec = AvroCodec(4)
             data = codec.encode(w.batch)
             for label, stmt in (
                 ("encode", "codec.encode(batch)"),

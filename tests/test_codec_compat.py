@@ -17,6 +17,7 @@ from kvstream.codec.compat import ambiguous_unions, static_issues
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
 from kvstream.codec.schemas import CURRENT_VERSION, RELEASED, schema_dir
+from kvstream.codec.tokens import TOKEN_ENCODINGS
 from kvstream.errors import SchemaCompatibilityError
 from kvstream.events.model import (
     CURRENT_SCHEMA_VERSION,
@@ -47,8 +48,9 @@ def _roundtrip(record: dict[str, Any], writer: int, reader: int) -> dict[str, An
 
 
 def test_registry_lists_every_shipped_version() -> None:
-    assert VERSIONS == (1, 2, 3)
-    assert REGISTRY.current.version == 3 == CURRENT_VERSION == CURRENT_SCHEMA_VERSION
+    assert VERSIONS == (1, 2, 3, 4)
+    assert REGISTRY.current.version == 4  # readers resolve into the newest version
+    assert CURRENT_VERSION == CURRENT_SCHEMA_VERSION in VERSIONS  # the default writer
     files = sorted(p.name for p in schema_dir().glob("*.avsc"))
     assert files == [f"kv_event_batch.v{v}.avsc" for v in VERSIONS]
 
@@ -111,10 +113,12 @@ def test_check_compatibility_of_the_shipped_schemas() -> None:
 
 @pytest.mark.parametrize(("writer", "reader"), PAIRS)
 def test_fastavro_round_trip_every_pair(writer: int, reader: int) -> None:
+    encodings = TOKEN_ENCODINGS if writer >= 4 else ("auto",)
     for batch in sample_batches():
-        record = batch_to_record(batch, writer, lossy=True)
-        out = _roundtrip(record, writer, reader)
-        assert len(out["events"]) == len(record["events"])
+        for encoding in encodings:
+            record = batch_to_record(batch, writer, lossy=True, token_encoding=encoding)
+            out = _roundtrip(record, writer, reader)
+            assert len(out["events"]) == len(record["events"])
 
 
 def test_v1_reader_of_v2_data() -> None:
@@ -193,29 +197,65 @@ def test_v2_reader_skips_created_events_of_v1_data() -> None:
 
 
 def test_future_kind_is_skipped_by_todays_reader(tmp_path: Path) -> None:
-    """A v4 that appends an event kind stays readable: today's reader skips the new kind."""
-    current = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
-    v4 = json.loads(json.dumps(current))
-    v4["kvstream.schema_version"] = 4
-    event = v4["fields"][3]["type"]["items"]
+    """A v5 that appends an event kind stays readable: today's reader skips the new kind."""
+    current = json.loads((schema_dir() / "kv_event_batch.v4.avsc").read_text())
+    v5 = json.loads(json.dumps(current))
+    v5["kvstream.schema_version"] = 5
+    event = v5["fields"][3]["type"]["items"]
     kind = next(f for f in event["fields"] if f["name"] == "kind")
     kind["type"]["symbols"].append("PINNED")
     for p in schema_dir().glob("*.avsc"):
         shutil.copy(p, tmp_path)
-    (tmp_path / "kv_event_batch.v4.avsc").write_text(json.dumps(v4))
+    (tmp_path / "kv_event_batch.v5.avsc").write_text(json.dumps(v5))
     report = check_compatibility(tmp_path)
     assert report.ok, report.render()
-    assert any("v4 is not released" in n for n in report.notes)
+    assert any("v5 is not released" in n for n in report.notes)
     registry = load_schema_dir(tmp_path)
-    record = batch_to_record(sample_batches()[0], 3)
+    record = batch_to_record(sample_batches()[0], 4)
     record["events"][2]["kind"] = "PINNED"
     record["events"][2]["removed"] = None
     buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, registry.get(4).parsed, record)
-    today = AvroCodec(reader_version=3, registry=registry)
-    result = today.decode_body_result(buf.getvalue(), 4)
+    fastavro.schemaless_writer(buf, registry.get(5).parsed, record)
+    today = AvroCodec(reader_version=4, registry=registry)
+    result = today.decode_body_result(buf.getvalue(), 5)
     assert [(s.event_id, s.kind) for s in result.skipped] == [(2, "UNKNOWN")]
     assert len(result.batch.events) == 3
+
+
+def test_old_readers_of_v4_packed_tokens_skip_stored_events() -> None:
+    """A v3 (or older) consumer of v4 data whose ids are packed sees every event but the
+    stored ones, which it skips as an unknown kind and reports; its TokenPack is empty."""
+    rich = sample_batches()[1]
+    data = AvroCodec(4, token_encoding="varint+zstd").encode(rich)
+    stored_ids = [ev.event_id for ev in rich.events if ev.data.type == "stored"]
+    for reader in (1, 2, 3):
+        record = _roundtrip(batch_to_record(rich, 4, token_encoding="varint+zstd"), 4, reader)
+        assert record["tokens"] == {"count": 0, "high_bits": 0, "low16": b"", "high_planes": b""}
+        assert {e["kind"] for e in record["events"] if e["event_id"] in stored_ids} == {"UNKNOWN"}
+    result = AvroCodec(reader_version=3).decode_result(data)
+    assert [(s.event_id, s.kind) for s in result.skipped] == [(i, "UNKNOWN") for i in stored_ids]
+    kept = [ev for ev in rich.events if ev.data.type != "stored"]
+    assert result.batch.events == tuple(kept)
+
+
+def test_old_readers_of_v4_bit_planes_see_everything() -> None:
+    """``token_encoding="planes"`` keeps v4 data fully readable by v3 consumers."""
+    rich = sample_batches()[1]
+    data = AvroCodec(4, token_encoding="planes").encode(rich)
+    result = AvroCodec(reader_version=3).decode_result(data)
+    assert result.skipped == ()
+    assert result.batch == rich.model_copy(update={"schema_version": 4})
+
+
+def test_v4_reader_of_older_data_sees_bit_planes() -> None:
+    for writer in (1, 2, 3):
+        out = _roundtrip(batch_to_record(sample_batches()[0], writer, lossy=True), writer, 4)
+        tok = out["tokens"]
+        assert (tok["packed_encoding"], tok["packed_compression"]) == ("NONE", "NONE")
+        # fastavro fills a bytes default as str: "" here
+        assert tok["packed_count"] == 0
+        assert tok["packed"] in (b"", "")
+        assert "STORED" in {e["kind"] for e in out["events"]}
 
 
 # ------------------------------------------------------------------ broken schema dirs
@@ -280,7 +320,7 @@ def test_added_union_branch_is_reported(tmp_path: Path) -> None:
             "EventBatch.events[].stored.lora_id",
             "writer union branch missing from reader union",
         )
-        for reader in (1, 3)
+        for reader in (1, 3, 4)
     ]
     assert any(i.check == "avro" and (i.writer, i.reader) == (2, 1) for i in report.issues)
     # Data-dependent: the runtime round trips only fail if a string is ever written there.
@@ -297,7 +337,7 @@ def test_enum_symbol_without_default_is_reported(tmp_path: Path) -> None:
     static = [i for i in report.issues if i.check == "static"]
     assert [(i.writer, i.reader, i.path, i.rule) for i in static] == [
         (writer, 1, "EventBatch.events[].kind", "enum symbol missing without default")
-        for writer in (2, 3)
+        for writer in (2, 3, 4)
     ]
     runtime = [i for i in report.issues if i.check == "fastavro" and (i.writer, i.reader) == (2, 1)]
     assert runtime, report.render()
@@ -326,25 +366,26 @@ def test_missing_released_version_is_reported(tmp_path: Path) -> None:
     assert [(i.writer, i.rule) for i in report.issues] == [
         (1, "released version missing from the directory"),
         (3, "released version missing from the directory"),
+        (4, "released version missing from the directory"),
     ]
 
 
 def test_union_of_string_and_bytes_is_reported(tmp_path: Path) -> None:
     """A reader may resolve a writer's bytes branch to its string branch (fastavro takes the
     first match, promotions included), so such a union is flagged in any version."""
-    v4 = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
-    v4["kvstream.schema_version"] = 4
-    _stored_fields(v4).append(
+    v5 = json.loads((schema_dir() / "kv_event_batch.v4.avsc").read_text())
+    v5["kvstream.schema_version"] = 5
+    _stored_fields(v5).append(
         {"name": "blob", "type": ["null", "string", "bytes"], "default": None}
     )
     for p in schema_dir().glob("*.avsc"):
         shutil.copy(p, tmp_path)
-    (tmp_path / "kv_event_batch.v4.avsc").write_text(json.dumps(v4))
+    (tmp_path / "kv_event_batch.v5.avsc").write_text(json.dumps(v5))
     report = check_compatibility(tmp_path)
     assert [(i.check, i.writer, i.reader, i.path, i.rule) for i in report.issues] == [
         (
             "static",
-            4,
+            5,
             None,
             "EventBatch.events[].stored.blob",
             "union branches a reader may promote into each other",

@@ -205,18 +205,18 @@ def test_block_size_limit() -> None:
 
 
 def test_unknown_later_version_is_resolved(tmp_path: Path) -> None:
-    """A file from a later kvstream (unknown schema, header says v4) is still readable."""
-    v4 = json.loads((schema_dir() / "kv_event_batch.v3.avsc").read_text())
-    v4["kvstream.schema_version"] = 4
-    lost = next(f for f in v4["fields"][3]["type"]["items"]["fields"] if f["name"] == "lost")
+    """A file from a later kvstream (unknown schema, header says v5) is still readable."""
+    v5 = json.loads((schema_dir() / "kv_event_batch.v4.avsc").read_text())
+    v5["kvstream.schema_version"] = 5
+    lost = next(f for f in v5["fields"][3]["type"]["items"]["fields"] if f["name"] == "lost")
     lost["type"][1]["fields"].append({"name": "detail", "type": "string", "default": ""})
-    path = tmp_path / "v4.avro"
-    records = [batch_to_record(b, 3) for b in SAMPLES]
+    path = tmp_path / "v5.avro"
+    records = [batch_to_record(b, 4) for b in SAMPLES]
     with path.open("wb") as fo:
-        fastavro.writer(fo, fastavro.parse_schema(v4), records)
+        fastavro.writer(fo, fastavro.parse_schema(v5), records)
     reader = read_container(path)
-    assert list(reader) == [b.model_copy(update={"schema_version": 4}) for b in SAMPLES]
-    assert reader.writer_version == 4
+    assert list(reader) == [b.model_copy(update={"schema_version": 5}) for b in SAMPLES]
+    assert reader.writer_version == 5
 
 
 def test_unsupported_codec() -> None:

@@ -16,8 +16,13 @@ from kvstream.errors import DecodeError
 from kvstream.events.model import EventBatch
 
 CODEC = AvroCodec()
+CODEC_V3 = AvroCodec(3)
 CODEC_V2 = AvroCodec(2, lossy=True)
 CODEC_V1 = AvroCodec(1, lossy=True)
+# v4 token layouts: every packed encoding's decoder sees corrupt planes too.
+CODEC_V4 = {
+    enc: AvroCodec(4, token_encoding=enc) for enc in ("varint+zstd", "delta_varint", "planes+zstd")
+}
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -31,6 +36,8 @@ DECODERS: dict[str, Callable[[bytes], object]] = {
     "body_v1": lambda d: CODEC.decode_body(d, 1),
     "body_v2": lambda d: CODEC.decode_body(d, 2),
     "body_v3": lambda d: CODEC.decode_body(d, 3),
+    **{f"body_v4_{enc}": lambda d: CODEC.decode_body(d, 4) for enc in CODEC_V4},
+    "v3_reader_of_v4": AvroCodec(reader_version=3).decode,
     "v1_reader": AvroCodec(reader_version=1).decode,
     "v2_reader": AvroCodec(reader_version=2).decode,
     "container": _container,
@@ -50,10 +57,12 @@ def _encodings(batch: EventBatch) -> dict[str, bytes]:
     write_container(buf, [batch, batch], codec="deflate")
     return {
         "single_object": CODEC.encode(batch),
-        "confluent": CODEC.encode_confluent(batch, 2),  # id 2: schema v3
+        "confluent": CODEC_V3.encode_confluent(batch, 2),  # id 2: schema v3
         "body_v1": CODEC_V1.encode_body(batch),
         "body_v2": CODEC_V2.encode_body(batch),
-        "body_v3": CODEC.encode_body(batch),
+        "body_v3": CODEC_V3.encode_body(batch),
+        **{f"body_v4_{enc}": codec.encode_body(batch) for enc, codec in CODEC_V4.items()},
+        "v3_reader_of_v4": CODEC_V4["varint+zstd"].encode(batch),
         "v1_reader": CODEC.encode(batch),
         "v2_reader": CODEC.encode(batch),
         "container": buf.getvalue(),

@@ -21,8 +21,10 @@ from kvstream.codec.framing import split_confluent, split_single_object
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
 from kvstream.codec.schemas import crc64_avro
+from kvstream.codec.tokens import TOKEN_ENCODINGS, tokens_from_record
 from kvstream.errors import DecodeError, EncodeError, UnknownSchemaError
 from kvstream.events.model import (
+    CURRENT_SCHEMA_VERSION,
     Cleared,
     Created,
     EventBatch,
@@ -43,9 +45,11 @@ CURRENT = CODEC.schema_version
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def fastavro_body(batch: EventBatch, version: int, *, lossy: bool = False) -> bytes:
+def fastavro_body(
+    batch: EventBatch, version: int, *, lossy: bool = False, token_encoding: str = "auto"
+) -> bytes:
     buf = io.BytesIO()
-    record = batch_to_record(batch, version, lossy=lossy)
+    record = batch_to_record(batch, version, lossy=lossy, token_encoding=token_encoding)
     fastavro.schemaless_writer(buf, schema_registry().get(version).parsed, record)
     return buf.getvalue()
 
@@ -115,11 +119,11 @@ def as_v1_sees_it(batch: EventBatch) -> EventBatch:
 def test_single_object_round_trip(batch: EventBatch) -> None:
     data = CODEC.encode(batch)
     assert data[:2] == b"\xc3\x01"
-    assert CURRENT == 3
-    assert data[2:10] == schema_registry().get(3).fingerprint
+    assert CURRENT == CURRENT_SCHEMA_VERSION
+    assert data[2:10] == schema_registry().get(CURRENT).fingerprint
     result = CODEC.decode_result(data)
     assert result.batch == batch
-    assert result.writer_version == 3
+    assert result.writer_version == CURRENT
     assert result.skipped == ()
 
 
@@ -129,19 +133,57 @@ def test_confluent_round_trip(batch: EventBatch, schema_id: int) -> None:
     data = CODEC.encode_confluent(batch, schema_id)
     assert data[0] == 0
     assert struct.unpack(">I", data[1:5])[0] == schema_id
-    assert CODEC.decode_confluent(data, {schema_id: 3}) == batch
-    assert CODEC.decode_confluent(data, lambda i: 3) == batch
+    assert CODEC.decode_confluent(data, {schema_id: CURRENT}) == batch
+    assert CODEC.decode_confluent(data, lambda i: CURRENT) == batch
 
 
 @SETTINGS
 @given(batches())
 def test_body_round_trip_and_matches_fastavro_byte_for_byte(batch: EventBatch) -> None:
     body = CODEC.encode_body(batch)
-    assert body == fastavro_body(batch, 3)
-    assert CODEC.decode_body(body, 3) == batch
+    assert body == fastavro_body(batch, CURRENT)
+    assert CODEC.decode_body(body, CURRENT) == batch
     # fastavro with the writer schema alone (no kvstream code) reads it too.
-    record = fastavro.schemaless_reader(io.BytesIO(body), schema_registry().get(3).parsed, None)
+    record = fastavro.schemaless_reader(
+        io.BytesIO(body), schema_registry().get(CURRENT).parsed, None
+    )
     assert len(record["events"]) == len(batch.events)
+
+
+@SETTINGS
+@given(batches(), st.sampled_from(TOKEN_ENCODINGS))
+def test_v4_every_token_encoding_round_trips_and_matches_fastavro(
+    batch: EventBatch, encoding: str
+) -> None:
+    codec = AvroCodec(4, token_encoding=encoding)
+    body = codec.encode_body(batch)
+    assert body == fastavro_body(batch, 4, token_encoding=encoding)
+    result = codec.decode_body_result(body, 4)
+    assert result.batch == batch.model_copy(update={"schema_version": 4})
+    assert result.skipped == ()
+
+
+def test_v4_token_encoding_is_checked() -> None:
+    with pytest.raises(EncodeError, match="unknown token encoding"):
+        AvroCodec(4, token_encoding="lz4")
+    with pytest.raises(EncodeError, match="only bit-plane tokens"):
+        AvroCodec(3, token_encoding="varint")
+    assert AvroCodec(3, token_encoding="planes").token_encoding == "planes"
+
+
+def test_v4_kind_and_token_layout_must_agree() -> None:
+    """STORED with packed ids (or STORED_PACKED with bit planes) would read differently in a
+    v3 reader: the decoder refuses it."""
+    batch = sample_batches()[0]
+    for encoding, wrong in (("varint", "STORED"), ("planes", "STORED_PACKED")):
+        record = batch_to_record(batch, 4, token_encoding=encoding)
+        for ev in record["events"]:
+            if ev["kind"] in ("STORED", "STORED_PACKED"):
+                ev["kind"] = wrong
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, schema_registry().get(4).parsed, record)
+        with pytest.raises(DecodeError, match="call for"):
+            CODEC.decode_body(buf.getvalue(), 4)
 
 
 @SETTINGS
@@ -204,7 +246,7 @@ def test_sample_batches_round_trip() -> None:
 
 def test_schema_version_field_is_the_writers() -> None:
     batch = sample_batches()[0].model_copy(update={"schema_version": 1})
-    assert CODEC.decode(CODEC.encode(batch)).schema_version == 3
+    assert CODEC.decode(CODEC.encode(batch)).schema_version == CURRENT
     assert CODEC.decode(CODEC_V2.encode(batch)).schema_version == 2
     assert CODEC.decode(CODEC_V1.encode(batch)).schema_version == 1
 
@@ -236,7 +278,7 @@ def test_v1_rejects_what_it_would_misstate(event: KVCacheEvent) -> None:
 
 def test_unknown_writer_version_is_rejected() -> None:
     with pytest.raises(UnknownSchemaError):
-        AvroCodec(4)
+        AvroCodec(5)
 
 
 def test_confluent_schema_id_range() -> None:
@@ -282,7 +324,7 @@ def test_single_object_readable_by_apache_avro() -> None:
     import avro.schema
 
     batch = sample_batches()[1]
-    data = CODEC.encode(batch)
+    data = AvroCodec(3).encode(batch)
     fingerprint, body = split_single_object(data)
     reader = avro_io.DatumReader(avro.schema.parse(schema_registry().get(3).schema_text))
     record = reader.read(avro_io.BinaryDecoder(io.BytesIO(body)))
@@ -307,6 +349,22 @@ def test_single_object_readable_by_apache_avro() -> None:
     assert stored["extra_keys"][1]["keys"] == []
 
 
+def test_v4_packed_single_object_readable_by_apache_avro() -> None:
+    """Any Avro library reads v4 packed data: the new kind and the packed token fields."""
+    avro_io = pytest.importorskip("avro.io")
+    import avro.schema
+
+    batch = sample_batches()[1]
+    _, body = split_single_object(AvroCodec(4, token_encoding="varint+zstd").encode(batch))
+    reader = avro_io.DatumReader(avro.schema.parse(schema_registry().get(4).schema_text))
+    record = reader.read(avro_io.BinaryDecoder(io.BytesIO(body)))
+    assert [e["kind"] for e in record["events"]][:2] == ["CREATED", "STORED_PACKED"]
+    tok = record["tokens"]
+    assert (tok["packed_encoding"], tok["packed_compression"]) == ("VARINT", "ZSTD")
+    raw = b"".join(b.token_ids.raw for b in batch.events[1].data.blocks)  # type: ignore[union-attr]
+    assert tokens_from_record(tok) == raw
+
+
 def test_framing_errors_say_what_is_wrong() -> None:
     good = CODEC.encode(sample_batches()[0])
     with pytest.raises(DecodeError, match="too short"):
@@ -317,7 +375,7 @@ def test_framing_errors_say_what_is_wrong() -> None:
         CODEC.decode(good[:2] + b"\x00" * 8 + good[10:])
     with pytest.raises(DecodeError, match="left over"):
         CODEC.decode(good + b"\x00")
-    with pytest.raises(DecodeError, match="not a valid schema v3 record"):
+    with pytest.raises(DecodeError, match=f"not a valid schema v{CURRENT} record"):
         CODEC.decode(good[:-3])
     with pytest.raises(DecodeError, match="Confluent"):
         CODEC.decode_confluent(b"\x01\x00\x00\x00\x01", {1: 2})

@@ -12,7 +12,8 @@ the ``schemas/`` files. Main entry points::
 
 Schema layout (``schemas/kv_event_batch.v<N>.avsc``, record ``io.kvstream.EventBatch``): one
 record per batch; the token ids of all its stored events in one packed ``TokenPack`` (a low
-16-bit plane plus high bit planes: 17 bits per id for a 128k vocabulary); events carry an enum
+16-bit plane plus high bit planes: 17 bits per id for a 128k vocabulary; from v4, per batch,
+varints or delta varints, optionally zstd-compressed: see :mod:`.tokens`); events carry an enum
 ``kind`` with default ``UNKNOWN`` (so older readers skip kinds added later) and one nullable
 payload record per kind; stored payloads are columnar: hashes concatenated in one ``bytes``,
 block sizes and per-block attributes stored once when uniform, per-block arrays only when they

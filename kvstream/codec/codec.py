@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from kvstream.codec.decoder import DecodeResult, decode_body
-from kvstream.codec.encoder import ENCODED_VERSIONS, encode_batch_body
+from kvstream.codec.encoder import ENCODED_VERSIONS, check_token_encoding, encode_batch_body
 from kvstream.codec.framing import (
     confluent_header,
     single_object_header,
@@ -32,6 +32,11 @@ class AvroCodec:
     those events are left out); see :mod:`kvstream.codec.downgrade`. The batch's own
     ``schema_version`` field is ignored on encode and set to the writer's version on decode.
 
+    ``token_encoding`` picks how v4 carries a batch's token ids (see
+    :func:`kvstream.codec.tokens.encode_tokens`): ``auto`` (default) packs them as
+    (zstd-compressed) varints when that is smaller, ``planes`` keeps the v3 bit planes, which
+    readers older than v4 understand (they skip packed stored events as unknown kinds).
+
     Decoding resolves the writer's schema into the current one (or ``reader_version``, to
     behave like an older consumer) and builds the model. Every decoding problem raises
     :class:`~kvstream.errors.DecodeError` (or its subclass UnknownSchemaError) with a message
@@ -46,6 +51,7 @@ class AvroCodec:
         lossy: bool = False,
         reader_version: int | None = None,
         registry: SchemaRegistry | None = None,
+        token_encoding: str = "auto",
     ) -> None:
         self._registry = registry if registry is not None else schema_registry()
         self._writer = self._registry.get(schema_version)
@@ -54,6 +60,8 @@ class AvroCodec:
         self._reader = (
             self._registry.current if reader_version is None else self._registry.get(reader_version)
         )
+        check_token_encoding(schema_version, token_encoding)
+        self._token_encoding = token_encoding
         self._lossy = lossy
         self._header = single_object_header(self._writer.fingerprint)
 
@@ -66,6 +74,11 @@ class AvroCodec:
     def schema(self) -> SchemaInfo:
         """The writer schema (canonical form, fingerprint, parsed schema)."""
         return self._writer
+
+    @property
+    def token_encoding(self) -> str:
+        """How this codec writes token ids (``auto``, ``planes``, ...)."""
+        return self._token_encoding
 
     @property
     def reader_version(self) -> int:
@@ -81,7 +94,9 @@ class AvroCodec:
 
     def encode_body(self, batch: EventBatch) -> bytes:
         """The schemaless Avro body of ``batch`` (no framing). Raises EncodeError."""
-        return encode_batch_body(batch, self._writer.version, lossy=self._lossy)
+        return encode_batch_body(
+            batch, self._writer.version, lossy=self._lossy, token_encoding=self._token_encoding
+        )
 
     def decode_body(self, body: bytes, writer_version: int) -> EventBatch:
         """Decode a schemaless body written with schema ``writer_version``."""
@@ -96,7 +111,11 @@ class AvroCodec:
     def encode(self, batch: EventBatch) -> bytes:
         """Avro single-object encoding: ``C3 01`` + writer fingerprint (8 bytes LE) + body."""
         return encode_batch_body(
-            batch, self._writer.version, lossy=self._lossy, prefix=self._header
+            batch,
+            self._writer.version,
+            lossy=self._lossy,
+            prefix=self._header,
+            token_encoding=self._token_encoding,
         )
 
     def decode(self, data: bytes | bytearray | memoryview) -> EventBatch:
@@ -119,7 +138,11 @@ class AvroCodec:
         ``schema_id`` is the id under which this codec's writer schema is registered.
         """
         return encode_batch_body(
-            batch, self._writer.version, lossy=self._lossy, prefix=confluent_header(schema_id)
+            batch,
+            self._writer.version,
+            lossy=self._lossy,
+            prefix=confluent_header(schema_id),
+            token_encoding=self._token_encoding,
         )
 
     def decode_confluent(

@@ -30,7 +30,7 @@ from typing import Any, Final
 import fastavro
 from fastavro.utils import generate_many
 
-from kvstream.codec.downgrade import WRITABLE_VERSIONS
+from kvstream.codec.downgrade import PACKED_TOKENS_SINCE, WRITABLE_VERSIONS
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
 from kvstream.codec.schemas import RELEASED, SchemaInfo, load_schema_dir
@@ -404,8 +404,16 @@ def _avro_issues(
 def _samples(writer: SchemaInfo) -> Iterator[tuple[str, Any]]:
     """(label, record) pairs of the writer schema: kvstream samples, then random records."""
     if writer.version in WRITABLE_VERSIONS:
+        # v4 carries token ids as bit planes or packed (its own kind): sample both layouts.
+        encodings = (
+            ("planes", "varint+zstd") if writer.version >= PACKED_TOKENS_SINCE else ("auto",)
+        )
         for i, batch in enumerate(sample_batches()):
-            yield f"sample batch {i}", batch_to_record(batch, writer.version, lossy=True)
+            for encoding in encodings:
+                yield (
+                    f"sample batch {i} ({encoding} tokens)",
+                    batch_to_record(batch, writer.version, lossy=True, token_encoding=encoding),
+                )
     state = random.getstate()
     random.seed(writer.version * 7919)
     try:

@@ -4,6 +4,9 @@ One rule for every version: what the version would misstate or lose outright rai
 EncodeError, unless the encoder was built with ``lossy=True``; what it merely lacks room for
 is dropped.
 
+Schema v3 and earlier have no packed token encodings (added in v4): their token ids are always
+bit planes, so nothing is lost.
+
 Schema v2 has no engine extra keys (``StoredBlock.extra_keys``, added in v3).
 
 * A ``stored`` event with a block whose ``extra_keys`` is not None raises EncodeError, unless
@@ -30,18 +33,27 @@ from typing import Final
 from kvstream.errors import EncodeError
 from kvstream.events.model import DEFAULT_HASH_ALGO, EventBatch, KVCacheEvent, Stored
 
-__all__ = ["EXTRA_KEYS_SINCE", "KINDS_BY_VERSION", "WRITABLE_VERSIONS", "events_for_version"]
+__all__ = [
+    "EXTRA_KEYS_SINCE",
+    "KINDS_BY_VERSION",
+    "PACKED_TOKENS_SINCE",
+    "WRITABLE_VERSIONS",
+    "events_for_version",
+]
 
 #: Event kinds each schema version can carry.
 KINDS_BY_VERSION: Final[dict[int, frozenset[str]]] = {
     1: frozenset({"created", "stored", "removed", "updated"}),
     2: frozenset({"created", "stored", "removed", "updated", "cleared", "lost"}),
     3: frozenset({"created", "stored", "removed", "updated", "cleared", "lost"}),
+    4: frozenset({"created", "stored", "removed", "updated", "cleared", "lost"}),
 }
 #: Schema versions kvstream can write.
 WRITABLE_VERSIONS: Final = tuple(KINDS_BY_VERSION)
 #: The first version carrying ``StoredBlock.extra_keys``.
 EXTRA_KEYS_SINCE: Final = 3
+#: The first version with packed token encodings (varints, zstd; kind ``STORED_PACKED``).
+PACKED_TOKENS_SINCE: Final = 4
 
 
 def _extra_keys_problem(ev: KVCacheEvent, version: int) -> str | None:

@@ -19,8 +19,13 @@ from typing import Any, Final
 
 from kvstream._types import TokenIds
 from kvstream.codec.binary import LONG_MAX, encode_bytes, encode_long, encode_string
-from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, WRITABLE_VERSIONS, events_for_version
-from kvstream.codec.tokens import pack_tokens
+from kvstream.codec.downgrade import (
+    EXTRA_KEYS_SINCE,
+    PACKED_TOKENS_SINCE,
+    WRITABLE_VERSIONS,
+    events_for_version,
+)
+from kvstream.codec.tokens import TOKEN_ENCODINGS, EncodedTokens, encode_tokens
 from kvstream.errors import EncodeError
 from kvstream.events.model import (
     AttentionKind,
@@ -36,7 +41,7 @@ from kvstream.events.model import (
     Updated,
 )
 
-__all__ = ["ENCODED_VERSIONS", "encode_batch_body"]
+__all__ = ["ENCODED_VERSIONS", "check_token_encoding", "encode_batch_body"]
 
 #: Versions this encoder writes.
 ENCODED_VERSIONS: Final = WRITABLE_VERSIONS
@@ -47,7 +52,7 @@ _EMPTY_ARRAY: Final = b"\x00"
 _U64: Final = 2**64
 
 # EventKind symbol indices (zig-zag encoded): UNKNOWN, CREATED, STORED, REMOVED, UPDATED,
-# CLEARED, LOST.
+# CLEARED, LOST, STORED_PACKED (v4: a stored event whose token ids are packed).
 _KIND: Final = {
     "created": b"\x02",
     "stored": b"\x04",
@@ -55,7 +60,19 @@ _KIND: Final = {
     "updated": b"\x08",
     "cleared": b"\x0a",
     "lost": b"\x0c",
+    "stored_packed": b"\x0e",
 }
+# TokenEncoding symbols UNKNOWN, NONE, BIT_PLANES, VARINT, DELTA_VARINT and TokenCompression
+# symbols UNKNOWN, NONE, ZSTD (zig-zag encoded indices).
+_TOKEN_ENCODING: Final = {
+    "NONE": b"\x02",
+    "BIT_PLANES": b"\x04",
+    "VARINT": b"\x06",
+    "DELTA_VARINT": b"\x08",
+}
+_TOKEN_COMPRESSION: Final = {"NONE": b"\x02", "ZSTD": b"\x04"}
+# The v4 packed-token fields of a batch whose ids are bit planes: NONE, NONE, 0, empty.
+_NO_PACKED: Final = b"\x02\x02\x00\x00"
 # Extra-key union branches (zig-zag encoded): string, long, ExtraKeyBytes, ExtraKeyUInt64 (both
 # one-field records, so encoded as their field), array of scalars.
 _KEY_STRING: Final = b"\x00"
@@ -128,6 +145,8 @@ def _payload_frames(version: int) -> dict[str, tuple[bytes, bytes]]:
             continue
         i = fields.index(kind)
         frames[kind] = (_NULL * i + _BRANCH1, _NULL * (len(fields) - i - 1))
+    if version >= PACKED_TOKENS_SINCE:
+        frames["stored_packed"] = frames["stored"]
     return frames
 
 
@@ -149,6 +168,7 @@ _DEFAULT_ATTR_FIELDS: Final = {
     + _NULL * 7
     + _EMPTY_ARRAY * 3,
 }
+_DEFAULT_ATTR_FIELDS[4] = _DEFAULT_ATTR_FIELDS[3]  # v4 changed only the TokenPack and kinds
 
 # ... followed by the payload fields after ``stored`` (removed, updated[, lost]: all null).
 _DEFAULT_STORED_TAIL: Final = {
@@ -364,43 +384,91 @@ def _envelope(key: tuple[str, int, str, int], version: int) -> bytes:
 _ENVELOPES: Final = {v: _Cache(lambda key, v=v: _envelope(key, v)) for v in ENCODED_VERSIONS}
 
 
-def _events(events: tuple[KVCacheEvent, ...], version: int, out: list[bytes]) -> bytes:
-    """Append the encoded events to ``out``; return the raw token ids of their blocks."""
+def _events(
+    events: tuple[KVCacheEvent, ...], version: int, token_encoding: str, out: list[bytes]
+) -> EncodedTokens:
+    """Append the encoded events to ``out``; return the encoded token ids of their blocks."""
     datas = [ev.data for ev in events]
     cols = _Blocks([d.blocks for d in datas if isinstance(d, Stored)])
+    tokens = encode_tokens(b"".join(cols.raws), token_encoding)
+    stored_kind = "stored_packed" if tokens.is_packed else "stored"
     frames = _FRAMES[version]
     envelopes = _ENVELOPES[version]
     for ev, data in zip(events, datas, strict=True):
         kind = data.type
-        out += (
-            encode_long(ev.event_id),
-            envelopes[kind, ev.window_size, ev.hash_algo, ev.layer_group_id],
-        )
         if isinstance(data, Stored):  # the hot path; appends its own tail
+            out += (
+                encode_long(ev.event_id),
+                envelopes[stored_kind, ev.window_size, ev.hash_algo, ev.layer_group_id],
+            )
             _stored(data, version, cols, out)
         else:
+            out += (
+                encode_long(ev.event_id),
+                envelopes[kind, ev.window_size, ev.hash_algo, ev.layer_group_id],
+            )
             _PAYLOAD[kind](data, version, cols, out)
             out.append(frames[kind][1])
-    return b"".join(cols.raws)
+    return tokens
+
+
+def _token_fields(tokens: EncodedTokens, version: int) -> list[bytes]:
+    packed = tokens.planes
+    fields = [
+        encode_long(packed.count),
+        _LONG[packed.high_bits],
+        encode_long(len(packed.low16)),
+        packed.low16,
+        encode_long(len(packed.high_planes)),
+        packed.high_planes,
+    ]
+    if version >= PACKED_TOKENS_SINCE:
+        if tokens.is_packed:
+            fields += (
+                _TOKEN_ENCODING[tokens.encoding],
+                _TOKEN_COMPRESSION[tokens.compression],
+                encode_long(tokens.count),
+                encode_long(len(tokens.packed)),
+                tokens.packed,
+            )
+        else:
+            fields.append(_NO_PACKED)
+    return fields
+
+
+def check_token_encoding(version: int, token_encoding: str) -> None:
+    """Raise EncodeError unless schema ``version`` can write ``token_encoding``."""
+    if token_encoding not in TOKEN_ENCODINGS:
+        raise EncodeError(f"unknown token encoding {token_encoding!r}; known: {TOKEN_ENCODINGS}")
+    if version < PACKED_TOKENS_SINCE and token_encoding not in ("auto", "planes"):
+        raise EncodeError(f"schema v{version} has only bit-plane tokens, not {token_encoding!r}")
 
 
 def encode_batch_body(
-    batch: EventBatch, version: int, *, lossy: bool = False, prefix: bytes = b""
+    batch: EventBatch,
+    version: int,
+    *,
+    lossy: bool = False,
+    prefix: bytes = b"",
+    token_encoding: str = "auto",
 ) -> bytes:
-    """The schemaless Avro body of ``batch`` under schema ``version`` (1, 2 or 3), after
+    """The schemaless Avro body of ``batch`` under schema ``version`` (1 to 4), after
     ``prefix`` (a framing header, joined in the same copy).
 
-    Older versions drop or reject what they cannot carry (see :mod:`.downgrade`). Raises
-    EncodeError for a batch that cannot be encoded; ``batch.schema_version`` is ignored.
+    Older versions drop or reject what they cannot carry (see :mod:`.downgrade`).
+    ``token_encoding`` (:data:`~kvstream.codec.tokens.TOKEN_ENCODINGS`) picks how v4 carries
+    token ids; versions before 4 always write bit planes (``auto`` and ``planes`` accepted).
+    Raises EncodeError for a batch that cannot be encoded; ``batch.schema_version`` is ignored.
     """
     if version not in ENCODED_VERSIONS:
         raise EncodeError(f"cannot write schema version {version}; writable: {ENCODED_VERSIONS}")
+    check_token_encoding(version, token_encoding)
     events = events_for_version(batch, version, lossy=lossy)
     try:
         out: list[bytes] = []
-        raw_tokens = _events(events, version, out)
-        packed = pack_tokens(raw_tokens)
-        del raw_tokens
+        tokens = _events(
+            events, version, token_encoding if version >= PACKED_TOKENS_SINCE else "planes", out
+        )
         source = batch.source
         head = [
             prefix,
@@ -409,16 +477,9 @@ def encode_batch_body(
         ]
         if version >= 2:
             head.append(encode_long(source.incarnation))
-        head += (
-            encode_long(batch.ts_ns),
-            encode_long(packed.count),
-            _LONG[packed.high_bits],
-            encode_long(len(packed.low16)),
-            packed.low16,
-            encode_long(len(packed.high_planes)),
-            packed.high_planes,
-            encode_long(len(events)) if events else _EMPTY_ARRAY,
-        )
+        head.append(encode_long(batch.ts_ns))
+        head += _token_fields(tokens, version)
+        head.append(encode_long(len(events)) if events else _EMPTY_ARRAY)
         if events:
             out.append(_EMPTY_ARRAY)
         # One join: a second copy of a ~150 KB result costs as much as all the varints.

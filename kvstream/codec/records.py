@@ -1,6 +1,6 @@
 """Model <-> Avro record (the plain dicts fastavro reads and writes).
 
-* :func:`batch_to_record` builds the record of a batch for schema v1, v2 or v3. It is the
+* :func:`batch_to_record` builds the record of a batch for schema v1 to v4. It is the
   reference for the fast encoder (:mod:`.encoder`, which must write the same bytes) and feeds
   fastavro where a record is needed (compatibility checks, tests).
 * :func:`record_to_batch` turns a record read with a reader schema (normally the current
@@ -19,8 +19,13 @@ from itertools import accumulate, pairwise
 from typing import Any, Final
 
 from kvstream._types import TokenIds
-from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, WRITABLE_VERSIONS, events_for_version
-from kvstream.codec.tokens import pack_tokens, tokens_from_record
+from kvstream.codec.downgrade import (
+    EXTRA_KEYS_SINCE,
+    PACKED_TOKENS_SINCE,
+    WRITABLE_VERSIONS,
+    events_for_version,
+)
+from kvstream.codec.tokens import STORED_KINDS, encode_tokens, stored_kind, tokens_from_record
 from kvstream.errors import DecodeError, EncodeError, EventValidationError
 from kvstream.events.model import (
     DEFAULT_HASH_ALGO,
@@ -181,18 +186,44 @@ def _event_record(ev: KVCacheEvent, version: int, tokens: list[bytes]) -> dict[s
     return rec
 
 
-def batch_to_record(batch: EventBatch, version: int, *, lossy: bool = False) -> dict[str, Any]:
+def batch_to_record(
+    batch: EventBatch, version: int, *, lossy: bool = False, token_encoding: str = "auto"
+) -> dict[str, Any]:
     """The Avro record (fastavro's dict form) of ``batch`` under schema ``version``.
 
     Same rules as the fast encoder: older versions drop or reject what they cannot carry
-    (:mod:`kvstream.codec.downgrade`). Raises EncodeError.
+    (:mod:`kvstream.codec.downgrade`); ``token_encoding`` (see
+    :func:`kvstream.codec.tokens.encode_tokens`) applies from v4 on, earlier versions always
+    write bit planes. Raises EncodeError.
     """
     if version not in WRITABLE_VERSIONS:
         raise EncodeError(f"cannot build a schema v{version} record")
+    if version < PACKED_TOKENS_SINCE and token_encoding not in ("auto", "planes"):
+        raise EncodeError(f"schema v{version} has only bit-plane tokens, not {token_encoding!r}")
     events = events_for_version(batch, version, lossy=lossy)
     tokens: list[bytes] = []
     event_records = [_event_record(ev, version, tokens) for ev in events]
-    packed = pack_tokens(b"".join(tokens))
+    encoded = encode_tokens(
+        b"".join(tokens), token_encoding if version >= PACKED_TOKENS_SINCE else "planes"
+    )
+    if encoded.is_packed:
+        for rec in event_records:
+            if rec["kind"] == "STORED":
+                rec["kind"] = "STORED_PACKED"
+    packed = encoded.planes
+    token_record: dict[str, Any] = {
+        "count": packed.count,
+        "high_bits": packed.high_bits,
+        "low16": packed.low16,
+        "high_planes": packed.high_planes,
+    }
+    if version >= PACKED_TOKENS_SINCE:
+        token_record.update(
+            packed_encoding=encoded.encoding,
+            packed_compression=encoded.compression,
+            packed_count=encoded.count if encoded.is_packed else 0,
+            packed=encoded.packed,
+        )
     source: dict[str, Any] = {
         "instance_id": batch.source.instance_id,
         "attention_dp_rank": batch.source.attention_dp_rank,
@@ -202,12 +233,7 @@ def batch_to_record(batch: EventBatch, version: int, *, lossy: bool = False) -> 
     return {
         "source": source,
         "ts_ns": batch.ts_ns,
-        "tokens": {
-            "count": packed.count,
-            "high_bits": packed.high_bits,
-            "low16": packed.low16,
-            "high_planes": packed.high_planes,
-        },
+        "tokens": token_record,
         "events": event_records,
     }
 
@@ -260,9 +286,10 @@ def _unsigned(value: int | None) -> int | None:
 class _Tokens:
     """Hands out consecutive slices of the batch's unpacked token ids."""
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes, kind: str) -> None:
         self.raw = raw
         self.pos = 0
+        self.stored_kind = kind
 
     def take(self, sizes: Sequence[int], where: str) -> list[TokenIds]:
         if min(sizes) < 0:
@@ -365,6 +392,12 @@ def _diff(rec: Mapping[str, Any] | None) -> dict[str, int] | None:
 
 def _data(kind: str, ev: Mapping[str, Any], tokens: _Tokens, where: str) -> dict[str, Any] | str:
     """The model dict of the payload, or a reason string when the event must be skipped."""
+    if kind in STORED_KINDS:
+        if kind != tokens.stored_kind:
+            raise DecodeError(
+                f"{where}: kind {kind} in a batch whose token ids call for {tokens.stored_kind}"
+            )
+        kind = "STORED"
     payload_name = kind.lower()
     for name in _PAYLOAD_FIELDS:
         if name != payload_name and ev.get(name) is not None:
@@ -448,7 +481,8 @@ def record_to_batch(
     EventValidationError is chained as the cause).
     """
     try:
-        tokens = _Tokens(tokens_from_record(record["tokens"]))
+        token_record = record["tokens"]
+        tokens = _Tokens(tokens_from_record(token_record), stored_kind(token_record))
         skipped: list[SkippedEvent] = []
         events = list(_events(record["events"], tokens, skipped))
         if tokens.pos != len(tokens.raw):

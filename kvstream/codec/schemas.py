@@ -47,8 +47,8 @@ __all__ = [
 SCHEMA_FILE_RE: Final = re.compile(r"^kv_event_batch\.v([1-9][0-9]*)\.avsc$")
 #: Top-level schema property holding the version number.
 VERSION_PROPERTY: Final = "kvstream.schema_version"
-#: The version written by default: the highest registered one (the model's
-#: ``CURRENT_SCHEMA_VERSION``, the default ``EventBatch.schema_version``).
+#: The version written by default (the model's ``CURRENT_SCHEMA_VERSION``, the default
+#: ``EventBatch.schema_version``). Readers resolve into the highest shipped version.
 CURRENT_VERSION: Final[int] = CURRENT_SCHEMA_VERSION
 
 
@@ -74,6 +74,10 @@ RELEASED: Final[Mapping[int, ReleasedSchema]] = {
     3: ReleasedSchema(
         fingerprint="479674ac542f98fe",
         resolution_digest="3fbf8f5cfcdaf938a2cd19efb14a379a751977185cbe90e06938ddcfd983274b",
+    ),
+    4: ReleasedSchema(
+        fingerprint="93d299a0cee609f3",
+        resolution_digest="240886c5e1c8458cb386f2da544a79ebb5e2aab93970c3830d8478ac92316113",
     ),
 }
 
@@ -277,9 +281,8 @@ def load_schema_dir(directory: str | Path | None = None) -> SchemaRegistry:
 def schema_registry() -> SchemaRegistry:
     """The shipped schemas (loaded once). Raises SchemaCompatibilityError if they are broken."""
     registry = load_schema_dir()
-    if registry.current.version != CURRENT_VERSION:
+    if registry.current.version < CURRENT_VERSION:
         raise SchemaCompatibilityError(
-            f"highest shipped schema is v{registry.current.version}, code expects "
-            f"v{CURRENT_VERSION}"
+            f"highest shipped schema is v{registry.current.version}, code writes v{CURRENT_VERSION}"
         )
     return registry
