@@ -13,10 +13,13 @@ partition), measured in the same run. A shard cannot go faster than its largest 
 allows: the table shows the largest shard's share of the blocks.
 
 Then a replica joining shard 0/2: loading the shard's snapshot (taken ``--tail`` before the
-end) and reading on from its offsets, against rebuilding the shard from the start.
+end) and reading on from its offsets, against rebuilding the shard from the start. Last, the
+router's side: ``route()`` latency over one in-process index against the same decision
+fanned out over TCP to 1, 2, 4 shard processes serving their indexes (every decision must be
+identical to the unsharded one).
 
 Usage: python benchmarks/bench_scaleout.py [--workers 64] [--blocks 200000] [--partitions 8]
-       [--processes 1,2,4] [--rounds 3] [--tail 0.05] [--bootstrap HOST:PORT]
+       [--processes 1,2,4] [--rounds 3] [--tail 0.05] [--queries 500] [--bootstrap HOST:PORT]
 
 The processes share the machine's cores (printed, with the load average): N processes on
 fewer than N free cores cannot scale N-fold in wall time. The table therefore also gives the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import multiprocessing as mp
 import os
@@ -55,8 +59,9 @@ from kvstream.events.model import (
     StoredBlock,
 )
 from kvstream.hashing import get_hasher
-from kvstream.index import IndexConsumer, load_snapshot
-from kvstream.index.shards import ShardSpec, open_shard
+from kvstream.index import IndexConsumer, PrefixIndex, Router, RouterConfig, load_snapshot
+from kvstream.index.shard_rpc import RemoteShard, ShardServer
+from kvstream.index.shards import ShardedIndex, ShardSpec, open_shard, sharded_router
 from kvstream.index.sources.kafka import KafkaSource
 
 ALGO = "blake3_64"
@@ -68,10 +73,13 @@ def block_tokens(prompt: int, i: int) -> TokenIds:
     return TokenIds.from_bytes(hashlib.shake_128(f"{prompt}:{i}".encode()).digest(4 * TPB))
 
 
-def workload(workers: int, target_blocks: int, seed: int) -> tuple[list[EventBatch], int]:
+def workload(
+    workers: int, target_blocks: int, seed: int
+) -> tuple[list[EventBatch], int, list[list[int]]]:
     """Every worker's batches (16 events each): stores of random-length prefixes of requests
     that share 8 system prompts (a quarter of each request), and leaf-first removals of a
-    request's private tail as an LRU cache evicts. Returns (batches, stored + removed)."""
+    request's private tail as an LRU cache evicts. Returns (batches, stored + removed, the
+    requests' tokens)."""
     rng = random.Random(seed)
     hasher = get_hasher(ALGO)
     pool = 512
@@ -123,7 +131,7 @@ def workload(workers: int, target_blocks: int, seed: int) -> tuple[list[EventBat
         if evs:
             out.append(EventBatch(source=src, ts_ns=0, events=evs))
         total += done
-    return out, total
+    return out, total, [[t for blk in toks for t in blk] for _, toks in chains]
 
 
 def blocks_of(batch: EventBatch) -> int:
@@ -166,6 +174,108 @@ def shard_process(where: tuple[str, str, str], ready: Any, go: Any, out: Any) ->
         out.put((spec, end, cpu, report.batches, c.stored_blocks + c.removed_blocks))
 
     asyncio.run(main())
+
+
+def serving_shard(where: tuple[str, str, str], ports: Any, done: Any) -> None:
+    """A shard that reads its partitions to the end, then serves matches until ``done``."""
+    bootstrap, topic, spec = where
+
+    async def main() -> None:
+        consumer = open_shard(None, bootstrap, topic, spec, stop_at_end=True)
+        async with consumer.source:
+            await consumer.run()
+        async with ShardServer(consumer.index) as server:
+            ports.put(server.port)
+            await asyncio.get_running_loop().run_in_executor(None, done.wait)
+
+    asyncio.run(main())
+
+
+def route_latency(router: Router, queries: list[list[int]]) -> tuple[list[float], list[Any]]:
+    """Per-query route() latency in microseconds, and the decisions."""
+    lat, out = [], []
+    gc.disable()
+    try:
+        for q in queries:
+            t0 = time.perf_counter_ns()
+            d = router.route(q)
+            lat.append((time.perf_counter_ns() - t0) / 1e3)
+            out.append((d.worker, d.scores))
+    finally:
+        gc.enable()
+    return lat, out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def fan_out(
+    where: tuple[str, str, int],
+    counts: list[int],
+    batches: list[EventBatch],
+    queries: list[list[int]],
+) -> None:
+    """route() over one in-process index against route() fanned out to n shards, in this
+    process and in n shard processes (``where``: bootstrap, topic, partitions)."""
+    bootstrap, topic, partitions = where
+    cfg = RouterConfig(overlap_weight=1.0)
+    whole = PrefixIndex()
+    whole.apply_many(batches)
+    cands = sorted(whole.workers())
+    base, want = route_latency(Router(whole, cands, cfg), queries)
+    print(
+        f"\n== a routing decision fanned out to shard processes ({len(queries)} requests of "
+        f"{len(queries[0]):,} tokens, {len(cands)} workers; hash + match + score) =="
+    )
+    print(f"{'index':28} {'p50 us':>9} {'p99 us':>9} {'p50 vs one':>11}")
+    print(f"{'one, in this process':28} {pct(base, 0.5):9.0f} {pct(base, 0.99):9.0f} {1:10.2f}x")
+    for n in counts:
+        local = [PrefixIndex() for _ in range(n)]
+        for b in batches:
+            local[partition_for(source_key(b.source), partitions) % n].apply(b)
+        lat, got = route_latency(sharded_router(local, None, cfg), queries)
+        if got != want:
+            raise SystemExit(f"{n} in-process shard(s) decided otherwise than one index")
+        label = f"{n} shard{'s' if n > 1 else ''}, in this process"
+        print(
+            f"{label:28} {pct(lat, 0.5):9.0f} {pct(lat, 0.99):9.0f} "
+            f"{pct(lat, 0.5) / pct(base, 0.5):10.2f}x"
+        )
+    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    for n in counts:
+        ports, done = ctx.Queue(), ctx.Event()
+        procs = [
+            ctx.Process(
+                target=serving_shard, args=((bootstrap, topic, str(s)), ports, done), daemon=True
+            )
+            for s in ShardSpec.all(n)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            remotes = [RemoteShard("127.0.0.1", ports.get(timeout=600)) for _ in procs]
+            fan = ShardedIndex(remotes)
+            for q in queries[:20]:  # connect, warm up (a router's tie rotation starts fresh)
+                fan.match(q)
+            lat, got = route_latency(sharded_router(fan, None, cfg), queries)
+            for r in remotes:
+                r.close()
+        finally:
+            done.set()
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.terminate()
+        if got != want:
+            raise SystemExit(f"{n} shard(s) decided otherwise than one index")
+        label = f"{n} shard process{'es' if n > 1 else ''} (TCP)"
+        print(
+            f"{label:28} {pct(lat, 0.5):9.0f} {pct(lat, 0.99):9.0f} "
+            f"{pct(lat, 0.5) / pct(base, 0.5):10.2f}x"
+        )
+    print("decisions (worker and every score) identical to one index: yes")
 
 
 def run_shards(bootstrap: str, topic: str, n: int) -> tuple[float, float, int]:
@@ -247,11 +357,11 @@ async def replica_join(bootstrap: str, topic: str, tail: float, workdir: Path) -
 
 async def prepare(
     args: argparse.Namespace, bootstrap: str, direct: str
-) -> tuple[str, int, dict[int, int]]:
+) -> tuple[str, int, dict[int, int], list[EventBatch], list[list[int]]]:
     topic = f"scaleout-{os.getpid()}-{time.monotonic_ns()}"
     await create_topic(direct, topic, args.partitions)
     t0 = time.perf_counter()
-    batches, blocks = workload(args.workers, args.blocks, args.seed)
+    batches, blocks, requests = workload(args.workers, args.blocks, args.seed)
     t_build = time.perf_counter() - t0
     parts: dict[int, int] = {}
     for b in batches:
@@ -267,7 +377,9 @@ async def prepare(
     print(
         "blocks per partition: " + ", ".join(f"{parts.get(p, 0):,}" for p in range(args.partitions))
     )
-    return topic, blocks, parts
+    rng = random.Random(args.seed)
+    queries = [[*rng.choice(requests), 7] for _ in range(args.queries)]
+    return topic, blocks, parts, batches, queries
 
 
 def main() -> None:
@@ -280,6 +392,7 @@ def main() -> None:
     ap.add_argument("--processes", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tail", type=float, default=0.05)
+    ap.add_argument("--queries", type=int, default=500, help="routing decisions timed (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting tansu")
     args = ap.parse_args()
@@ -294,7 +407,7 @@ def main() -> None:
     )
 
     def run(bootstrap: str, direct: str) -> None:
-        topic, blocks, by_part = asyncio.run(prepare(args, bootstrap, direct))
+        topic, blocks, by_part, batches, queries = asyncio.run(prepare(args, bootstrap, direct))
         print(f"\n== shard processes reading the topic to its end (best of {args.rounds}) ==")
         print(
             "wall: blocks / (start .. last process done), on this machine's cores;\n"
@@ -326,6 +439,8 @@ def main() -> None:
             )
         with tempfile.TemporaryDirectory() as tmp:
             asyncio.run(replica_join(bootstrap, topic, args.tail, Path(tmp)))
+        if args.queries:
+            fan_out((bootstrap, topic, args.partitions), counts, batches, queries)
 
     if args.bootstrap:
         run(args.bootstrap, args.bootstrap)

@@ -254,6 +254,21 @@ def test_a_worker_in_two_shards_is_not_trusted() -> None:
     assert sharded_router(fan).route(REQUESTS[0]).worker == WorkerKey("a")
 
 
+def test_fan_out_follows_workers_appearing_and_leaving() -> None:
+    a = build(_stored("a"), "engine")
+    b = build(_stored("b"), "engine")
+    fan = ShardedIndex([a, b])
+    assert fan.workers() == [WorkerKey("a"), WorkerKey("b")]
+    for batch in _stored("c"):
+        b.apply(batch)
+    assert fan.workers() == [WorkerKey("a"), WorkerKey("b"), WorkerKey("c")]
+    assert fan.match(REQUESTS[0]).get(WorkerKey("c")).matched_blocks == 4  # type: ignore[union-attr]
+    a.forget(WorkerKey("a"))
+    assert fan.workers() == [WorkerKey("b"), WorkerKey("c")]
+    assert fan.match(REQUESTS[0], workers=[("a", None)]).matches[0].note == "unknown worker"
+    assert fan.owners() == {WorkerKey("b"): [1], WorkerKey("c"): [1]}
+
+
 def test_fan_out_raises_what_a_shard_raises() -> None:
     fan = ShardedIndex(
         [build(_stored("a"), "engine"), build(_stored("b", algo="v2_sha256_64"), "engine")]

@@ -174,6 +174,7 @@ class ShardServer:
         self.requests = 0
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> ShardServer:
         """Listen; OSError when the address is taken."""
@@ -188,7 +189,9 @@ class ShardServer:
             return
         server.close()
         for w in list(self._conns):
-            w.close()
+            w.close()  # the handler reads EOF and returns
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)
         await server.wait_closed()
 
     async def __aenter__(self) -> ShardServer:
@@ -198,6 +201,9 @@ class ShardServer:
         await self.aclose()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         self._conns.add(writer)
         try:
             while True:
@@ -215,6 +221,8 @@ class ShardServer:
             return
         finally:
             self._conns.discard(writer)
+            if task is not None:
+                self._tasks.discard(task)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

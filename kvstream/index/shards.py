@@ -167,18 +167,29 @@ class ShardedIndex:
         if not shards:
             raise ConfigError("a sharded index needs at least one shard")
         self.shards = list(shards)
+        # the placement as of the shards' last answers, recomputed only when one changes
+        self._seen: list[list[WorkerKey]] | None = None
+        self._owners: dict[WorkerKey, list[int]] = {}
+        self._sorted: list[WorkerKey] = []
+
+    def _placement(self) -> tuple[dict[WorkerKey, list[int]], list[WorkerKey]]:
+        lists = [shard.workers() for shard in self.shards]
+        if lists != self._seen:
+            out: dict[WorkerKey, list[int]] = {}
+            for i, ws in enumerate(lists):
+                for w in ws:
+                    out.setdefault(WorkerKey(w[0], w[1]), []).append(i)
+            self._seen, self._owners = lists, out
+            self._sorted = sorted(out, key=_order)
+        return self._owners, self._sorted
 
     def owners(self) -> dict[WorkerKey, list[int]]:
         """Worker -> the shards (positions in :attr:`shards`) holding it."""
-        out: dict[WorkerKey, list[int]] = {}
-        for i, shard in enumerate(self.shards):
-            for w in shard.workers():
-                out.setdefault(WorkerKey(w[0], w[1]), []).append(i)
-        return out
+        return {w: list(held) for w, held in self._placement()[0].items()}
 
     def workers(self) -> list[WorkerKey]:
         """Every shard's workers, sorted by (instance id, rank)."""
-        return sorted(self.owners(), key=_order)
+        return list(self._placement()[1])
 
     def __contains__(self, worker: object) -> bool:
         if not isinstance(worker, tuple) or len(worker) != 2:
@@ -198,11 +209,8 @@ class ShardedIndex:
     ) -> MatchResult:
         """How much of ``tokens`` each candidate holds (``workers``, default
         :meth:`workers`), as :meth:`PrefixIndex.match` on the union of the shards."""
-        owners = self.owners()
-        if workers is None:
-            cands = sorted(owners, key=_order)
-        else:
-            cands = [WorkerKey(w[0], w[1]) for w in workers]
+        owners, ordered = self._placement()
+        cands = ordered if workers is None else [WorkerKey(w[0], w[1]) for w in workers]
         per_shard: dict[int, list[WorkerKey]] = {}
         for w in cands:
             held = owners.get(w)
