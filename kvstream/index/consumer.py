@@ -83,7 +83,7 @@ class IndexConsumer:
 
     def apply(self, item: SourceItem) -> None:
         """Apply one item to the index."""
-        self.index.apply(item.batch, item.skipped_ids)
+        self.index.apply(item.data, item.skipped_ids)
         self.batches += 1
         self._since_snapshot += 1
 

@@ -53,17 +53,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstream.errors import ConfigError
-from kvstream.events.model import (
-    Cleared,
-    Created,
-    EventBatch,
-    KVCacheEvent,
-    Lost,
-    Removed,
-    Stored,
-    Updated,
+from kvstream.codec.columnar import (
+    CLEARED,
+    CREATED,
+    LOST,
+    REMOVED,
+    STORED,
+    UPDATED,
+    ColumnBatch,
 )
+from kvstream.errors import ConfigError
+from kvstream.events.model import EventBatch
 from kvstream.index.domain import HashDomain, expand_depths
 from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.keys import (
@@ -214,17 +214,24 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ ingest
 
-    def apply(self, batch: EventBatch, skipped_ids: Iterable[int] = ()) -> None:
-        """Apply one batch. ``skipped_ids``: ids of events the decoder left out of this batch
-        (kinds it cannot represent); they are accounted for, not treated as a gap."""
-        src = batch.source
-        key = (src.instance_id, src.attention_dp_rank)
+    def apply(self, batch: EventBatch | ColumnBatch, skipped_ids: Iterable[int] = ()) -> None:
+        """Apply one batch: a model batch or the columns a source decoded
+        (:class:`~kvstream.codec.columnar.ColumnBatch`, the fast path). ``skipped_ids``: ids
+        of events the decoder left out of this batch (kinds it cannot represent); they are
+        accounted for, not treated as a gap."""
+        if isinstance(batch, ColumnBatch):
+            cols = batch
+            if self._tokens and not cols.has_blocks:
+                cols = ColumnBatch.from_batch(cols.to_batch())  # token keys need the blocks
+        else:
+            cols = ColumnBatch.from_batch(batch)
+        key = (cols.instance_id, cols.attention_dp_rank)
         s = self._sources.get(key)
         if s is None:
             s = self._add_source(WorkerKey(*key))
         st = s.stats
         st.batches += 1
-        inc = src.incarnation
+        inc = cols.incarnation
         if inc != s.incarnation:
             if s.incarnation is not None and inc < s.incarnation:
                 st.old_incarnation_batches += 1
@@ -232,49 +239,59 @@ class PrefixIndex:
             self._new_incarnation(s, inc)
         skipped = set(skipped_ids) if skipped_ids else None
         groups = s.groups
-        for ev in batch.events:
-            data = ev.data
-            eid = ev.event_id
-            if isinstance(data, Lost):
-                self._on_lost(s, ev, data)
+        tokens = self._tokens
+        for eid, code, algo, gid, window, data in zip(
+            cols.event_ids,
+            cols.kinds,
+            cols.hash_algos,
+            cols.group_ids,
+            cols.window_sizes,
+            cols.payloads,
+            strict=True,
+        ):
+            if code == LOST:
+                self._on_lost(s, eid, gid, data)
                 continue
-            if eid != s.next_id and not self._out_of_order(s, ev, skipped):
+            if eid != s.next_id and not self._out_of_order(s, eid, gid, skipped):
                 continue
             s.next_id = eid + 1
             st.events += 1
-            g = groups.get(ev.layer_group_id)
+            g = groups.get(gid)
             if g is None:
-                g = self._add_group(s, ev.layer_group_id)
-            if ev.hash_algo != g.hash_algo:
-                self._set_algo(s, g, ev.hash_algo)
-            if isinstance(data, Stored):
-                blocks = data.blocks
+                g = self._add_group(s, gid)
+            if algo != g.hash_algo:
+                self._set_algo(s, g, algo)
+            if code == STORED:
+                hashes = data[1]
                 st.stored_events += 1
-                st.stored_blocks += len(blocks)
-                nt = len(blocks[0].token_ids)
+                st.stored_blocks += len(hashes)
+                nt = data[3]
                 if nt > g.max_block_tokens:
                     g.max_block_tokens = nt
                     if g.tokens_per_block is None:
                         self._bind(s, g)  # the inferred block size grew
-                g.table.store(data.parent_hash, blocks, st)
+                if tokens:
+                    g.table.store(data[0], data[4], st)
+                else:
+                    g.table.store_hashes(data[0], hashes, data[2], st)
                 if g.table.present > g.limit:
                     self._over_capacity(s, g)
-            elif isinstance(data, Removed):
-                hashes = data.block_hashes
+            elif code == REMOVED:
+                hashes = data[0]
                 st.removed_events += 1
                 st.removed_blocks += len(hashes)
-                g.table.remove(hashes, data.cache_level, st)
-            elif isinstance(data, Updated):
+                g.table.remove(hashes, data[1], st)
+            elif code == UPDATED:
                 st.updated_events += 1
-                lv = data.cache_level
+                lv = data[1]
                 if lv is not None:
-                    g.table.update(data.block_hash, lv.old_value, lv.new_value, st)
-                if data.priority is not None:
+                    g.table.update(data[0], lv[0], lv[1], st)
+                if data[2] is not None:
                     st.priority_updates += 1
-            elif isinstance(data, Cleared):
+            elif code == CLEARED:
                 self._on_cleared(s, g)
-            elif isinstance(data, Created):
-                self._on_created(s, g, data, ev.window_size)
+            elif code == CREATED:
+                self._on_created(s, g, data, window)
         if skipped and s.next_id is not None:
             nxt = s.next_id
             while nxt in skipped:
@@ -282,11 +299,12 @@ class PrefixIndex:
                 st.skipped_events += 1
             s.next_id = nxt
 
-    def apply_many(self, batches: Iterable[EventBatch]) -> int:
-        """Apply batches in order; returns how many."""
+    def apply_many(self, batches: Iterable[EventBatch | ColumnBatch]) -> int:
+        """Apply batches (models or columns) in order; returns how many."""
         n = 0
+        apply = self.apply
         for b in batches:
-            self.apply(b)
+            apply(b)
             n += 1
         return n
 
@@ -314,9 +332,9 @@ class PrefixIndex:
         s.incarnation = inc
         s.next_id = 0
 
-    def _out_of_order(self, s: _Source, ev: KVCacheEvent, skipped: set[int] | None) -> bool:
-        """Decide on an event whose id is not the expected one: True to apply it."""
-        eid = ev.event_id
+    def _out_of_order(self, s: _Source, eid: int, gid: int, skipped: set[int] | None) -> bool:
+        """Decide on an event (id ``eid``, layer group ``gid``) whose id is not the expected
+        one: True to apply it."""
         nxt = s.next_id
         st = s.stats
         if nxt is None:  # explicit resync: any id is the new baseline
@@ -334,14 +352,15 @@ class PrefixIndex:
         st.gaps += 1
         st.gap_events += eid - nxt
         what = "joined mid-stream" if nxt == 0 else "event id gap"
-        self._go_stale(s, f"{what}: expected event {nxt}, got {eid}", ev.layer_group_id)
+        self._go_stale(s, f"{what}: expected event {nxt}, got {eid}", gid)
         return True
 
-    def _on_lost(self, s: _Source, ev: KVCacheEvent, data: Lost) -> None:
+    def _on_lost(self, s: _Source, eid: int, gid: int, lost: tuple[int, int, str]) -> None:
+        """A lost marker (id ``eid``, group ``gid``) for ``(first id, count, reason)``."""
+        first_id, count, reason = lost
         st = s.stats
-        eid = ev.event_id
-        first = min(data.first_event_id, eid)
-        last = max(data.first_event_id + data.count - 1, eid)
+        first = min(first_id, eid)
+        last = max(first_id + count - 1, eid)
         nxt = s.next_id if s.next_id is not None else first
         if last < nxt:
             st.duplicate_events += 1
@@ -352,7 +371,7 @@ class PrefixIndex:
         st.lost_markers += 1
         st.lost_events += last - max(first, nxt) + 1
         s.next_id = last + 1
-        self._go_stale(s, f"lost {data.count} events ({data.reason})", ev.layer_group_id)
+        self._go_stale(s, f"lost {count} events ({reason})", gid)
 
     def _go_stale(self, s: _Source, reason: str, gid: int) -> None:
         if not s.stale:
@@ -380,13 +399,14 @@ class PrefixIndex:
                 s.stats.resyncs += 1
                 self._set_trusted(s, True, "")
 
-    def _on_created(self, s: _Source, g: _Group, data: Created, window: int) -> None:
+    def _on_created(
+        self, s: _Source, g: _Group, data: tuple[tuple[int, ...], int, str], window: int
+    ) -> None:
         s.stats.created_events += 1
         g.window_size = window
-        g.attention_kind = data.attention_kind.value
-        g.capacity = tuple(data.num_blocks_per_cache_level)
+        caps, tpb, g.attention_kind = data
+        g.capacity = tuple(caps)
         g.limit = sum(g.capacity) or 1 << 62
-        tpb = data.tokens_per_block
         if g.tokens_per_block != tpb:
             if g.tokens_per_block is not None:
                 s.stats.block_size_changes += 1

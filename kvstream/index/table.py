@@ -28,14 +28,27 @@ Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialise
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Final
 
 from kvstream.events.model import StoredBlock
 from kvstream.index.stats import SourceStats
 from kvstream.index.types import MAX_TIERS
 
-__all__ = ["ROOT", "UNKNOWN", "GroupTable", "best_tier"]
+__all__ = ["NATIVE_AVAILABLE", "ROOT", "UNKNOWN", "GroupTable", "best_tier"]
+
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.index import _table_native as _native
+    except ImportError:  # built without a C compiler: the pure-Python loop
+        _native = None  # type: ignore[assignment]
+else:
+    _native = None  # type: ignore[assignment]
+
+#: True when stores of new blocks run in the optional C loop (:mod:`._table_native`).
+NATIVE_AVAILABLE: Final[bool] = _native is not None
 
 #: Parent id of a block stored at the root (``parent_hash`` null).
 ROOT: Final = -1
@@ -145,31 +158,34 @@ class GroupTable:
     ) -> None:
         """Apply a ``stored`` event: ``blocks[0]``'s parent is ``parent_hash``, block i's is
         block i-1. New blocks are linked and, when their parent is rooted, rooted."""
+        self.store_hashes(
+            parent_hash, [b.block_hash for b in blocks], [b.cache_level for b in blocks], st
+        )
+
+    def store_hashes(
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        st: SourceStats,
+    ) -> None:
+        """:meth:`store` from columns: the blocks' hashes and their cache level (one for all,
+        or one per block)."""
+        if _native is not None and type(level) is int and type(hashes) is list:
+            self._store_native(parent_hash, hashes, level, st)
+            return
+        levels: Iterable[int] = repeat(level, len(hashes)) if isinstance(level, int) else level
         ids = self.ids
-        get = ids.get
-        if parent_hash is None:
-            p = ROOT
-            ok = 1
-        else:
-            q = get(parent_hash)
-            if q is None:
-                st.unknown_parent_stores += 1
-                p = self._new_ghost(parent_hash)
-                ok = 0
-            else:
-                p = q
-                ok = self.rooted[p]
-                if not self.refs[p]:
-                    st.unknown_parent_stores += 1  # the parent is a ghost: not cached
+        p, ok = self._store_parent(parent_hash, st)
         masks = self.masks
         bit = self.bit
-        hashes = self.hashes
+        nodes = self.hashes
         parent = self.parent
         refs = self.refs
         kid = self.kid
         rooted = self.rooted
         free = self.free
-        add_hash = hashes.append
+        add_hash = nodes.append
         add_parent = parent.append
         add_refs = refs.append
         add_kid = kid.append
@@ -178,23 +194,21 @@ class GroupTable:
         # masks.setdefault inserts the bit for a hash no worker holds (one dict operation);
         # an existing entry is or-ed with it
         mset = masks.setdefault if masks is not None else None
-        nexti = len(hashes)
-        level = -1
+        nexti = len(nodes)
+        last = -1
         inc = 0
         off_gpu = False
         added = lowered = 0
-        for b in blocks:
-            h = b.block_hash
+        for h, c in zip(hashes, levels, strict=True):
             cand = free[-1] if free else nexti
             n = setdefault(h, cand)
             if n != cand:
-                self._store_existing(n, p, b.cache_level, st)
+                self._store_existing(n, p, c, st)
                 ok = rooted[n]
                 p = n
                 continue
-            c = b.cache_level
-            if c != level:
-                level = c
+            if c != last:
+                last = c
                 inc = _INC[c if c < _LAST else _LAST]
                 off_gpu = c != 0
             if p >= 0:
@@ -211,7 +225,7 @@ class GroupTable:
                 add_rooted(ok)
             else:
                 free.pop()
-                hashes[n] = h
+                nodes[n] = h
                 parent[n] = p
                 refs[n] = inc
                 kid[n] = _NIL
@@ -226,6 +240,54 @@ class GroupTable:
             p = n
         self.present += added
         self.lower += lowered
+        self._drop_bare_ghost(parent_hash)
+
+    def _store_native(
+        self, parent_hash: bytes | None, hashes: list[bytes], level: int, st: SourceStats
+    ) -> None:
+        """:meth:`store_hashes` of one cache level with the C loop for new blocks; blocks the
+        table already holds are applied here, as the Python loop does."""
+        assert _native is not None
+        p, ok = self._store_parent(parent_hash, st)
+        inc = _INC[level if level < _LAST else _LAST]
+        run = _native.store_run
+        end = len(hashes)
+        i = total = 0
+        while True:
+            i, p, added = run(self, hashes, i, p, ok, inc)
+            total += added
+            if i >= end:
+                break
+            n = self.ids[hashes[i]]
+            self._store_existing(n, p, level, st)
+            ok = self.rooted[n]
+            p = n
+            i += 1
+        self.present += total
+        if level != 0:
+            self.lower += total
+        self._drop_bare_ghost(parent_hash)
+
+    def _drop_bare_ghost(self, h: bytes | None) -> None:
+        """Delete ``h``'s node when it is a ghost without children: the unknown parent of a
+        store whose blocks the table already held (none was linked under it)."""
+        if h is None:
+            return
+        n = self.ids.get(h)
+        if n is not None and not self.refs[n] and self.kid[n] < 0:
+            self._delete_up(n)
+
+    def _store_parent(self, parent_hash: bytes | None, st: SourceStats) -> tuple[int, int]:
+        """``(node, rooted)`` of a store's parent: ROOT, the known node, or a new ghost."""
+        if parent_hash is None:
+            return ROOT, 1
+        q = self.ids.get(parent_hash)
+        if q is None:
+            st.unknown_parent_stores += 1
+            return self._new_ghost(parent_hash), 0
+        if not self.refs[q]:
+            st.unknown_parent_stores += 1  # the parent is a ghost: not cached
+        return q, self.rooted[q]
 
     def _adopt_parent(self, n: int, p: int, st: SourceStats) -> None:
         """A ghost ``n`` stored again under ``p``: learn its parent if it had none (unless that

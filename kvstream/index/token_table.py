@@ -138,6 +138,17 @@ class TokenGroupTable(GroupTable):
             st.unknown_parent_stores += 1  # the parent is a ghost: not cached
         return q, self.rooted[q], self.ckeys[q]
 
+    def store_hashes(
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        st: SourceStats,
+    ) -> None:
+        """Not available: a token-keyed table keys blocks by their tokens (use :meth:`store`
+        with the blocks); TypeError."""
+        raise TypeError("a token-keyed table needs the stored blocks' tokens: call store()")
+
     def store(
         self, parent_hash: bytes | None, blocks: Sequence[StoredBlock], st: SourceStats
     ) -> None:
@@ -245,6 +256,9 @@ class TokenGroupTable(GroupTable):
             p = n
         self.present += added
         self.lower += lowered
+        self._drop_bare_ghost(parent_hash)
+        if skipped:
+            self._drop_bare_ghost(skipped)
 
     def _alloc(self, h: bytes, p: int) -> int:
         n = super()._alloc(h, p)

@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
-from kvstream.codec import AvroCodec, DecodeResult, SkippedEvent
+from kvstream.codec import AvroCodec, SkippedEvent
+from kvstream.codec.columnar import ColumnarResult, ColumnBatch, decode_columns_message
 from kvstream.events.model import EventBatch
 
 __all__ = [
@@ -41,13 +42,49 @@ log = logging.getLogger("kvstream.index.sources")
 RECENT_MALFORMED: Final = 100
 
 
-@dataclass(frozen=True, slots=True)
 class SourceItem:
     """One decoded batch; ``skipped_ids`` are ids of its events the decoder could not
-    represent (pass them to ``PrefixIndex.apply`` so they do not look like a gap)."""
+    represent (pass them to ``PrefixIndex.apply`` so they do not look like a gap).
 
-    batch: EventBatch
-    skipped_ids: tuple[int, ...] = ()
+    Sources that decode bytes hand over the batch's columns (:attr:`columns`, what the index
+    applies fastest: ``index.apply(item.data, item.skipped_ids)``); :attr:`batch` is the
+    validated event model, built on first access.
+    """
+
+    __slots__ = ("_batch", "columns", "skipped_ids")
+
+    def __init__(self, batch: EventBatch | ColumnBatch, skipped_ids: tuple[int, ...] = ()) -> None:
+        self.columns: ColumnBatch | None
+        self._batch: EventBatch | None
+        if isinstance(batch, ColumnBatch):
+            self.columns, self._batch = batch, None
+        else:
+            self.columns, self._batch = None, batch
+        self.skipped_ids = tuple(skipped_ids)
+
+    @property
+    def batch(self) -> EventBatch:
+        """The batch as the event model."""
+        if self._batch is None:
+            assert self.columns is not None
+            self._batch = self.columns.to_batch()
+        return self._batch
+
+    @property
+    def data(self) -> EventBatch | ColumnBatch:
+        """What to apply to an index: the columns when the source decoded some, else the
+        model."""
+        return self.columns if self.columns is not None else self.batch
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SourceItem):
+            return NotImplemented
+        return self.batch == other.batch and self.skipped_ids == other.skipped_ids
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SourceItem({self.data!r}, skipped_ids={self.skipped_ids!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,28 +178,21 @@ def decode_message(
     *,
     schema_ids: dict[int, int] | None = None,
     header_version: int | None = None,
-) -> DecodeResult:
-    """Decode one message of either framing: Avro single-object (``C3 01``) or Confluent
-    (``00`` + schema id; the id maps to a version through ``schema_ids``, else the version
-    the message's headers state). Raises DecodeError (or UnknownSchemaError)."""
-    from kvstream.errors import DecodeError
-
-    if value[:1] == b"\x00":
-        sid = int.from_bytes(value[1:5], "big")
-        if schema_ids and sid in schema_ids:
-            version = schema_ids[sid]
-        elif header_version is not None:
-            version = header_version
-        else:
-            raise DecodeError(
-                f"Confluent message with schema id {sid}: no mapping to a schema version "
-                "(pass schema_ids or send the kvstream-schema-version header)"
-            )
-        return codec.decode_confluent_result(value, {sid: version})
-    return codec.decode_result(value)
+) -> ColumnarResult:
+    """Decode one message of either framing into columns (the fast path; ``.batch`` builds
+    the model): Avro single-object (``C3 01``) or Confluent (``00`` + schema id; the id maps
+    to a version through ``schema_ids``, else the version the message's headers state), read
+    with ``codec``'s schemas. Raises DecodeError (or UnknownSchemaError)."""
+    return decode_columns_message(
+        value,
+        codec.registry,
+        reader_version=codec.reader_version,
+        schema_ids=schema_ids or None,
+        header_version=header_version,
+    )
 
 
-def attribute_skipped(batch: EventBatch, pending: deque[int]) -> tuple[int, ...]:
+def attribute_skipped(batch: EventBatch | ColumnBatch, pending: deque[int]) -> tuple[int, ...]:
     """Take from the front of ``pending`` (skipped event ids of a container block, in record
     order) the ids that belong to ``batch``: holes inside its id range, a consecutive run
     just before its first id, and a consecutive run just after its last one, in ascending
@@ -173,7 +203,9 @@ def attribute_skipped(batch: EventBatch, pending: deque[int]) -> tuple[int, ...]
     this recovers the per-batch split. Should two batches of one block both fit an id, either
     choice leaves the consumer's id accounting intact when they come from the same worker.
     """
-    ids = [ev.event_id for ev in batch.events]
+    ids = (
+        batch.event_ids if isinstance(batch, ColumnBatch) else [ev.event_id for ev in batch.events]
+    )
     own = set(ids)
     taken: list[int] = []
     lo = ids[0] if ids else None

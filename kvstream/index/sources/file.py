@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvstream.codec import read_container
+from kvstream.codec.columnar import ColumnarContainerReader, ColumnBatch
 from kvstream.errors import DecodeError, EventValidationError
 from kvstream.events.model import EventBatch
 from kvstream.index.errors import SourceError
@@ -120,13 +121,13 @@ def _find_sync(path: Path, start: int, sync: bytes) -> int | None:
 
 def _container_items(
     path: Path, header: _Header, start: int, skip: int
-) -> Generator[tuple[EventBatch, int, int, tuple[int, ...]], None, _Pass]:
+) -> Generator[tuple[ColumnBatch, int, int, tuple[int, ...]], None, _Pass]:
     """Batches of the blocks from ``start`` (skipping ``skip`` batches of the first block):
     ``(batch, block offset, index in block, skipped ids)``; returns how the pass ended."""
     hl = len(header.data)
     with open(path, "rb") as fo:
         stream = io.BufferedReader(_Spliced(header.data, fo, start), buffer_size=1 << 16)
-        reader = read_container(stream, tolerate_torn_tail=True)
+        reader = ColumnarContainerReader(stream, tolerate_torn_tail=True)
         blocks = 0
         block_start = block_end = start
         idx = 0

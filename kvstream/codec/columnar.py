@@ -1,0 +1,603 @@
+"""Avro records straight into the columns a consumer needs, without building the event model.
+
+A prefix index needs, per event, its id, kind, hash algorithm, layer group and window, and
+per kind a few values: a stored event's parent hash, block hashes and cache levels; a
+removed event's hashes; an update's hash and diffs; a created event's capacity and block
+size; a lost marker's range. :func:`record_columns` reads exactly those from the record
+fastavro decoded into a :class:`ColumnBatch`, about ten times faster than
+:func:`~kvstream.codec.records.record_to_batch` builds pydantic models (which stay the public,
+validated API: :meth:`ColumnBatch.to_batch` builds them on demand, from the same record).
+
+Validation is not relaxed: every rule the event model and ``record_to_batch`` enforce on a
+decoded record (lengths, counts, ranges, hash widths per algorithm, the token pack) is checked
+on the columns, and a record one path rejects the other rejects too, with the same error type
+(DecodeError); ``tests/test_columnar*.py`` property-tests that equivalence, malformed records
+included. Token ids are unpacked once per batch by :func:`kvstream.codec.tokens.tokens_from_record`
+(which validates the pack) and kept as raw bytes in :attr:`ColumnBatch.tokens`.
+
+Readers: :func:`decode_columns_message` (single-object or Confluent bytes, any known writer
+version) and :class:`ColumnarContainerReader` (object container files, the same framing,
+torn-tail and skipped-event handling as :class:`~kvstream.codec.container.ContainerReader`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import fastavro
+
+from kvstream._types import ALLOWED_UNKNOWN_WIDTHS, BLOCK_HASH_WIDTHS, PRIORITY_MAX
+from kvstream.codec.container import ContainerReader
+from kvstream.codec.decoder import read_record
+from kvstream.codec.framing import split_confluent, split_single_object
+from kvstream.codec.records import SkippedEvent, record_to_batch
+from kvstream.codec.schemas import SchemaInfo, SchemaRegistry
+from kvstream.codec.tokens import tokens_from_record
+from kvstream.errors import DecodeError, UnknownSchemaError
+from kvstream.events.model import (
+    DEFAULT_HASH_ALGO,
+    AttentionKind,
+    Created,
+    EventBatch,
+    Lost,
+    Removed,
+    Stored,
+    Updated,
+)
+
+__all__ = [
+    "CLEARED",
+    "CREATED",
+    "KIND_NAMES",
+    "LOST",
+    "REMOVED",
+    "STORED",
+    "UPDATED",
+    "ColumnBatch",
+    "ColumnarContainerReader",
+    "ColumnarResult",
+    "decode_columns_body",
+    "decode_columns_message",
+    "record_columns",
+]
+
+#: Event kinds as small ints (:attr:`ColumnBatch.kinds`).
+CREATED: Final = 0
+STORED: Final = 1
+REMOVED: Final = 2
+UPDATED: Final = 3
+CLEARED: Final = 4
+LOST: Final = 5
+#: The model's name (``data.type``) of each kind code.
+KIND_NAMES: Final = ("created", "stored", "removed", "updated", "cleared", "lost")
+_KIND_CODE: Final = {
+    "CREATED": CREATED,
+    "STORED": STORED,
+    "REMOVED": REMOVED,
+    "UPDATED": UPDATED,
+    "CLEARED": CLEARED,
+    "LOST": LOST,
+}
+_PAYLOADS: Final = ("created", "stored", "removed", "updated", "lost")
+_ATTENTION: Final = {
+    "FULL_ATTENTION": AttentionKind.FULL.value,
+    "SLIDING_WINDOW": AttentionKind.SLIDING_WINDOW.value,
+}
+_I32_MAX: Final = 2**31 - 1
+_I64_MAX: Final = 2**63 - 1
+_MAX_HASH: Final = 64
+
+
+class ColumnBatch:
+    """One decoded batch as columns (one entry per event that was not skipped).
+
+    ``kinds[i]`` is a kind code (:data:`STORED`, ...), ``payloads[i]`` its values:
+
+    ======== ================================================================================
+    kind      payload
+    ======== ================================================================================
+    created   ``(num_blocks_per_cache_level tuple, tokens_per_block, attention kind value)``
+    stored    ``(parent_hash | None, block hashes list, cache level int | per-block list,
+              tokens of the first block)``, plus the model's blocks when :attr:`has_blocks`
+    removed   ``(block hashes list, cache_level | None)``
+    updated   ``(block_hash, (old, new) cache level | None, (old, new) priority | None)``
+    cleared   None
+    lost      ``(first_event_id, count, reason)``
+    ======== ================================================================================
+
+    ``tokens`` holds every stored block's token ids in order (u32 little-endian), as the
+    token pack had them. :meth:`to_batch` builds the validated :class:`EventBatch` (cached).
+    """
+
+    __slots__ = (
+        "_batch",
+        "_record",
+        "attention_dp_rank",
+        "event_ids",
+        "group_ids",
+        "has_blocks",
+        "hash_algos",
+        "incarnation",
+        "instance_id",
+        "kinds",
+        "payloads",
+        "schema_version",
+        "tokens",
+        "ts_ns",
+        "window_sizes",
+    )
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        attention_dp_rank: int | None,
+        incarnation: int,
+        ts_ns: int,
+        schema_version: int,
+        tokens: bytes,
+        record: Mapping[str, Any] | None = None,
+        batch: EventBatch | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.attention_dp_rank = attention_dp_rank
+        self.incarnation = incarnation
+        self.ts_ns = ts_ns
+        self.schema_version = schema_version
+        self.tokens = tokens
+        self.event_ids: list[int] = []
+        self.kinds: list[int] = []
+        self.hash_algos: list[str] = []
+        self.group_ids: list[int] = []
+        self.window_sizes: list[int] = []
+        self.payloads: list[Any] = []
+        #: True when stored payloads carry the model's blocks as a fifth item (from_batch)
+        self.has_blocks = False
+        self._record = record
+        self._batch = batch
+
+    def __len__(self) -> int:
+        """Events."""
+        return len(self.event_ids)
+
+    def to_batch(self) -> EventBatch:
+        """The batch as the validated event model (built once, from the decoded record)."""
+        if self._batch is None:
+            if self._record is None:  # pragma: no cover - every constructor sets one
+                raise DecodeError("a column batch without its record or model")
+            self._batch = record_to_batch(self._record, self.schema_version)[0]
+        return self._batch
+
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks announced by the stored events."""
+        return sum(len(p[1]) for k, p in zip(self.kinds, self.payloads, strict=True) if k == 1)
+
+    @classmethod
+    def from_batch(cls, batch: EventBatch) -> ColumnBatch:
+        """The columns of an already validated model batch (:attr:`tokens` stays empty)."""
+        src = batch.source
+        out = cls(
+            src.instance_id,
+            attention_dp_rank=src.attention_dp_rank,
+            incarnation=src.incarnation,
+            ts_ns=batch.ts_ns,
+            schema_version=batch.schema_version,
+            tokens=b"",
+            batch=batch,
+        )
+        out.has_blocks = True
+        for ev in batch.events:
+            d = ev.data
+            out.event_ids.append(ev.event_id)
+            out.hash_algos.append(ev.hash_algo)
+            out.group_ids.append(ev.layer_group_id)
+            out.window_sizes.append(ev.window_size)
+            payload: Any = None
+            code = CLEARED
+            if isinstance(d, Stored):
+                blocks = d.blocks
+                levels = [b.cache_level for b in blocks]
+                lv: int | list[int] = (
+                    levels[0] if levels.count(levels[0]) == len(levels) else levels
+                )
+                payload = (
+                    d.parent_hash,
+                    [b.block_hash for b in blocks],
+                    lv,
+                    len(blocks[0].token_ids),
+                    blocks,
+                )
+                code = STORED
+            elif isinstance(d, Removed):
+                payload = (list(d.block_hashes), d.cache_level)
+                code = REMOVED
+            elif isinstance(d, Updated):
+                lvd, prd = d.cache_level, d.priority
+                payload = (
+                    d.block_hash,
+                    None if lvd is None else (lvd.old_value, lvd.new_value),
+                    None if prd is None else (prd.old_value, prd.new_value),
+                )
+                code = UPDATED
+            elif isinstance(d, Created):
+                payload = (d.num_blocks_per_cache_level, d.tokens_per_block, d.attention_kind.value)
+                code = CREATED
+            elif isinstance(d, Lost):
+                payload = (d.first_event_id, d.count, d.reason)
+                code = LOST
+            out.kinds.append(code)
+            out.payloads.append(payload)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"<ColumnBatch {self.instance_id}/{self.attention_dp_rank} "
+            f"inc={self.incarnation} events={len(self.event_ids)}>"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnarResult:
+    """A decoded message as columns, its writer version and the events left out."""
+
+    columns: ColumnBatch
+    writer_version: int
+    skipped: tuple[SkippedEvent, ...] = ()
+
+    @property
+    def batch(self) -> EventBatch:
+        """The validated model of the batch (built on demand)."""
+        return self.columns.to_batch()
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _bad(where: str, what: str) -> DecodeError:
+    return DecodeError(f"decoded values break the event model: {where}: {what}")
+
+
+def _split(data: bytes, count: int, where: str) -> list[bytes]:
+    if count < 1:
+        raise DecodeError(f"{where}: block_count must be >= 1, got {count}")
+    width, rest = divmod(len(data), count)
+    if rest or width == 0:
+        raise DecodeError(
+            f"{where}: {len(data)} hash bytes do not split into {count} hashes of equal width"
+        )
+    if width > _MAX_HASH:
+        raise _bad(where, f"a block hash has at most {_MAX_HASH} bytes, got {width}")
+    if count == 1:
+        return [data]
+    return [data[i : i + width] for i in range(0, len(data), width)]
+
+
+def _check_width(algo: str, width: int, where: str) -> None:
+    want = BLOCK_HASH_WIDTHS.get(algo)
+    if want is None:
+        if width not in ALLOWED_UNKNOWN_WIDTHS:
+            raise _bad(where, f"a hash must be {ALLOWED_UNKNOWN_WIDTHS} bytes, got {width}")
+    elif width != want:
+        raise _bad(where, f"{algo} hashes are {want} bytes, got {width}")
+
+
+def _int_range(value: Any, lo: int, hi: int, where: str) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(where, f"must be an int in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _column(rec: Mapping[str, Any], many: str, n: int, where: str) -> list[Any] | None:
+    values = rec.get(many)
+    if values is None:
+        return None
+    if len(values) != n:
+        raise DecodeError(f"{where}.{many} has {len(values)} entries for {n} blocks")
+    return list(values)
+
+
+def _check_sparse(entries: Sequence[Mapping[str, Any]], n: int, where: str, strict: bool) -> None:
+    last = -1
+    for entry in entries:
+        i = entry["block_index"]
+        if not (last < i < n if strict else last <= i < n):
+            raise DecodeError(
+                f"{where}: block_index {i} repeated, out of order or outside 0..{n - 1}"
+            )
+        last = i
+
+
+def _stored(
+    rec: Mapping[str, Any], algo: str, pos: int, n_tokens: int, where: str
+) -> tuple[tuple[Any, ...], int]:
+    """The stored payload and the token position after its blocks."""
+    n = rec["block_count"]
+    hashes = _split(rec["block_hashes"], n, where)
+    width = len(hashes[0])
+    sizes = _column(rec, "block_sizes", n, where)
+    if sizes is None:
+        first = rec["block_size"] if n > 1 else rec["last_block_size"]
+        last = rec["last_block_size"]
+        low = min(first, last)
+        used = first * (n - 1) + last
+    else:
+        first = sizes[0]
+        low = min(sizes)
+        used = sum(sizes)
+    if low < 0:
+        raise DecodeError(f"{where}: negative block token count {low}")
+    end = pos + used
+    if end > n_tokens:
+        raise DecodeError(
+            f"{where}: blocks need more token ids than the batch's TokenPack holds ({n_tokens})"
+        )
+    levels = _column(rec, "cache_levels", n, where)
+    level: int | list[int]
+    if levels is None:
+        level = _int_range(rec.get("cache_level", 0), 0, _I32_MAX, f"{where}.cache_level")
+    else:
+        for v in levels:
+            _int_range(v, 0, _I32_MAX, f"{where}.cache_levels")
+        level = levels[0] if levels.count(levels[0]) == n else levels
+    prios = _column(rec, "priorities", n, where)
+    for v in prios if prios is not None else (rec.get("priority", 35),):
+        _int_range(v, 0, PRIORITY_MAX, f"{where}.priority")
+    for many in ("lora_ids", "lora_names", "cache_salts"):
+        _column(rec, many, n, where)
+    mm = rec.get("mm_keys", ())
+    if mm:
+        _check_sparse(mm, n, f"{where}.mm_keys", False)
+        for entry in mm:
+            if len(entry["hash"]) != 32:
+                raise _bad(f"{where}.mm_keys", f"hash must be 32 bytes, got {len(entry['hash'])}")
+            _int_range(entry["start_offset"], 0, _I32_MAX, f"{where}.mm_keys.start_offset")
+    extra_ids = rec.get("token_extra_ids", ())
+    if extra_ids:
+        _check_sparse(extra_ids, n, f"{where}.token_extra_ids", True)
+        for entry in extra_ids:
+            i = entry["block_index"]
+            size = sizes[i] if sizes is not None else (last if i == n - 1 else first)
+            if len(entry["ids"]) != 4 * size:
+                raise DecodeError(
+                    f"{where}.token_extra_ids: block {i} has {size} tokens but "
+                    f"{len(entry['ids'])} bytes of extra ids (need 4 per token)"
+                )
+    extra = rec.get("extra_keys", ())
+    if extra:
+        _check_sparse(extra, n, f"{where}.extra_keys", True)
+    parent = rec["parent_hash"]
+    if parent is not None and len(parent) != width:
+        raise DecodeError(f"{where}: parent_hash has {len(parent)} bytes, block hashes {width}")
+    _check_width(algo, width, where)
+    return (parent, hashes, level, first), end
+
+
+def _diff(rec: Mapping[str, Any] | None, hi: int, where: str) -> tuple[int, int] | None:
+    if rec is None:
+        return None
+    return (
+        _int_range(rec["old_value"], 0, hi, where),
+        _int_range(rec["new_value"], 0, hi, where),
+    )
+
+
+def record_columns(
+    record: Mapping[str, Any], schema_version: int
+) -> tuple[ColumnBatch, tuple[SkippedEvent, ...]]:
+    """The columns of a record read with a kvstream reader schema, and the events skipped.
+
+    The same contract as :func:`~kvstream.codec.records.record_to_batch` (which
+    :meth:`ColumnBatch.to_batch` calls on this record): DecodeError for everything it
+    rejects, the same events skipped."""
+    try:
+        return _record_columns(record, schema_version)
+    except (KeyError, TypeError, AttributeError) as exc:  # a record not of the reader schema
+        raise DecodeError(f"record does not have the reader schema's shape: {exc!r}") from exc
+
+
+def _record_columns(
+    record: Mapping[str, Any], schema_version: int
+) -> tuple[ColumnBatch, tuple[SkippedEvent, ...]]:
+    raw = tokens_from_record(record["tokens"])
+    n_tokens = len(raw) >> 2
+    source = record["source"]
+    inst = source["instance_id"]
+    if not 1 <= len(inst) <= 256:
+        raise _bad("source.instance_id", f"must have 1..256 characters, got {len(inst)}")
+    rank = source["attention_dp_rank"]
+    if rank is not None:
+        _int_range(rank, 0, _I32_MAX, "source.attention_dp_rank")
+    inc = _int_range(source.get("incarnation", 0), 0, _I64_MAX, "source.incarnation")
+    ts = _int_range(record["ts_ns"], 0, _I64_MAX, "ts_ns")
+    out = ColumnBatch(
+        inst,
+        attention_dp_rank=rank,
+        incarnation=inc,
+        ts_ns=ts,
+        schema_version=schema_version,
+        tokens=raw,
+        record=record,
+    )
+    skipped: list[SkippedEvent] = []
+    pos = 0
+    ids = out.event_ids
+    kinds = out.kinds
+    algos = out.hash_algos
+    gids = out.group_ids
+    windows = out.window_sizes
+    payloads = out.payloads
+    kind_code = _KIND_CODE
+    for i, ev in enumerate(record["events"]):
+        kind = ev["kind"]
+        eid = ev["event_id"]
+        if kind == "UNKNOWN":
+            skipped.append(SkippedEvent(eid, kind, "event kind unknown to this reader"))
+            continue
+        where = f"events[{i}]"
+        code = kind_code.get(kind)
+        if code is None:
+            raise DecodeError(f"{where}: unknown event kind symbol {kind!r}")
+        name = KIND_NAMES[code]
+        for other in _PAYLOADS:
+            if other != name and ev.get(other) is not None:
+                raise DecodeError(f"{where}: kind {kind} but the '{other}' payload is set")
+        rec = ev.get(name) if code != CLEARED else None
+        if rec is None and code != CLEARED:
+            raise DecodeError(f"{where}: kind {kind} but its '{name}' payload is null")
+        where = f"{where}.{name}"
+        algo = ev.get("hash_algo", DEFAULT_HASH_ALGO)
+        payload: Any
+        if code == STORED:
+            payload, pos = _stored(rec, algo, pos, n_tokens, where)  # type: ignore[arg-type]
+        elif code == REMOVED:
+            hashes = _split(rec["block_hashes"], rec["block_count"], where)  # type: ignore[index]
+            lv = rec.get("cache_level")  # type: ignore[union-attr]
+            if lv is not None:
+                _int_range(lv, 0, _I32_MAX, f"{where}.cache_level")
+            _check_width(algo, len(hashes[0]), where)
+            payload = (hashes, lv)
+        elif code == UPDATED:
+            h = rec["block_hash"]  # type: ignore[index]
+            if not 1 <= len(h) <= _MAX_HASH:
+                raise _bad(f"{where}.block_hash", f"must have 1..{_MAX_HASH} bytes")
+            lvd = _diff(rec["cache_level"], _I32_MAX, f"{where}.cache_level")  # type: ignore[index]
+            prd = _diff(rec["priority"], _I32_MAX, f"{where}.priority")  # type: ignore[index]
+            if lvd is None and prd is None:
+                raise _bad(where, "an updated event must change cache_level or priority")
+            if prd is not None and not (prd[0] <= PRIORITY_MAX and prd[1] <= PRIORITY_MAX):
+                raise _bad(where, f"priority {prd} is outside 0..{PRIORITY_MAX}")
+            _check_width(algo, len(h), where)
+            payload = (h, lvd, prd)
+        elif code == CREATED:
+            tpb = rec.get("tokens_per_block", 0)  # type: ignore[union-attr]
+            if tpb == 0:
+                skipped.append(
+                    SkippedEvent(eid, kind, "created event without tokens_per_block (v1 data)")
+                )
+                continue
+            symbol = rec.get("attention_kind", "FULL_ATTENTION")  # type: ignore[union-attr]
+            attention = _ATTENTION.get(symbol)
+            if attention is None:
+                skipped.append(
+                    SkippedEvent(
+                        eid, kind, f"created event with attention kind {symbol} unknown here"
+                    )
+                )
+                continue
+            _int_range(tpb, 1, _I32_MAX, f"{where}.tokens_per_block")
+            caps = tuple(rec["num_blocks_per_cache_level"])  # type: ignore[index]
+            if not caps:
+                raise _bad(f"{where}.num_blocks_per_cache_level", "needs at least one level")
+            for c in caps:
+                _int_range(c, 0, _I64_MAX, f"{where}.num_blocks_per_cache_level")
+            payload = (caps, tpb, attention)
+        elif code == LOST:
+            first = _int_range(rec["first_event_id"], 0, _I64_MAX, f"{where}.first_event_id")  # type: ignore[index]
+            count = _int_range(rec["count"], 1, _I64_MAX, f"{where}.count")  # type: ignore[index]
+            reason = rec["reason"]  # type: ignore[index]
+            if len(reason) > 1024:
+                raise _bad(f"{where}.reason", "has more than 1024 characters")
+            payload = (first, count, reason)
+        else:
+            payload = None
+        _int_range(eid, 0, _I64_MAX, f"{where[: where.index(']') + 1]}.event_id")
+        if not 1 <= len(algo) <= 64:
+            raise _bad(f"events[{i}].hash_algo", f"must have 1..64 characters, got {len(algo)}")
+        gid = ev.get("layer_group_id", 0)
+        _int_range(gid, 0, _I32_MAX, f"events[{i}].layer_group_id")
+        window = ev["window_size"]
+        _int_range(window, 1, _I64_MAX, f"events[{i}].window_size")
+        ids.append(eid)
+        kinds.append(code)
+        algos.append(algo)
+        gids.append(gid)
+        windows.append(window)
+        payloads.append(payload)
+    if pos != n_tokens:
+        raise DecodeError(
+            f"the TokenPack holds {n_tokens} token ids but the stored blocks use {pos}"
+        )
+    return out, tuple(skipped)
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def decode_columns_body(body: bytes, writer: SchemaInfo, reader: SchemaInfo) -> ColumnarResult:
+    """Decode a schemaless body written with ``writer`` (resolved into ``reader``)."""
+    record = read_record(body, writer, reader)
+    cols, skipped = record_columns(record, writer.version)
+    return ColumnarResult(cols, writer.version, skipped)
+
+
+def decode_columns_message(
+    data: bytes | bytearray | memoryview,
+    registry: SchemaRegistry,
+    *,
+    reader_version: int | None = None,
+    schema_ids: Mapping[int, int] | Callable[[int], int] | None = None,
+    header_version: int | None = None,
+) -> ColumnarResult:
+    """Decode a message of either framing into columns: Avro single-object (``C3 01`` +
+    fingerprint) or Confluent (``00`` + schema id, mapped to a version by ``schema_ids``,
+    else ``header_version``). Raises DecodeError (UnknownSchemaError for unknown schemas)."""
+    reader = registry.current if reader_version is None else registry.get(reader_version)
+    if bytes(data[:1]) == b"\x00":
+        sid, body = split_confluent(data)
+        version: int | None = None
+        if schema_ids is not None:
+            try:
+                version = schema_ids(sid) if callable(schema_ids) else schema_ids[sid]
+            except LookupError:
+                version = None
+        if version is None:
+            version = header_version
+        if version is None:
+            raise UnknownSchemaError(
+                f"Confluent message with schema id {sid}: no mapping to a schema version "
+                "(pass schema_ids or send the kvstream-schema-version header)"
+            )
+        return decode_columns_body(body, registry.get(version), reader)
+    fingerprint, body = split_single_object(data)
+    return decode_columns_body(body, registry.by_fingerprint(fingerprint), reader)
+
+
+class ColumnarContainerReader(ContainerReader):
+    """A :class:`~kvstream.codec.container.ContainerReader` that yields :class:`ColumnBatch`
+    objects instead of model batches: the same framing, torn-tail, ``skipped`` and position
+    attributes; only the records are turned into columns."""
+
+    def _decode_records(self, payload: bytes, count: int) -> list[ColumnBatch]:  # type: ignore[override]
+        writer = self.writer_schema
+        assert writer is not None
+        reader = None if writer is self._reader_schema else self._reader_schema.parsed
+        fo = io.BytesIO(payload)
+        read = fastavro.schemaless_reader
+        parsed = writer.parsed
+        out = []
+        for i in range(count):
+            try:
+                record = read(fo, parsed, reader)
+            except Exception as exc:  # fastavro raises many unrelated types on bad input
+                raise DecodeError(
+                    f"record {i} of the block is not a valid schema v{writer.version} record "
+                    f"({type(exc).__name__}: {exc or 'unexpected end of data'})"
+                ) from exc
+            if not isinstance(record, dict):  # pragma: no cover - a record schema
+                raise DecodeError(f"record {i} of the block is not a record")
+            cols, skipped = record_columns(record, writer.version)
+            self.skipped.extend(skipped)
+            out.append(cols)
+        if fo.tell() != len(payload):
+            raise DecodeError(f"{len(payload) - fo.tell()} bytes left over after {count} records")
+        return out
+
+    def __next__(self) -> ColumnBatch:  # type: ignore[override]
+        return super().__next__()  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[ColumnBatch]:  # type: ignore[override]
+        return cast("Iterator[ColumnBatch]", self)
