@@ -10,8 +10,16 @@
   version are in the header.
 * :func:`read_dir` reads a directory back in file-name order and, by default, recovers every
   complete block of a file torn by a crash mid-write (the torn tail is skipped).
-* A failed write truncates the file back to its last complete block and the next export
-  starts a new file, so a torn block never hides later data.
+* Avro files use the ``snappy`` codec by default: every block carries a CRC32 of its data,
+  so a damaged byte is reported as damage by every reader, never decoded as another batch.
+* A file appears under its final name only once it holds its header and first block (they
+  are written to a hidden ``.<name>.part`` file that is then renamed), so neither a full
+  disk nor kill -9 leaves an empty or header-only file; :meth:`FileSink.start` removes the
+  ``.part`` files of writers that died.
+* Later blocks are appended with unbuffered ``write`` calls. A failed write (full disk, file
+  size limit) truncates the file back to its last complete block (nothing buffered is
+  flushed first) and the next export starts a new file, so a torn block never hides later
+  data.
 
 Disk I/O and encoding run in a worker thread, so a slow disk does not stall the event loop
 (and with it other sinks).
@@ -29,10 +37,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Final, Literal
+from typing import Final, Literal
 
 from kvstream.clock import SYSTEM_CLOCK, Clock
-from kvstream.codec import ContainerWriter, read_container
+from kvstream.codec import read_container
+from kvstream.codec.container import CODECS, DEFAULT_CODEC, ContainerEncoder
 from kvstream.errors import (
     CodecError,
     ConfigError,
@@ -71,47 +80,68 @@ class FileStats:
     fsyncs: int = 0
 
 
-class _OpenFile:
-    """One output file: raw handle, the container writer (avro), size and age."""
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at the file's end (a short write is continued; an error
+    raises OSError with whatever part was written left in the file)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # pragma: no cover - POSIX reports the error instead
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
 
-    def __init__(self, path: Path, fmt: FileFormat, codec: str, schema_version: int | None):
+
+class _OpenFile:
+    """One output file: its descriptor (unbuffered, append only), encoder (avro), size, age."""
+
+    def __init__(self, path: Path, fd: int, size: int, enc: ContainerEncoder | None) -> None:
         self.path = path
-        self.fo: IO[bytes] = open(path, "xb")  # noqa: SIM115 - closed by close()
+        self.fd = fd
+        self.size = size
+        self.enc = enc
         self.opened = time.monotonic()
-        self.writer: ContainerWriter | None = None
+
+    @classmethod
+    def create(
+        cls, path: Path, first: bytes, enc: ContainerEncoder | None, fsync: bool
+    ) -> _OpenFile:
+        """Write ``first`` (header and first block) to ``.<name>.part``, then rename it to
+        ``path``: the name only ever shows a complete file. On error nothing is left."""
+        part = _part_path(path)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            if fmt == "avro":
-                self.writer = ContainerWriter(
-                    self.fo,
-                    schema_version=schema_version,
-                    codec=codec,
-                    sync_interval=1 << 62,  # blocks are cut by export, not by size
-                    append=False,
-                )
-            self.fo.flush()
+            _write_all(fd, first)
+            if fsync:
+                os.fsync(fd)
+            os.rename(part, path)
         except BaseException:
-            self.fo.close()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(part)
             raise
-        self.size = self.fo.tell()
+        return cls(path, fd, len(first), enc)
 
     def close(self, fsync: bool) -> None:
         try:
-            if self.writer is not None:
-                self.writer.flush(fsync=False)
-            self.fo.flush()
             if fsync:
-                os.fsync(self.fo.fileno())
+                os.fsync(self.fd)
         finally:
-            self.fo.close()
+            os.close(self.fd)
+
+
+def _part_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.part")
 
 
 class FileSink(Sink):
     """Writes batches to rotating files in ``directory`` (created if missing).
 
     ``format``: ``avro`` (container files, default) or ``jsonl`` (one JSON batch per line,
-    for humans). ``codec``: the container compression (``null``, ``deflate``, ``bzip2``,
-    ``xz``). ``rotate_bytes``/``rotate_s``: start a new file once the current one is that big
-    or that old (None: never). ``fsync_every_export``: fsync after each export, not only on
+    for humans; no checksums). ``codec``: the container compression: ``snappy`` (default,
+    CRC32 per block), ``null`` and ``deflate`` (no checksum), ``bzip2``, ``xz``.
+    ``rotate_bytes``/``rotate_s``: start a new file once the current one is that big or that
+    old (None: never). ``fsync_every_export``: fsync after each export, not only on
     flush/close (slower, durable per export).
     """
 
@@ -122,7 +152,7 @@ class FileSink(Sink):
         directory: str | os.PathLike[str],
         *,
         format: FileFormat = "avro",
-        codec: str = "null",
+        codec: str | None = None,
         schema_version: int | None = None,
         rotate_bytes: int | None = 256 * 1024 * 1024,
         rotate_s: float | None = 3600.0,
@@ -134,8 +164,10 @@ class FileSink(Sink):
         super().__init__(name=name)
         if format not in _SUFFIX:
             raise ConfigError(f"file sink format must be avro or jsonl, got {format!r}")
-        if format == "jsonl" and codec != "null":
+        if format == "jsonl" and codec not in (None, "null"):
             raise ConfigError("a codec applies to avro files only")
+        if format == "avro" and codec is not None and codec not in CODECS:
+            raise ConfigError(f"unsupported container codec {codec!r}; supported: {CODECS}")
         if rotate_bytes is not None and rotate_bytes < 1:
             raise ConfigError(f"rotate_bytes must be >= 1, got {rotate_bytes}")
         if rotate_s is not None and rotate_s <= 0:
@@ -144,7 +176,7 @@ class FileSink(Sink):
             raise ConfigError(f"bad file prefix {prefix!r}")
         self.directory = Path(directory)
         self.format: FileFormat = format
-        self.codec = codec
+        self.codec = (DEFAULT_CODEC if format == "avro" else "null") if codec is None else codec
         self.schema_version = schema_version
         self.rotate_bytes = rotate_bytes
         self.rotate_s = rotate_s
@@ -161,7 +193,7 @@ class FileSink(Sink):
 
     @classmethod
     def from_url(cls, url: SinkURL) -> FileSink:
-        """``file:///abs/dir?format=avro|jsonl&rotate_bytes=64MiB&rotate_s=600&codec=deflate``.
+        """``file:///abs/dir?format=avro|jsonl&rotate_bytes=64MiB&rotate_s=600&codec=snappy``.
 
         Also ``prefix``, ``schema_version``, ``fsync`` (``export`` to fsync every export),
         ``name``. ``rotate_bytes=0``/``rotate_s=0`` disable that rotation.
@@ -193,7 +225,7 @@ class FileSink(Sink):
         return cls(
             url.path,
             format=fmt,  # type: ignore[arg-type]
-            codec=url.get("codec", "null") or "null",
+            codec=url.get("codec") or None,
             schema_version=url.get_int("schema_version"),
             rotate_bytes=rotate_bytes or None,
             rotate_s=rotate_s or None,
@@ -205,11 +237,28 @@ class FileSink(Sink):
     # ------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Create the directory."""
+        """Create the directory and remove the ``.part`` files of writers that died."""
         try:
             await asyncio.to_thread(self.directory.mkdir, parents=True, exist_ok=True)
         except OSError as exc:
             raise _classify_os_error(exc, f"cannot create {self.directory}") from exc
+        await asyncio.to_thread(self._remove_stale_parts)
+
+    def _remove_stale_parts(self) -> None:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if not (name.startswith(f".{self.prefix}-") and name.endswith(".part")):
+                continue
+            try:  # .{prefix}-{stamp}Z-{pid}-{seq}{suffix}.part
+                pid = int(name.rsplit("-", 2)[1])
+            except (IndexError, ValueError):
+                continue
+            if not _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.directory / name)
 
     async def export(self, batches: Sequence[EventBatch]) -> ExportResult:
         """Append ``batches`` as one block (one line each for JSON Lines) and flush it."""
@@ -263,63 +312,74 @@ class FileSink(Sink):
         name = f"{self.prefix}-{stamp}Z-{os.getpid()}-{self._seq:06d}{_SUFFIX[self.format]}"
         return self.directory / name
 
-    def _current(self) -> _OpenFile:
+    def _rotate(self) -> None:
+        """Close the current file when it is big or old enough (the next export opens one)."""
         f = self._file
-        if f is not None:
-            too_big = self.rotate_bytes is not None and f.size >= self.rotate_bytes
-            too_old = self.rotate_s is not None and time.monotonic() - f.opened >= self.rotate_s
-            if not (too_big or too_old):
-                return f
+        if f is None:
+            return
+        too_big = self.rotate_bytes is not None and f.size >= self.rotate_bytes
+        too_old = self.rotate_s is not None and time.monotonic() - f.opened >= self.rotate_s
+        if too_big or too_old:
             self._file = None
             f.close(fsync=True)
+
+    def _encode(self, batches: Sequence[EventBatch], enc: ContainerEncoder | None) -> bytes:
+        if enc is None:
+            return b"".join(b.model_dump_json().encode() + b"\n" for b in batches)
+        return enc.block(batches)
+
+    def _write(self, batches: Sequence[EventBatch]) -> None:
+        with self._lock:
+            self._rotate()
+            f = self._file
+            if f is None:
+                self._create(batches)
+            else:
+                data = self._encode(batches, f.enc)
+                good = f.size
+                try:
+                    _write_all(f.fd, data)
+                    if self.fsync_every_export:
+                        os.fsync(f.fd)
+                except BaseException:
+                    self._abandon(f, good)
+                    raise
+                f.size += len(data)
+                self.stats.bytes += len(data)
+            if self.fsync_every_export:
+                self._fsync_dir()
+            self.stats.batches += len(batches)
+            self.stats.events += sum(len(b.events) for b in batches)
+
+    def _create(self, batches: Sequence[EventBatch]) -> None:
+        enc = None
+        if self.format == "avro":
+            enc = ContainerEncoder.new(schema_version=self.schema_version, codec=self.codec)
+        first = self._encode(batches, enc)
+        if enc is not None:
+            first = enc.header + first
         self.directory.mkdir(parents=True, exist_ok=True)
-        f = _OpenFile(self._new_path(), self.format, self.codec, self.schema_version)
+        f = _OpenFile.create(self._new_path(), first, enc, self.fsync_every_export)
         self._file = f
         self._dir_dirty = True
         self.paths.append(f.path)
         self.stats.files += 1
         self.stats.bytes += f.size
-        return f
-
-    def _write(self, batches: Sequence[EventBatch]) -> None:
-        with self._lock:
-            f = self._current()
-            good = f.size
-            try:
-                if f.writer is not None:
-                    for b in batches:
-                        f.writer.write(b)
-                    f.writer.flush(fsync=self.fsync_every_export)
-                else:
-                    data = b"".join(b.model_dump_json().encode() + b"\n" for b in batches)
-                    f.fo.write(data)
-                    f.fo.flush()
-                    if self.fsync_every_export:
-                        os.fsync(f.fo.fileno())
-                f.size = f.fo.tell()
-            except BaseException:
-                self._abandon(f, good)
-                raise
-            if self.fsync_every_export:
-                self._fsync_dir()
-            self.stats.batches += len(batches)
-            self.stats.events += sum(len(b.events) for b in batches)
-            self.stats.bytes += f.size - good
 
     def _abandon(self, f: _OpenFile, good: int) -> None:
-        # cut the file back to its last complete block and start a new one next time
+        # Cut the file back to its last complete block (a descriptor-level truncate: there
+        # is no buffer to flush first) and start a new file next time.
         self._file = None
-        with contextlib.suppress(OSError, ValueError):
-            f.fo.truncate(good)
         with contextlib.suppress(OSError):
-            f.fo.close()
+            os.ftruncate(f.fd, good)
+        with contextlib.suppress(OSError):
+            os.close(f.fd)
 
     def _fsync(self) -> None:
         with self._lock:
             f = self._file
             if f is not None:
-                f.fo.flush()
-                os.fsync(f.fo.fileno())
+                os.fsync(f.fd)
             self._fsync_dir()
             self.stats.fsyncs += 1
 
@@ -340,6 +400,16 @@ class FileSink(Sink):
                 f.close(fsync=True)
                 self.stats.fsyncs += 1
             self._fsync_dir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _classify_os_error(exc: OSError, what: str) -> RetriableSinkError | PermanentSinkError:

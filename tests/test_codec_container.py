@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import zlib
 from pathlib import Path
 
 import fastavro
@@ -18,7 +19,8 @@ from kvstream.codec import (
     schema_registry,
     write_container,
 )
-from kvstream.codec.container import CODECS
+from kvstream.codec.binary import encode_long
+from kvstream.codec.container import CODECS, DEFAULT_CODEC
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
 from kvstream.codec.schemas import schema_dir
@@ -227,6 +229,84 @@ def test_unsupported_codec() -> None:
 def test_container_and_codec_bodies_agree(tmp_path: Path) -> None:
     """Container records are the same schemaless bodies AvroCodec writes."""
     path = tmp_path / "same.avro"
-    write_container(path, SAMPLES[:1])
+    write_container(path, SAMPLES[:1], codec="null")
     body = AvroCodec().encode_body(SAMPLES[0])
     assert body in path.read_bytes()
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _one_block(codec: str = "snappy") -> tuple[bytes, int]:
+    """A container with one block of SAMPLES; returns (bytes, offset of the block)."""
+    buf = io.BytesIO()
+    write_container(buf, SAMPLES, codec=codec, sync_interval=1 << 30)
+    data = buf.getvalue()
+    with read_container(io.BytesIO(data)) as reader:
+        return data, reader.valid_end
+
+
+def test_new_files_are_snappy_with_a_crc32_per_block() -> None:
+    data, _ = _one_block(codec=DEFAULT_CODEC)
+    assert DEFAULT_CODEC == "snappy"
+    with read_container(io.BytesIO(data)) as reader:
+        assert reader.codec == "snappy"
+    crc = data[-16 - 4 : -16]  # the Avro snappy block: data, CRC32 (big endian), sync
+    payload = b"".join(AvroCodec().encode_body(b) for b in SAMPLES)
+    assert crc == zlib.crc32(payload).to_bytes(4, "big")
+    bad = bytearray(data)
+    bad[-17] ^= 0x01
+    with pytest.raises(DecodeError, match="CRC32"):
+        list(read_container(io.BytesIO(bytes(bad))))
+    reader = read_container(io.BytesIO(bytes(bad)), tolerate_torn_tail=True)
+    assert list(reader) == []
+    assert "CRC32" in (reader.torn_reason or "")
+
+
+def test_a_snappy_block_that_claims_too_much_is_refused() -> None:
+    data, start = _one_block()
+    payload = sum(len(AvroCodec().encode_body(b)) for b in SAMPLES)
+    assert len(data) - start < payload  # the block is compressed
+    with pytest.raises(DecodeError, match="inflates to more than"):
+        list(read_container(io.BytesIO(data), max_block_bytes=payload - 1))
+    frame = encode_long(1) + encode_long(9) + b"\xff\xff\xff\xff\x0f" + b"\0" * 4
+    sync = data[start - 16 : start]
+    with pytest.raises(DecodeError, match="inflates to more than"):
+        list(read_container(io.BytesIO(data[:start] + frame + sync)))
+    frame = encode_long(1) + encode_long(3) + b"\x01\x02\x03"
+    with pytest.raises(DecodeError, match="no CRC32"):
+        list(read_container(io.BytesIO(data[:start] + frame + sync)))
+
+
+def test_a_damaged_header_is_damage_not_another_schema() -> None:
+    """The header has no checksum of its own, so a header whose schema no longer matches the
+    registered version it names, or that lost its codec key, is refused."""
+    data, _ = _one_block()
+    renamed = data.replace(b'"name":"instance_id"', b'"name":"instance_ie"', 1)
+    assert renamed != data
+    with pytest.raises(DecodeError, match="header is damaged"):
+        read_container(io.BytesIO(renamed))
+    nocodec = data.replace(b"avro.codec", b"avro.codeb", 1)
+    with pytest.raises(DecodeError, match=r"no avro\.codec"):
+        read_container(io.BytesIO(nocodec))
+
+
+def test_apache_avro_reads_and_checks_snappy_files(tmp_path: Path) -> None:
+    import avro.datafile
+    import avro.errors
+    import avro.io
+
+    data, _ = _one_block()
+    path = tmp_path / "snappy.avro"
+    path.write_bytes(data)
+    with path.open("rb") as fo, avro.datafile.DataFileReader(fo, avro.io.DatumReader()) as r:
+        assert len(list(r)) == len(SAMPLES)
+    bad = bytearray(data)
+    bad[-17] ^= 0x01
+    path.write_bytes(bytes(bad))
+    with (
+        path.open("rb") as fo,
+        avro.datafile.DataFileReader(fo, avro.io.DatumReader()) as r,
+        pytest.raises(avro.errors.AvroException, match=r"[Cc]hecksum"),
+    ):
+        list(r)

@@ -7,10 +7,10 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import fastavro
 import pytest
+from kvstream.sinks import file as file_sink
 from kvstream.sinks.file import FileSink, ReadReport, list_files, read_dir, read_file
 from pipeline_helpers import batches_for, check_contiguous, source, stream_ids
 
@@ -110,23 +110,26 @@ async def test_a_torn_header_yields_nothing_and_does_not_raise(tmp_path: Path) -
 
 
 async def test_failed_write_is_cut_back_and_the_next_export_starts_a_new_file(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(test_file_faults does this with a real file-size limit and a full tmpfs.)"""
     sink = FileSink(tmp_path)
     batches = batches_for(source(), 40, 4, stored=True)
-    await write_blocks(sink, [batches[:3]])
-    fo: Any = sink._file.fo  # type: ignore[union-attr]
-    real_write = fo.write
+    (size,) = await write_blocks(sink, [batches[:3]])
+    real_write_all = file_sink._write_all
 
-    def half_write(data: bytes) -> int:
-        real_write(data[: len(data) // 2])
-        fo.flush()
+    def half_write(fd: int, data: bytes) -> None:
+        real_write_all(fd, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    fo.write = half_write
+    monkeypatch.setattr(file_sink, "_write_all", half_write)
     result = await sink.export(batches[3:6])
     assert result.status is ExportStatus.RETRIABLE
     assert "No space" in result.reason
+    assert sink.paths[0].stat().st_size == size  # cut back to its last complete block
+    assert not (await sink.export(batches[3:])).ok  # a new file cannot be created either
+    assert list(tmp_path.iterdir()) == sink.paths  # and leaves nothing behind
+    monkeypatch.setattr(file_sink, "_write_all", real_write_all)
     assert (await sink.export(batches[3:])).ok  # the pipeline's retry
     await sink.shutdown()
     assert len(list_files(tmp_path)) == 2

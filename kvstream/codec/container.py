@@ -4,6 +4,12 @@ Layout (Avro specification): ``Obj\\x01``, a metadata map (``avro.schema``, ``av
 plus ``kvstream.schema_version``), a 16-byte sync marker, then blocks of
 ``count, size, data[size], sync``. Each block is written with a single ``write`` call.
 
+Checksums: new files use the ``snappy`` codec by default, whose blocks carry a CRC32 of their
+uncompressed data (Avro specification); the reader verifies it, so a flipped byte is a
+DecodeError (damage), never a different batch. ``null``, ``deflate`` carry no checksum;
+``bzip2`` and ``xz`` carry their own. A header altered so that its schema no longer matches
+the registered version it names is damage too.
+
 :class:`ContainerWriter` appends to an existing file (reusing its schema, codec and sync
 marker). :func:`read_container` returns a :class:`ContainerReader`; with
 ``tolerate_torn_tail=True`` it yields every batch of every complete block and stops cleanly at
@@ -19,6 +25,7 @@ import io
 import json
 import lzma
 import os
+import struct
 import zlib
 from collections.abc import Iterable, Iterator
 from types import TracebackType
@@ -41,6 +48,8 @@ from kvstream.events.model import EventBatch
 
 __all__ = [
     "CODECS",
+    "DEFAULT_CODEC",
+    "ContainerEncoder",
     "ContainerReader",
     "ContainerWriter",
     "read_container",
@@ -50,7 +59,9 @@ __all__ = [
 MAGIC: Final = b"Obj\x01"
 SYNC_SIZE: Final = 16
 #: Compression codecs this module writes and reads (the Avro names).
-CODECS: Final = ("null", "deflate", "bzip2", "xz")
+CODECS: Final = ("null", "deflate", "snappy", "bzip2", "xz")
+#: The codec of new files: snappy is fast and checksums every block (CRC32).
+DEFAULT_CODEC: Final = "snappy"
 #: Default uncompressed bytes per block before the writer starts a new block.
 DEFAULT_SYNC_INTERVAL: Final = 64 * 1024
 #: Largest block (compressed or not) the reader accepts; guards memory against corrupt sizes.
@@ -70,6 +81,9 @@ class _Truncated(DecodeError):
     """The data ended early (a torn tail when it happens after the header)."""
 
 
+_CRC: Final = struct.Struct(">I")
+
+
 # ------------------------------------------------------------------------------- compression
 
 
@@ -81,6 +95,10 @@ def _compress(codec: str, data: bytes, level: int | None) -> bytes:
             zlib.Z_DEFAULT_COMPRESSION if level is None else level, zlib.DEFLATED, -15
         )
         return c.compress(data) + c.flush()
+    if codec == "snappy":
+        from cramjam import snappy  # imported on first use: keeps `import kvstream.codec` lean
+
+        return bytes(snappy.compress_raw(data)) + _CRC.pack(zlib.crc32(data))
     if codec == "bzip2":
         return bz2.compress(data, 9 if level is None else level)
     if codec == "xz":
@@ -88,9 +106,38 @@ def _compress(codec: str, data: bytes, level: int | None) -> bytes:
     raise EncodeError(f"unsupported container codec {codec!r}; supported: {CODECS}")
 
 
+def _snappy_length(data: bytes) -> int:
+    """The uncompressed length a raw snappy block declares (its leading varint)."""
+    n = 0
+    for shift, byte in zip(range(0, 35, 7), data, strict=False):
+        n |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return n
+    raise DecodeError("snappy block has no valid length")
+
+
+def _unsnappy(data: bytes, limit: int) -> bytes:
+    if len(data) < 4:
+        raise DecodeError(f"snappy block of {len(data)} bytes has no CRC32")
+    body, (crc,) = data[:-4], _CRC.unpack(data[-4:])
+    if _snappy_length(body) > limit:
+        raise DecodeError(f"block inflates to more than {limit} bytes")
+    from cramjam import DecompressionError, snappy
+
+    try:
+        out = bytes(snappy.decompress_raw(body))
+    except DecompressionError as exc:
+        raise DecodeError(f"cannot decompress snappy block: {exc}") from exc
+    if zlib.crc32(out) != crc:
+        raise DecodeError("snappy block fails its CRC32 check: the file is damaged")
+    return out
+
+
 def _decompress(codec: str, data: bytes, limit: int) -> bytes:
     if codec == "null":
         return data
+    if codec == "snappy":
+        return _unsnappy(data, limit)
     try:
         if codec == "deflate":
             d = zlib.decompressobj(-15)
@@ -170,6 +217,16 @@ def _read_header(inp: _Input) -> tuple[dict[str, bytes], bytes]:
     return meta, sync
 
 
+def _codec_of(meta: dict[str, bytes]) -> str:
+    """The container's codec (Avro: absent means null)."""
+    raw = meta.get("avro.codec")
+    if raw is None:
+        if VERSION_PROPERTY in meta:  # kvstream always names it: the key itself was damaged
+            raise DecodeError("container header has no avro.codec: the header is damaged")
+        return "null"
+    return raw.decode("utf-8", "replace")
+
+
 def _writer_schema(meta: dict[str, bytes], registry: SchemaRegistry) -> SchemaInfo:
     """The writer schema of a container: a registered version, or a resolvable unknown one."""
     raw = meta.get("avro.schema")
@@ -191,8 +248,13 @@ def _writer_schema(meta: dict[str, bytes], registry: SchemaRegistry) -> SchemaIn
     try:
         return registry.by_fingerprint(probe.fingerprint)
     except UnknownSchemaError:
-        if isinstance(declared, int) and declared > 0:
+        if isinstance(declared, int) and declared > max(registry.versions()):
             return probe  # a version this reader does not ship; fastavro resolves it
+        if isinstance(declared, int) and declared in registry.versions():
+            raise DecodeError(
+                f"container header names schema v{declared} but its schema differs from it: "
+                "the header is damaged"
+            ) from None
         raise
 
 
@@ -238,7 +300,7 @@ class ContainerReader(Iterator[EventBatch]):
         self.valid_end = start
         try:
             self.metadata, self._sync = _read_header(self._in)
-            self.codec = self.metadata.get("avro.codec", b"null").decode("utf-8", "replace")
+            self.codec = _codec_of(self.metadata)
             if self.codec not in CODECS:
                 raise DecodeError(
                     f"unsupported container codec {self.codec!r}; supported: {CODECS}"
@@ -403,15 +465,97 @@ def _scan_frames(inp: _Input, sync: bytes) -> tuple[int, str | None]:
         good = inp.pos
 
 
+class ContainerEncoder:
+    """The bytes of one container file, for writers that do their own I/O: :attr:`header`
+    once, then one :meth:`block` per block (each ready for a single ``write``).
+
+    :meth:`new` starts a file (schema version, codec, a random sync marker). Raises
+    EncodeError for an unknown codec or a batch the schema version cannot hold.
+    """
+
+    def __init__(
+        self,
+        schema: SchemaInfo,
+        codec: str,
+        sync: bytes,
+        *,
+        lossy: bool = False,
+        compression_level: int | None = None,
+    ) -> None:
+        if codec not in CODECS:
+            raise EncodeError(f"unsupported container codec {codec!r}; supported: {CODECS}")
+        if len(sync) != SYNC_SIZE:
+            raise EncodeError(f"a sync marker is {SYNC_SIZE} bytes, got {len(sync)}")
+        self.schema = schema
+        self.codec = codec
+        self.sync = sync
+        self.lossy = lossy
+        self.level = compression_level
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        schema_version: int | None = None,
+        codec: str | None = None,
+        lossy: bool = False,
+        compression_level: int | None = None,
+        registry: SchemaRegistry | None = None,
+    ) -> ContainerEncoder:
+        """An encoder for a new file (defaults: the current version, :data:`DEFAULT_CODEC`)."""
+        reg = registry if registry is not None else schema_registry()
+        schema = reg.get(CURRENT_VERSION if schema_version is None else schema_version)
+        return cls(
+            schema,
+            DEFAULT_CODEC if codec is None else codec,
+            os.urandom(SYNC_SIZE),
+            lossy=lossy,
+            compression_level=compression_level,
+        )
+
+    @property
+    def header(self) -> bytes:
+        """Magic, metadata (schema, codec, ``kvstream.schema_version``) and sync marker."""
+        meta = {
+            "avro.schema": self.schema.schema_text.encode(),
+            "avro.codec": self.codec.encode(),
+            VERSION_PROPERTY: str(self.schema.version).encode(),
+        }
+        parts = [MAGIC, encode_long(len(meta))]
+        for key, value in meta.items():
+            parts.append(encode_string(key))
+            parts.append(encode_bytes(value))
+        parts.append(encode_long(0))
+        parts.append(self.sync)
+        return b"".join(parts)
+
+    def body(self, batch: EventBatch) -> bytes:
+        """One batch's record (schemaless Avro binary)."""
+        return encode_batch_body(batch, self.schema.version, lossy=self.lossy)
+
+    def frame(self, bodies: list[bytes]) -> bytes:
+        """A block holding ``bodies`` (records from :meth:`body`); empty for none."""
+        if not bodies:
+            return b""
+        data = _compress(self.codec, b"".join(bodies), self.level)
+        return encode_long(len(bodies)) + encode_long(len(data)) + data + self.sync
+
+    def block(self, batches: Iterable[EventBatch]) -> bytes:
+        """A block holding ``batches``, one record each."""
+        return self.frame([self.body(b) for b in batches])
+
+
 class ContainerWriter:
     """Writes batches to an Avro container file, one record per batch, appending if it exists.
 
     ``target`` is a path (opened for appending; a new or empty file gets a header) or a
     binary file object (appended to when it is readable, seekable and not empty, else a
-    header is written at its position). When appending, the file's schema version and codec
-    are used; passing a different ``schema_version``/``codec`` raises EncodeError. A file
-    ending in a torn block raises DecodeError unless ``truncate_torn_tail=True``, which cuts
-    it back to the last complete block first.
+    header is written at its position). A new file is written with ``schema_version``
+    (default: the current one) and ``codec`` (default :data:`DEFAULT_CODEC`, checksummed).
+    When appending, the file's schema version and codec are used; passing a different
+    ``schema_version``/``codec`` raises EncodeError. A file ending in a torn block raises
+    DecodeError unless ``truncate_torn_tail=True``, which cuts it back
+    to the last complete block first.
 
     Batches are buffered and written as one block when ``sync_interval`` bytes are pending,
     on :meth:`flush`, and on :meth:`close`. A crash loses at most the unflushed batches.
@@ -462,25 +606,14 @@ class ContainerWriter:
             return 0
 
     def _start_new(self, schema_version: int | None, codec: str | None) -> None:
-        self._schema = self._registry.get(
-            CURRENT_VERSION if schema_version is None else schema_version
+        self._enc = ContainerEncoder.new(
+            schema_version=schema_version,
+            codec=codec,
+            lossy=self._lossy,
+            compression_level=self._level,
+            registry=self._registry,
         )
-        self._codec = "null" if codec is None else codec
-        if self._codec not in CODECS:
-            raise EncodeError(f"unsupported container codec {self._codec!r}; supported: {CODECS}")
-        self._sync = os.urandom(SYNC_SIZE)
-        meta = {
-            "avro.schema": self._schema.schema_text.encode(),
-            "avro.codec": self._codec.encode(),
-            VERSION_PROPERTY: str(self._schema.version).encode(),
-        }
-        header = [MAGIC, encode_long(len(meta))]
-        for key, value in meta.items():
-            header.append(encode_string(key))
-            header.append(encode_bytes(value))
-        header.append(encode_long(0))
-        header.append(self._sync)
-        self._fo.write(b"".join(header))
+        self._fo.write(self._enc.header)
         self._fo.flush()
 
     def _open_existing(
@@ -490,20 +623,21 @@ class ContainerWriter:
         fo.seek(0)
         inp = _Input(fo, 0)
         try:
-            meta, self._sync = _read_header(inp)
+            meta, sync = _read_header(inp)
         except _Truncated as exc:
             raise DecodeError(f"cannot append: the existing header is truncated: {exc}") from exc
-        self._schema = _writer_schema(meta, self._registry)
-        self._codec = meta.get("avro.codec", b"null").decode("utf-8", "replace")
-        if schema_version is not None and schema_version != self._schema.version:
+        schema = _writer_schema(meta, self._registry)
+        file_codec = _codec_of(meta)
+        if schema_version is not None and schema_version != schema.version:
             raise EncodeError(
-                f"cannot append schema v{schema_version} batches to a v{self._schema.version} file"
+                f"cannot append schema v{schema_version} batches to a v{schema.version} file"
             )
-        if codec is not None and codec != self._codec:
-            raise EncodeError(f"cannot append with codec {codec!r} to a {self._codec!r} file")
-        if self._codec not in CODECS:
-            raise EncodeError(f"unsupported container codec {self._codec!r}; supported: {CODECS}")
-        good_end, problem = _scan_frames(inp, self._sync)
+        if codec is not None and codec != file_codec:
+            raise EncodeError(f"cannot append with codec {codec!r} to a {file_codec!r} file")
+        self._enc = ContainerEncoder(
+            schema, file_codec, sync, lossy=self._lossy, compression_level=self._level
+        )
+        good_end, problem = _scan_frames(inp, sync)
         if problem is not None:
             if not truncate_torn_tail:
                 raise DecodeError(f"cannot append: the file ends in a torn block ({problem})")
@@ -513,18 +647,18 @@ class ContainerWriter:
     @property
     def schema_version(self) -> int:
         """The schema version of the file."""
-        return self._schema.version
+        return self._enc.schema.version
 
     @property
     def codec(self) -> str:
         """The file's compression codec."""
-        return self._codec
+        return self._enc.codec
 
     def write(self, batch: EventBatch) -> None:
         """Buffer one batch; writes a block once ``sync_interval`` bytes are pending."""
         if self._closed:
             raise EncodeError("container writer is closed")
-        body = encode_batch_body(batch, self._schema.version, lossy=self._lossy)
+        body = self._enc.body(batch)
         self._pending.append(body)
         self._pending_bytes += len(body)
         if self._pending_bytes >= self._sync_interval:
@@ -541,8 +675,7 @@ class ContainerWriter:
     def _write_block(self) -> None:
         if not self._pending:
             return
-        data = _compress(self._codec, b"".join(self._pending), self._level)
-        frame = encode_long(len(self._pending)) + encode_long(len(data)) + data + self._sync
+        frame = self._enc.frame(self._pending)
         self._pending = []
         self._pending_bytes = 0
         self._fo.write(frame)
@@ -579,7 +712,7 @@ def write_container(
     batches: Iterable[EventBatch],
     *,
     schema_version: int = CURRENT_VERSION,
-    codec: str = "null",
+    codec: str = DEFAULT_CODEC,
     lossy: bool = False,
     sync_interval: int = DEFAULT_SYNC_INTERVAL,
 ) -> int:
