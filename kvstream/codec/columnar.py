@@ -35,7 +35,7 @@ from kvstream.codec.decoder import read_record
 from kvstream.codec.framing import split_confluent, split_single_object
 from kvstream.codec.records import SkippedEvent, record_to_batch
 from kvstream.codec.schemas import SchemaInfo, SchemaRegistry
-from kvstream.codec.tokens import tokens_from_record
+from kvstream.codec.tokens import STORED_KINDS, stored_kind, tokens_from_record
 from kvstream.errors import DecodeError, UnknownSchemaError
 from kvstream.events.model import (
     DEFAULT_HASH_ALGO,
@@ -402,7 +402,9 @@ def record_columns(
 def _record_columns(
     record: Mapping[str, Any], schema_version: int
 ) -> tuple[ColumnBatch, tuple[SkippedEvent, ...]]:
-    raw = tokens_from_record(record["tokens"])
+    token_record = record["tokens"]
+    raw = tokens_from_record(token_record)
+    packed_kind = stored_kind(token_record)
     n_tokens = len(raw) >> 2
     source = record["source"]
     inst = source["instance_id"]
@@ -438,6 +440,12 @@ def _record_columns(
             skipped.append(SkippedEvent(eid, kind, "event kind unknown to this reader"))
             continue
         where = f"events[{i}]"
+        if kind in STORED_KINDS:
+            if kind != packed_kind:
+                raise DecodeError(
+                    f"{where}: kind {kind} in a batch whose token ids call for {packed_kind}"
+                )
+            kind = "STORED"
         code = kind_code.get(kind)
         if code is None:
             raise DecodeError(f"{where}: unknown event kind symbol {kind!r}")

@@ -1,5 +1,5 @@
 /*
- * kvstream.index._table_native: the hot loop of GroupTable.store_hashes in C.
+ * kvstream.index._table_native: the hot loops of GroupTable.store_hashes and .remove in C.
  *
  *   store_run(table, hashes, start, p, ok, inc) -> (stop, p, added)
  *
@@ -14,6 +14,18 @@
  * in ``hashes`` (len(hashes) when none), ``p`` the last node linked and ``added`` how many
  * nodes were created; the caller applies that block (a duplicate store or a ghost stored
  * again) in Python and calls again from stop + 1. The caller keeps the present/lower gauges.
+ *
+ *   remove_run(table, hashes, start) -> (stop, removed)
+ *
+ * The common removal, as GroupTable.remove does it: a block holding exactly one reference,
+ * on the GPU (refs == 1), with no children. Its count drops to 0, it leaves the masks
+ * (when rooted and attached), and it is deleted with the childless ghost ancestors it leaves
+ * (_delete_up: unlinked from its parent, ``ids`` entry dropped, slot freed). It stops at the
+ * first hash that is not such a block (unknown, several references, deeper tiers, children):
+ * ``stop`` is its index, ``removed`` how many blocks left; the caller applies that hash in
+ * Python (which counts what needs counting) and calls again from stop + 1. Only for plain
+ * engine-hash tables (a token table's keys differ from its hashes), with the removal's level
+ * None or 0. The caller keeps the present gauge.
  *
  * table.py is the reference and the fallback (KVSTREAM_NO_NATIVE=1 or no C compiler);
  * tests/test_index_fastpath.py checks both give identical tables.
@@ -228,7 +240,174 @@ error:
     return NULL;
 }
 
+/* _unlink(n) of table.py: take node n out of its parent's children. */
+static int
+unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
+{
+    if (p < 0)
+        return 0;
+    PyObject *pobj = PyLong_FromSsize_t(p);
+    if (pobj == NULL)
+        return -1;
+    PyObject *s = PyDict_GetItemWithError(t->more, pobj); /* borrowed */
+    int rc = 0;
+    if (s == NULL && PyErr_Occurred()) {
+        rc = -1;
+        goto done;
+    }
+    if (s != NULL && !PySet_CheckExact(s)) {
+        PyErr_SetString(PyExc_TypeError, "remove_run: a GroupTable.more entry is not a set");
+        rc = -1;
+        goto done;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(t->kid, p));
+    if (k == -1 && PyErr_Occurred()) {
+        rc = -1;
+        goto done;
+    }
+    if (k == n) {
+        if (s != NULL && PySet_GET_SIZE(s)) {
+            PyObject *c = PySet_Pop(s); /* new reference: becomes kid[p] */
+            if (c == NULL) {
+                rc = -1;
+                goto done;
+            }
+            PyList_SetItem(t->kid, p, c);
+            if (!PySet_GET_SIZE(s))
+                rc = PyDict_DelItem(t->more, pobj);
+        }
+        else {
+            Py_INCREF(nil);
+            PyList_SetItem(t->kid, p, nil);
+        }
+    }
+    else if (s != NULL) {
+        PyObject *nobj = PyLong_FromSsize_t(n);
+        if (nobj == NULL || PySet_Discard(s, nobj) < 0)
+            rc = -1;
+        Py_XDECREF(nobj);
+        if (rc == 0 && !PySet_GET_SIZE(s))
+            rc = PyDict_DelItem(t->more, pobj);
+    }
+done:
+    Py_DECREF(pobj);
+    return rc;
+}
+
+static PyObject *
+remove_run(PyObject *module, PyObject *args)
+{
+    PyObject *obj, *hashes;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "OO!n", &obj, &PyList_Type, &hashes, &start))
+        return NULL;
+    Table t;
+    if (table_get(obj, &t) < 0) {
+        table_release(&t);
+        return NULL;
+    }
+    Py_ssize_t end = PyList_GET_SIZE(hashes);
+    Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
+    Py_ssize_t i, removed = 0;
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    PyObject *unknown = PyLong_FromLong(-2);
+    PyObject *notbit = PyNumber_Invert(t.bit);
+    if (empty == NULL || unknown == NULL || notbit == NULL || start < 0 || start > end) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "remove_run: start out of range");
+        goto error;
+    }
+    for (i = start; i < end; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        PyObject *nobj = PyDict_GetItemWithError(t.ids, h); /* borrowed */
+        if (nobj == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            break; /* unknown: the caller counts it */
+        }
+        Py_ssize_t n = PyLong_AsSsize_t(nobj);
+        if (n == -1 && PyErr_Occurred())
+            goto error;
+        if (n < 0 || n >= nodes) {
+            PyErr_SetString(PyExc_ValueError, "remove_run: a node id is out of range");
+            goto error;
+        }
+        PyObject *r = PyList_GET_ITEM(t.refs, n);
+        if (!PyLong_CheckExact(r) || PyLong_AsLong(r) != 1)
+            break; /* not exactly one GPU reference */
+        if (PyLong_AsSsize_t(PyList_GET_ITEM(t.kid, n)) >= 0)
+            break; /* has children: unrooting a subtree, done in Python */
+        /* the block leaves: refs 0, unrooted, deleted with its childless ghost ancestors */
+        PyObject *zero = PyLong_FromLong(0);
+        if (zero == NULL)
+            goto error;
+        PyList_SetItem(t.refs, n, zero);
+        char *rooted = PyByteArray_AS_STRING(t.rooted);
+        if (rooted[n] && t.masks != Py_None) {
+            PyObject *m = PyDict_GetItemWithError(t.masks, h); /* borrowed */
+            if (m == NULL && PyErr_Occurred())
+                goto error;
+            PyObject *left = m == NULL ? PyLong_FromLong(0) : PyNumber_And(m, notbit);
+            if (left == NULL)
+                goto error;
+            int truth = PyObject_IsTrue(left);
+            int rc = truth ? PyDict_SetItem(t.masks, h, left)
+                           : (m == NULL ? 0 : PyDict_DelItem(t.masks, h));
+            Py_DECREF(left);
+            if (truth < 0 || rc < 0)
+                goto error;
+        }
+        rooted[n] = 0;
+        removed++;
+        for (;;) { /* _delete_up */
+            Py_ssize_t p = PyLong_AsSsize_t(PyList_GET_ITEM(t.parent, n));
+            if (p == -1 && PyErr_Occurred())
+                goto error;
+            if (unlink_node(&t, n, p) < 0)
+                goto error;
+            if (PyDict_DelItem(t.ids, PyList_GET_ITEM(t.hashes, n)) < 0)
+                goto error;
+            Py_INCREF(empty);
+            PyList_SetItem(t.hashes, n, empty);
+            Py_INCREF(unknown);
+            PyList_SetItem(t.parent, n, unknown);
+            PyByteArray_AS_STRING(t.rooted)[n] = 0;
+            PyObject *fobj = PyLong_FromSsize_t(n);
+            int rc = fobj == NULL ? -1 : PyList_Append(t.free, fobj);
+            Py_XDECREF(fobj);
+            if (rc < 0)
+                goto error;
+            if (p < 0)
+                break;
+            PyObject *rp = PyList_GET_ITEM(t.refs, p);
+            int live = PyObject_IsTrue(rp);
+            if (live < 0)
+                goto error;
+            Py_ssize_t kp = PyLong_AsSsize_t(PyList_GET_ITEM(t.kid, p));
+            if (kp == -1 && PyErr_Occurred())
+                goto error;
+            if (live || kp >= 0)
+                break;
+            n = p;
+        }
+    }
+    Py_DECREF(empty);
+    Py_DECREF(unknown);
+    Py_DECREF(notbit);
+    table_release(&t);
+    return Py_BuildValue("nn", i, removed);
+error:
+    Py_XDECREF(empty);
+    Py_XDECREF(unknown);
+    Py_XDECREF(notbit);
+    table_release(&t);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"remove_run", remove_run, METH_VARARGS,
+     "remove_run(table, hashes, start) -> (stop, removed): remove the blocks hashes[start:] "
+     "that hold exactly one GPU reference and no children (see the module source)."},
     {"store_run", store_run, METH_VARARGS,
      "store_run(table, hashes, start, p, ok, inc) -> (stop, p, added): link the blocks "
      "hashes[start:] the table does not hold (see the module source)."},

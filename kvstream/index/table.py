@@ -463,6 +463,32 @@ class GroupTable:
     def remove(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
         """Apply a ``removed`` event: one reference per hash leaves ``level`` (or the deepest
         level holding the block when ``level`` is None or does not hold it)."""
+        if (
+            _native is not None
+            and (level is None or level == 0)
+            and type(self) is GroupTable
+            and type(block_hashes) is list
+        ):
+            self._remove_native(block_hashes, level, st)
+            return
+        self._remove_py(block_hashes, level, st)
+
+    def _remove_native(self, hashes: list[bytes], level: int | None, st: SourceStats) -> None:
+        """:meth:`remove` with the C loop for leaf blocks holding one GPU reference; any
+        other hash goes through the Python loop, one at a time."""
+        assert _native is not None
+        run = _native.remove_run
+        end = len(hashes)
+        i = 0
+        while True:
+            i, removed = run(self, hashes, i)
+            self.present -= removed
+            if i >= end:
+                return
+            self._remove_py(hashes[i : i + 1], level, st)
+            i += 1
+
+    def _remove_py(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
         get = self.ids.get
         refs = self.refs
         for h in block_hashes:
