@@ -135,3 +135,37 @@ def test_token_id_trace_replays_with_its_own_tokens(tmp_path: Path) -> None:
     # the 4 system-prompt blocks are reused by every request after the first on each worker
     assert r.hit_blocks >= 4 * (12 - 2)
     assert r.hit_ratio <= r.ceiling_ratio <= 1.0
+
+
+def test_adaptive_router_beats_fixed_weights_on_a_trace_it_was_not_tuned_on(
+    tmp_path: Path,
+) -> None:
+    """Agent-like chats (kvstream's own generator, as token ids): long shared system prompts,
+    growing histories, a cache that must queue. No flag changes between the runs."""
+    from kvstream.workloads import ChatWorkload, multi_turn_chats
+
+    work = ChatWorkload(
+        num_conversations=80,
+        turns=(2, 8),
+        num_system_prompts=6,
+        system_prompt_tokens=(512, 2048),
+        user_tokens=(32, 512),
+        output_tokens=(32, 256),
+        duration_ms=80 * 150.0,
+        think_time_ms=(1000.0, 15000.0),
+        seed=7,
+    )
+    rows = [
+        {"timestamp": round(r.arrival_ms), "tokens": r.prompt.tolist(),
+         "output_length": len(r.output)}
+        for r in multi_turn_chats(work)
+    ]  # fmt: skip
+    trace = write(tmp_path / "chats.jsonl", rows)
+    adaptive = replay(trace=trace, workers=4, capacity_blocks=600)
+    assert adaptive.prediction_accuracy == 1.0
+    assert adaptive.requests == len(rows)
+    for weight in (1.0, 4.0):  # Dynamo's default, and the weight that suits conversation
+        fixed = replay(trace=trace, workers=4, capacity_blocks=600, overlap_weight=weight)
+        assert adaptive.hit_ratio > fixed.hit_ratio, weight
+        assert adaptive.ttft(0.5) < fixed.ttft(0.5), weight
+    assert adaptive.imbalance < 1.5  # 375 requests in sticky conversations: a noisy count
