@@ -376,6 +376,31 @@ def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None
     assert says in result.output
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [b"[1, 2]", b'{"ok": true, "num_tokens": 3, "matches": [[1]]}', b'{"ok": true}', b"{no"],
+)
+def test_remote_shard_rejects_a_malformed_reply(reply: bytes) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 20)
+            conn.sendall(struct.pack(">I", len(reply)) + reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        remote = RemoteShard("127.0.0.1", listener.getsockname()[1], timeout_s=5)
+        with pytest.raises(ShardUnavailableError):
+            remote.match(REQUESTS[0], workers=[("a", None)])
+        remote.close()
+    finally:
+        thread.join(5)
+        listener.close()
+
+
 # ---------------------------------------------------------------------- the real broker
 
 PARTS = 4
@@ -584,12 +609,20 @@ async def test_elastic_group_shards_hand_partitions_over(kafka: KafkaEnv, tmp_pa
 
         return c, stop, asyncio.ensure_future(go())
 
-    async def until(cond: Any, what: str, timeout_s: float = 60) -> None:
-        for _ in range(int(timeout_s / 0.1)):
+    async def until(cond: Any, what: str, members: list[IndexConsumer]) -> None:
+        for _ in range(600):
             if cond():
                 return
             await asyncio.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}")
+        state = [
+            (
+                {str(w): m.index.info(w).stale_reason for w in m.index.workers()},
+                m.source.checkpoint(),
+                m.source.stats.as_dict(),
+            )
+            for m in members
+        ]
+        raise AssertionError(f"timed out waiting for {what}: {state}")
 
     def split_is_whole(members: list[IndexConsumer], want: PrefixIndex) -> bool:
         states = [m.index.canonical_state() for m in members]
@@ -600,10 +633,10 @@ async def test_elastic_group_shards_hand_partitions_over(kafka: KafkaEnv, tmp_pa
     whole = build(batches, "engine")
     a, stop_a, run_a = member("a")
     try:
-        await until(lambda: split_is_whole([a], whole), "the first member to read everything")
+        await until(lambda: split_is_whole([a], whole), "the first member to read all", [a])
         b, stop_b, run_b = member("b")
         try:
-            await until(lambda: split_is_whole([a, b], whole), "the two members to split")
+            await until(lambda: split_is_whole([a, b], whole), "the two to split", [a, b])
             for m in (a, b):
                 owned = {tp.partition for tp in m.source._consumer.assignment()}  # type: ignore[attr-defined]
                 assert {worker_partition(w, PARTS) for w in m.index.workers()} <= owned
@@ -618,7 +651,7 @@ async def test_elastic_group_shards_hand_partitions_over(kafka: KafkaEnv, tmp_pa
         more = events(ps, range(4, 6), created=False)
         await publish(kafka, topic, more)
         whole = build(batches + more, "engine")
-        await until(lambda: split_is_whole([a], whole), "the survivor to hold every worker")
+        await until(lambda: split_is_whole([a], whole), "the survivor to hold all", [a])
     finally:
         stop_a.set()
         await asyncio.wait_for(run_a, 30)

@@ -339,6 +339,8 @@ class RemoteShard:
             if n > MAX_MESSAGE:
                 raise ShardUnavailableError(f"shard {self.host}:{self.port}: reply too large")
             reply = json.loads(self._read(sock, n))
+            if not isinstance(reply, dict):
+                raise ValueError(f"a reply is a JSON object, got {type(reply).__name__}")
         except (OSError, ValueError) as exc:
             self.close()
             raise ShardUnavailableError(f"shard {self.host}:{self.port}: {exc}") from exc
@@ -350,9 +352,15 @@ class RemoteShard:
                 raise ConfigError(msg)
             raise ShardUnavailableError(f"{msg} ({err})")
         if "workers" in reply:
-            self._workers = _workers_in(reply["workers"])
+            try:
+                self._workers = _workers_in(reply["workers"])
+            except (TypeError, ValueError) as exc:
+                self.close()
+                raise ShardUnavailableError(
+                    f"shard {self.host}:{self.port}: malformed reply ({exc!r})"
+                ) from exc
             self._seen = time.monotonic()
-        return reply  # type: ignore[no-any-return]
+        return reply
 
     def _read(self, sock: socket.socket, n: int) -> bytes:
         buf = bytearray()
@@ -397,9 +405,14 @@ class RemoteShard:
 
         def result() -> MatchResult:
             reply = self._recv(sock)
-            return MatchResult(
-                tuple(_match_in(m) for m in reply["matches"]), int(reply["num_tokens"])
-            )
+            try:
+                matches = tuple(_match_in(m) for m in reply["matches"])
+                return MatchResult(matches, int(reply["num_tokens"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                self.close()
+                raise ShardUnavailableError(
+                    f"shard {self.host}:{self.port}: malformed reply ({exc!r})"
+                ) from exc
 
         return result
 

@@ -284,12 +284,19 @@ class KafkaSource(EventSource):
             async def on_partitions_assigned(self, assigned: Any) -> None:
                 if source.elastic:
                     source._drop({tp.partition for tp in assigned})
+                fresh = []
                 for tp in assigned:
                     off = source._next.get(tp.partition)
                     if off is not None:
                         consumer.seek(tp, off)
-                    elif source.elastic:  # no state for it here: build it from the start
-                        await consumer.seek_to_beginning(tp)
+                    elif source.elastic:
+                        fresh.append(tp)
+                if fresh:  # no state for them here: build it from the start
+                    # seek() to the listed start, not seek_to_beginning(): that one only asks
+                    # for a reset, which the previous owner's committed offset can overtake
+                    starts = await consumer.beginning_offsets(fresh)
+                    for tp in fresh:
+                        consumer.seek(tp, starts[tp])
 
         return _Seek()
 
