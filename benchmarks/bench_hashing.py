@@ -29,9 +29,9 @@ Runs alternate between the four measurements so that machine noise hits them ali
         [--algos A,B] [--workers 64] [--queries 300] [--repeat 3]
 
 An index of ``--workers`` workers, each holding random-length prefixes of 4 requests of a pool
-(``--tokens``-token requests, 8 system prompts of a quarter of the request each); queries are
-new requests (a system prompt plus fresh tokens), matched on all their tokens (as Dynamo's
-``find_matches``). Per query, p50 over the queries, best of ``--repeat`` rounds:
+(``--tokens``-token requests, 8 system prompts of ``--prompt-share`` of the request each);
+queries are new requests (a system prompt plus fresh tokens), matched on all their tokens (as
+Dynamo's ``find_matches``). Per query, p50 over the queries, best of ``--repeat`` rounds:
 
 - ``hash``: ``RequestHasher.hashes`` (with the prefix cache, and with ``prefix_cache_bytes=0``);
 - ``hash+match``: that plus ``PrefixIndex.match_hashes`` (per-worker depths, what Dynamo's
@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=64, help="--request: workers in the index")
     ap.add_argument("--queries", type=int, default=300, help="--request: queries per round")
     ap.add_argument("--warm", type=int, default=700, help="--request: cache warm-up requests")
+    ap.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.25,
+        help="--request: share of each request that is a recurring system prompt (0.25)",
+    )
     args = ap.parse_args(argv)
     if args.request:
         return run_request_bench(
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             queries=args.queries,
             warm=args.warm,
+            prompt_share=args.prompt_share,
             repeat=args.repeat,
             vocab=args.vocab,
         )
@@ -374,17 +381,20 @@ def run_request_bench(
     workers: int,
     queries: int,
     warm: int,
+    prompt_share: float,
     repeat: int,
     vocab: int,
 ) -> int:
     """The ``--request`` benchmark (see the module docstring)."""
     llm = _dynamo()
     rng = random.Random(0)
-    prompt_len = tokens // 4
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(8)]
+    ids = np.random.default_rng(0)
+    prompt_len = int(tokens * prompt_share)
+    prompts = [ids.integers(0, vocab, prompt_len).tolist() for _ in range(8)]
 
     def request() -> list[int]:
-        return rng.choice(prompts) + [rng.randrange(vocab) for _ in range(tokens - prompt_len)]
+        tail: list[int] = ids.integers(0, vocab, tokens - prompt_len).tolist()
+        return rng.choice(prompts) + tail
 
     pool = [request() for _ in range(64)]
     print(

@@ -260,3 +260,13 @@ def test_fingerprints_and_same_prefix() -> None:
     for stride, data in ((6, raw), (40, raw[:5])):
         with pytest.raises(HashingError, match="multiple of 4"):
             native.fingerprints(data, stride)
+
+
+def test_split() -> None:
+    blob = bytes(range(24))
+    assert accel.split(blob, 8, 3) == [blob[:8], blob[8:16], blob[16:]]
+    assert accel.split(blob, 8, 1) == [blob[:8]]
+    assert accel.split(blob, 8, 0) == []
+    for width, count in ((8, 4), (0, 1), (8, -1)):
+        with pytest.raises(HashingError, match="cannot split"):
+            accel.split(blob, width, count)

@@ -33,6 +33,7 @@
  *       a 64-bit fingerprint of raw[:k * stride] for k = 1 .. len(raw) // stride (not a
  *       cryptographic hash: a candidate filter whose hits the caller verifies).
  *   same_prefix(a, b, n) -> bool      a[:n] == b[:n] (False if either is shorter).
+ *   split(blob, width, count) -> list[bytes]   the first count width-byte pieces of blob.
  *   sha256(data) -> bytes, blake3(data) -> bytes, has_sha_ni() -> bool,
  *   set_simd(on) -> bool      (primitives; set_simd(False) selects the portable code).
  *
@@ -845,11 +846,12 @@ fp_segment(uint64_t h, const unsigned char *p, size_t len)
 {
     uint64_t l0 = h ^ FP_P1, l1 = h + FP_P2, l2 = rotl64(h, 17) ^ FP_P3, l3 = h * FP_P1 + 1;
     size_t i = 0;
+    /* one multiply per 8 bytes and lane (a candidate filter: hits are verified by bytes) */
     for (; i + 32 <= len; i += 32) {
-        l0 = rotl64(l0 ^ (load_le64(p + i) * FP_P2), 31) * FP_P1;
-        l1 = rotl64(l1 ^ (load_le64(p + i + 8) * FP_P2), 31) * FP_P1;
-        l2 = rotl64(l2 ^ (load_le64(p + i + 16) * FP_P2), 31) * FP_P1;
-        l3 = rotl64(l3 ^ (load_le64(p + i + 24) * FP_P2), 31) * FP_P1;
+        l0 = rotl64(l0 ^ load_le64(p + i), 29) * FP_P1;
+        l1 = rotl64(l1 ^ load_le64(p + i + 8), 29) * FP_P1;
+        l2 = rotl64(l2 ^ load_le64(p + i + 16), 29) * FP_P1;
+        l3 = rotl64(l3 ^ load_le64(p + i + 24), 29) * FP_P1;
     }
     for (; i + 4 <= len; i += 4)
         l0 = rotl64(l0 ^ ((uint64_t)load_le32(p + i) * FP_P3), 23) * FP_P2;
@@ -930,6 +932,36 @@ cn_same_prefix(PyObject *self, PyObject *args)
     return PyBool_FromLong(same);
 }
 
+PyDoc_STRVAR(split_doc,
+             "split(blob, width, count) -> list[bytes]\n\n"
+             "The first count width-byte pieces of blob as new bytes objects.");
+
+static PyObject *
+cn_split(PyObject *self, PyObject *args)
+{
+    Py_buffer blob;
+    Py_ssize_t width, count, i;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*nn", &blob, &width, &count))
+        return NULL;
+    if (width < 1 || count < 0 || count > blob.len / width) {
+        PyBuffer_Release(&blob);
+        PyErr_Format(HashingError, "cannot split %zd bytes into %zd pieces of %zd", blob.len,
+                     count, width);
+        return NULL;
+    }
+    out = PyList_New(count);
+    for (i = 0; out != NULL && i < count; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)blob.buf + width * i, width);
+        if (b == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, b);
+    }
+    PyBuffer_Release(&blob);
+    return out;
+}
+
 /* ============================================================================ primitives */
 
 static PyObject *
@@ -1000,6 +1032,7 @@ static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))cn_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},
     {"fingerprints", cn_fingerprints, METH_VARARGS, fingerprints_doc},
     {"same_prefix", cn_same_prefix, METH_VARARGS, same_prefix_doc},
+    {"split", cn_split, METH_VARARGS, split_doc},
     {"sha256", cn_sha256, METH_VARARGS, "sha256(data) -> bytes: the SHA-256 digest."},
     {"blake3", cn_blake3, METH_VARARGS, "blake3(data) -> bytes: the 32-byte BLAKE3 hash."},
     {"has_sha_ni", cn_has_sha_ni, METH_NOARGS,

@@ -39,6 +39,7 @@ __all__ = [
     "native_chains",
     "pack_request",
     "same_prefix",
+    "split",
 ]
 
 #: Whether the C extension is loaded (the hashers' default path).
@@ -110,3 +111,13 @@ def same_prefix(a: bytes, b: bytes, n: int) -> bool:
         same: bool = _native.same_prefix(a, b, n)
         return same
     return len(a) >= n and len(b) >= n and a[:n] == b[:n]
+
+
+def split(blob: bytes, width: int, count: int) -> list[bytes]:
+    """The first ``count`` ``width``-byte pieces of ``blob`` as new bytes objects."""
+    if _native is not None:
+        out: list[bytes] = _native.split(blob, width, count)
+        return out
+    if width < 1 or count < 0 or count > len(blob) // width:
+        raise HashingError(f"cannot split {len(blob)} bytes into {count} pieces of {width}")
+    return [blob[i * width : (i + 1) * width] for i in range(count)]

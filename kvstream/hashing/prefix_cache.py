@@ -12,12 +12,16 @@ chain, e.g. vLLM's seed, and the request scope: LoRA, salt). A lookup fingerprin
 request at its checkpoints, finds the longest indexed one, **confirms it by comparing the
 token bytes** (a fingerprint is a filter, never trusted), takes the cached hashes up to there
 and resumes the chain from the cached key (:meth:`BlockHasher.resume`). The result is then
-cached in its turn, so a prefix stays cached while requests keep using it.
+cached in its turn, so a prefix stays cached while requests keep using it (a multi-turn
+conversation reuses its whole previous turn). Admission: a request that shares no cached
+prefix is cached only once its first checkpoint has been seen before (it recurs), so one-off
+requests pay a fingerprint pass and a set lookup, not an insertion and an eviction.
 
 Memory bound: the cache holds at most ``max_bytes`` of accounted memory: per request its token
-bytes (4 per token), per block 56 bytes plus the published width (the hash objects and their
-list slots) and per checkpoint 200 bytes (its index entry and chain key). An 8k-token request
-with 32-token blocks costs about 55 KiB, so the default 32 MiB keeps ~600 of them. A request
+bytes (4 per token) and published hashes (the width per block), per checkpoint 200 bytes (its
+index entry and chain key). An 8k-token request
+with 32-token blocks costs about 40 KiB, so the default 32 MiB keeps ~800 of them; the
+admission filter adds at most 65,536 fingerprints (~4 MiB). A request
 larger than ``max_bytes`` is hashed without being cached. Thread-safe (one lock).
 """
 
@@ -30,7 +34,7 @@ from itertools import repeat
 from typing import Any, Final
 
 from kvstream.errors import HashingError
-from kvstream.hashing.accel import fingerprints, same_prefix
+from kvstream.hashing.accel import fingerprints, same_prefix, split
 from kvstream.hashing.base import BlockHasher, ChainState
 
 __all__ = ["DEFAULT_CHECKPOINT_TOKENS", "DEFAULT_MAX_BYTES", "PrefixCache", "PrefixCacheStats"]
@@ -38,8 +42,9 @@ __all__ = ["DEFAULT_CHECKPOINT_TOKENS", "DEFAULT_MAX_BYTES", "PrefixCache", "Pre
 #: Default bound of a cache's accounted memory.
 DEFAULT_MAX_BYTES: Final = 32 << 20
 #: Default distance between checkpoints, in tokens (rounded down to whole blocks).
-DEFAULT_CHECKPOINT_TOKENS: Final = 256
-_BLOCK_COST: Final = 56
+DEFAULT_CHECKPOINT_TOKENS: Final = 512
+#: Bound of the admission filter (first-checkpoint fingerprints seen once; cleared when full).
+_DOORKEEPER_MAX: Final = 1 << 16
 _CHECKPOINT_COST: Final = 200
 
 
@@ -59,11 +64,13 @@ class PrefixCacheStats:
 
 @dataclass(eq=False, slots=True)  # eq=False: hashed by identity (the LRU's keys)
 class _Entry:
-    # tuples, not lists: immutable, and untracked by the garbage collector once it has seen
-    # them (a cache of many requests must not make every collection slower)
+    # The published hashes as one blob (``n * width`` bytes), not n objects: a hit copies
+    # them out of contiguous memory instead of touching n cold objects, and the garbage
+    # collector has nothing to traverse. Tuples: untracked by the collector once seen.
     ctx: tuple[Any, ...]
     raw: bytes
-    published: tuple[bytes, ...]
+    published: bytes
+    width: int
     keys: tuple[Any, ...]
     fps: tuple[int, ...]
     size: int
@@ -99,6 +106,10 @@ class PrefixCache:
         # confirmed by comparing bytes, so no checkpoint number is needed in the key
         self._index: dict[tuple[Any, ...], dict[int, _Entry]] = {}
         self._bytes = 0
+        # admission: a request sharing no cached prefix is cached only when its first
+        # checkpoint was seen before (a prefix that recurs); one-off requests then cost a
+        # set lookup instead of an insertion and an eviction
+        self._seen: set[int] = set()
         self._hits = self._misses = self._reused = self._hashed = 0
 
     def chain(
@@ -128,14 +139,14 @@ class PrefixCache:
             same = None if index is None else index.get(whole)
             if (
                 same is not None
-                and len(same.published) >= n
+                and len(same.published) >= n * same.width
                 and same_prefix(same.raw, raw, len(raw))
             ):
                 # a request starting with all of this one was cached: no hashing at all
                 self._entries.move_to_end(same)
                 self._hits += 1
                 self._reused += n
-                return list(same.published[:n])
+                return split(same.published, same.width, n)
             hit, k = self._lookup(index, raw, fps, stride)
             if hit is not None:
                 # the prefix's entry stays as recent as the prefix is used: its index entries
@@ -148,12 +159,14 @@ class PrefixCache:
             tail, tail_keys = hasher.chain_raw(
                 state, raw, tokens_per_block, start=k * every, every=every
             )
-            published = list(hit.published[: k * every])
+            published = split(hit.published, hit.width, k * every)
             published += tail
             keys = [*hit.keys[:k], *tail_keys]
-        size = len(raw) + len(published) * (_BLOCK_COST + hasher.width)
+        size = len(raw) + len(published) * hasher.width
         size += len(fps) * _CHECKPOINT_COST
-        entry = _Entry(ctx, raw, tuple(published), tuple(keys), (*fps, whole), size)
+        entry = _Entry(
+            ctx, raw, b"".join(published), hasher.width, tuple(keys), (*fps, whole), size
+        )
         with self._lock:
             if hit is None:
                 self._misses += 1
@@ -161,7 +174,12 @@ class PrefixCache:
                 self._hits += 1
                 self._reused += k * every
             self._hashed += len(published) - (0 if hit is None else k * every)
-            if size <= self.max_bytes:
+            admit = hit is not None or fps[0] in self._seen
+            if not admit:
+                if len(self._seen) >= _DOORKEEPER_MAX:
+                    self._seen.clear()
+                self._seen.add(fps[0])
+            elif size <= self.max_bytes:
                 # the checkpoints up to the hit stay with the hit's entry (just refreshed)
                 self._insert(entry, k)
         return published
@@ -170,20 +188,26 @@ class PrefixCache:
         self, index: dict[int, _Entry] | None, raw: bytes, fps: list[int], stride: int
     ) -> tuple[_Entry | None, int]:
         """The cached entry sharing the longest checkpointed prefix with ``raw``, and that
-        prefix in checkpoints (binary search: the indexed checkpoints of a request form a
-        prefix of its checkpoints; a fingerprint that fails the byte comparison is a miss)."""
+        prefix in checkpoints.
+
+        A binary search over the fingerprints (the indexed checkpoints of a request form a
+        prefix of its checkpoints), then one byte comparison of the candidate; should that
+        fail (a fingerprint collision), shorter checkpoints are tried one by one.
+        """
         if index is None:
             return None, 0
-        best: _Entry | None = None
         lo, hi = 0, len(fps)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            e = index.get(fps[mid - 1])
-            if e is not None and same_prefix(e.raw, raw, mid * stride):
-                lo, best = mid, e
+            if fps[mid - 1] in index:
+                lo = mid
             else:
                 hi = mid - 1
-        return best, lo
+        for k in range(lo, 0, -1):
+            e = index.get(fps[k - 1])
+            if e is not None and same_prefix(e.raw, raw, k * stride):
+                return e, k
+        return None, 0
 
     def _insert(self, e: _Entry, skip: int) -> None:
         """Add ``e``, indexed under its checkpoints after the first ``skip`` and its whole
@@ -208,6 +232,7 @@ class PrefixCache:
         with self._lock:
             self._entries.clear()
             self._index.clear()
+            self._seen.clear()
             self._bytes = 0
 
     def stats(self) -> PrefixCacheStats:
