@@ -47,9 +47,10 @@ class RequestHasher:
     built, :mod:`kvstream.hashing.accel`). A bounded LRU of per-prefix chain hashes
     (:class:`~kvstream.hashing.prefix_cache.PrefixCache`, keyed by hasher and its parameters,
     block size, request scope and prefix tokens) makes a recurring prefix, such as a system
-    prompt, cost one hash: ``prefix_cache_bytes`` bounds its memory (default 32 MiB, about 600
-    8k-token requests; 0 disables it), ``checkpoint_tokens`` sets its reuse granularity.
-    Requests with multimodal keys bypass the cache. Thread-safe.
+    prompt, cost one hash: ``prefix_cache_bytes`` bounds its memory (default 32 MiB, about 800
+    8k-token requests, plus a 65,536-fingerprint admission filter; 0 disables it),
+    ``checkpoint_tokens`` (default 512) sets its reuse granularity. Only prefixes that recur
+    are cached; requests with multimodal keys bypass the cache. Thread-safe.
     """
 
     def __init__(
