@@ -10,6 +10,9 @@ splits a span processor from its exporter. A sink is driven by one pipeline task
   retriable failures with backoff and never calls ``export`` concurrently on one sink.
 * :meth:`Sink.force_flush` makes everything exported so far durable (fsync, broker acks).
 * :meth:`Sink.shutdown` flushes and releases resources; afterwards ``export`` fails permanently.
+* :meth:`Sink.abandon` / :meth:`Sink.resolve` (optional): when the pipeline gives up an
+  export, the sink stops delivering it and says what arrived anyway, so lost markers cover
+  exactly the ids that are missing.
 
 Sinks are found by the scheme of a URL (``memory``, ``file:///var/kv?rotate_bytes=1e8``,
 ``kafka://host:9092/topic?partitions=8``): built-ins first, then the ``kvstream.sinks``
@@ -37,6 +40,7 @@ from kvstream.events.model import EventBatch
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Abandoned",
     "ExportResult",
     "ExportStatus",
     "ReadableSink",
@@ -121,6 +125,16 @@ class ExportResult:
 _SUCCESS: Final = ExportResult(ExportStatus.SUCCESS)
 
 
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """What :meth:`Sink.abandon` knows of the batches it gave up: ``delivered`` did arrive;
+    ``in_doubt`` may have arrived (sent, never acknowledged; ask :meth:`Sink.resolve`);
+    every other batch of the export did not arrive and never will."""
+
+    delivered: Sequence[EventBatch] = ()
+    in_doubt: Sequence[EventBatch] = ()
+
+
 class Sink(abc.ABC):
     """Where batches go. Subclasses implement :meth:`export`; the rest has safe defaults.
 
@@ -135,6 +149,12 @@ class Sink(abc.ABC):
       timeout and may export the same batches again.
     * ``force_flush``/``shutdown`` honour ``timeout_s`` (None: no limit) and never raise for
       a sink-side failure: ``force_flush`` returns False, ``shutdown`` gives up and releases.
+      Both are safe to cancel: a cancelled ``shutdown`` releases at once, it never goes on
+      waiting for the destination.
+    * When the pipeline gives up the batches of the last export (retry deadline, permanent
+      failure, close's deadline) it calls ``abandon()``: from then on none of them may be
+      delivered except those it reports ``in_doubt``; the pipeline asks ``resolve`` about
+      those before declaring them lost (or reports them as ``unknown``).
     """
 
     #: The URL scheme this sink registers under (``memory``, ``file``, ``kafka``).
@@ -161,6 +181,18 @@ class Sink(abc.ABC):
 
     async def shutdown(self, timeout_s: float | None = None) -> None:  # noqa: B027
         """Flush and release resources; idempotent. Later exports fail permanently."""
+
+    def abandon(self) -> Abandoned:
+        """Stop delivering the batches of the last export (the pipeline gave them up) and say
+        which arrived (see :class:`Abandoned`). Synchronous and never raises. The default,
+        for sinks that keep nothing in flight after ``export`` returns: nothing arrived."""
+        return Abandoned()
+
+    async def resolve(self, batches: Sequence[EventBatch]) -> list[bool]:
+        """For batches ``abandon`` reported in doubt: which did arrive (per batch). Raises
+        :class:`RetriableSinkError` while it cannot tell yet, :class:`PermanentSinkError`
+        when it never can (they stay in doubt)."""
+        raise PermanentSinkError(f"{type(self).__name__} cannot resolve batches in doubt")
 
     async def __aenter__(self) -> Sink:
         await self.start()

@@ -16,6 +16,16 @@
 * TLS/SASL options are passed through to aiokafka; ``create_topic`` creates the topic with
   ``partitions`` partitions through aiokafka's admin client (an existing topic is fine).
 * aiokafka errors map to retriable/permanent results (:func:`classify_kafka_error`).
+* Deadlines: ``shutdown(timeout_s)`` returns within its budget whatever the broker does, and
+  is safe to cancel. When time runs out the producer is *abandoned* synchronously (its
+  connections closed, its queued and in-flight batches failed, its sender task cancelled),
+  never awaited: aiokafka would wait out ``request_timeout_ms`` per request.
+* Exact loss accounting (:meth:`KafkaSink.abandon`, :meth:`KafkaSink.resolve`): when the
+  pipeline gives a chunk up, the producer holding its unacknowledged sends is abandoned, so
+  aiokafka cannot deliver them later; the messages that were handed to aiokafka but never
+  acknowledged are *in doubt* (a broker may have appended them and lost the answer) and are
+  read back from their partitions, from the last acknowledged offset on, before the pipeline
+  declares them lost.
 
 URL form: ``kafka://host:9092[,host2:9092]/topic?partitions=8&security_protocol=SASL_SSL&...``
 (see :meth:`KafkaSink.from_url`).
@@ -24,6 +34,7 @@ URL form: ``kafka://host:9092[,host2:9092]/topic?partitions=8&security_protocol=
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 from collections.abc import Mapping, Sequence
@@ -33,6 +44,7 @@ from typing import Any, Final
 import aiokafka.errors as kerr
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.conn import CloseReason
 from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import murmur2
 
@@ -45,7 +57,7 @@ from kvstream.errors import (
     SinkError,
 )
 from kvstream.events.model import EventBatch, SourceId
-from kvstream.sink import ExportResult, Sink, SinkURL
+from kvstream.sink import Abandoned, ExportResult, Sink, SinkURL
 
 __all__ = [
     "HEADER_ENCODING",
@@ -146,9 +158,24 @@ _INLINE_ENCODE: Final = 32
 class _PartitionSend:
     partition: int
     msgs: list[_Msg] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # per message: its batch's index
     done: int = 0  # messages acknowledged
     inflight: asyncio.Future[Any] | None = None
     inflight_end: int = 0
+    scan_from: int | None = None  # the partition's next offset when msgs[done] was first sent
+    unacked: list[tuple[Any, int]] = field(default_factory=list)  # (builder, end) sent, no ack
+
+
+@dataclass(slots=True)
+class _Doubt:
+    """Messages handed to an abandoned producer and never acknowledged: they may be in the
+    partition (at or after ``scan_from``; None: from the start) or not."""
+
+    partition: int
+    scan_from: int | None  # read back from here (progress is kept between attempts)
+    msgs: dict[tuple[bytes, bytes], int]  # (key, value) -> the batch's index
+    batches: list[EventBatch]
+    seen: set[tuple[bytes, bytes]] = field(default_factory=set)  # found so far
 
 
 @dataclass(slots=True)
@@ -244,6 +271,12 @@ class KafkaSink(Sink):
         self._pending: _Chunk | None = None
         self._routes: dict[tuple[str, int | None], tuple[bytes, int]] = {}
         self._routes_for = 0
+        self._next_offset: dict[int, int] = {}  # per partition: after the last acked message
+        self._doubts: list[_Doubt] = []
+        self._written: set[int] = set()  # ids of record buffers written to a connection
+        #: Wait this long after the broker answers again before reading sends in doubt back:
+        #: a request a frozen broker (or a stalled network) still holds lands when it thaws.
+        self.resolve_grace_s = 0.5
 
     # ------------------------------------------------------------------------ from_url
 
@@ -353,11 +386,20 @@ class KafkaSink(Sink):
             try:
                 await producer.start()
             except BaseException as exc:
-                await producer.stop()
+                _abandon(producer, kerr.KafkaConnectionError("the producer did not start"))
                 if isinstance(exc, Exception):
                     _raise_classified(exc, f"cannot connect to {self.bootstrap_servers}")
                 raise
+            if self.is_shut_down:  # shut down while starting
+                _abandon(producer, kerr.ProducerClosed())
+                raise PermanentSinkError("the Kafka sink is shut down")
+            _track_writes(producer, self._written)
             self._producer = producer
+
+    @property
+    def is_shut_down(self) -> bool:
+        """True once :meth:`shutdown` was called."""
+        return self._closed
 
     async def _create_topic(self) -> None:
         admin = AIOKafkaAdminClient(
@@ -386,18 +428,156 @@ class KafkaSink(Sink):
         return True if producer is None else await _flush(producer, timeout_s)
 
     async def shutdown(self, timeout_s: float | None = None) -> None:
-        """Flush for up to ``timeout_s``, fail whatever is still unsent, stop the producer."""
+        """Flush and stop the producer within ``timeout_s``; never raises.
+
+        When the budget runs out (or the call is cancelled) the producer is abandoned at
+        once: its connections are closed and whatever it still holds fails, so nothing it
+        held is sent afterwards. A start still in progress is not waited for (it finds the
+        sink shut down and abandons its own producer).
+        """
         self._closed = True
-        async with self._start_lock:
-            producer, self._producer = self._producer, None
+        producer, self._producer = self._producer, None
         self._pending = None
         if producer is None:
             return
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         try:
-            if not await _flush(producer, timeout_s):
-                _fail_pending(producer)
+            if await _flush(producer, None if deadline is None else deadline - loop.time()):
+                remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
+                await asyncio.wait_for(producer.stop(), remaining)
+                return
+        except asyncio.CancelledError:
+            _abandon(producer, kerr.KafkaTimeoutError("the kvstream sink shut down"))
+            raise
+        except (asyncio.TimeoutError, Exception):
+            pass  # a stop that failed or overran: abandon below
+        _abandon(producer, kerr.KafkaTimeoutError("the kvstream sink shut down before delivery"))
+
+    # ------------------------------------------------------------------- loss accounting
+
+    def abandon(self) -> Abandoned:
+        """The pipeline gives up the batches of the last export (failed or cancelled).
+
+        If aiokafka still holds any of their messages, the producer is abandoned (its
+        connections closed, its batches failed; the next export starts a new one), so none
+        of them can be delivered later. Returns the batches the broker acknowledged, and
+        those with a message handed to aiokafka and never acknowledged: they may have
+        reached the partition (pass them to :meth:`resolve`). Never raises.
+        """
+        chunk, self._pending = self._pending, None
+        if chunk is None:
+            return Abandoned()
+        batches = list(chunk.batches)
+        acked = sorted({o for p in chunk.parts for o in p.owners[: p.done]})
+        held = [p for p in chunk.parts if p.unacked]
+        if not held:
+            return Abandoned(delivered=[batches[i] for i in acked])
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            _abandon(producer, kerr.KafkaTimeoutError("the kvstream pipeline gave this send up"))
+        doubtful: set[int] = set()
+        for part in held:
+            # a builder never written to a connection cannot have arrived
+            written_end = part.done
+            for builder, end in part.unacked:
+                buffer = getattr(builder, "_buffer", None)
+                if buffer is not None and (
+                    id(buffer) in self._written or _ANY_WRITE in self._written
+                ):
+                    self._written.discard(id(buffer))
+                    written_end = max(written_end, end)
+            part.unacked.clear()
+            if written_end == part.done:
+                continue
+            msgs = {}
+            for i in range(part.done, written_end):
+                key, value, _, _ = part.msgs[i]
+                msgs[(key, value)] = part.owners[i]
+            doubtful.update(msgs.values())
+            self._doubts.append(_Doubt(part.partition, part.scan_from, msgs, batches))
+        return Abandoned(
+            delivered=[batches[i] for i in acked if i not in doubtful],
+            in_doubt=[batches[i] for i in sorted(doubtful)],
+        )
+
+    async def resolve(self, batches: Sequence[EventBatch]) -> list[bool]:
+        """For batches :meth:`abandon` returned: which did reach their partition (every one
+        of its messages was found). Reads each partition in doubt back from its last
+        acknowledged offset (the start when none was acknowledged yet) to the high-water
+        mark, after the broker has answered again for ``resolve_grace_s``.
+
+        Raises :class:`RetriableSinkError` while the brokers cannot be reached (ask again
+        later) and :class:`PermanentSinkError` when the topic cannot be read (e.g. a
+        producer-only credential): the batches then stay in doubt.
+        """
+        wanted = {id(b) for b in batches}
+        doubts = [d for d in self._doubts if any(id(b) in wanted for b in d.batches)]
+        if not doubts:
+            return [False] * len(batches)
+        consumer = self._consumer()
+        try:
+            await consumer.start()
+            await asyncio.sleep(self.resolve_grace_s)
+            found: set[tuple[int, int]] = set()  # (doubt index, batch index) seen
+            missing: set[tuple[int, int]] = set()
+            for n, doubt in enumerate(doubts):
+                seen = await self._scan(consumer, doubt)
+                for keyval, owner in doubt.msgs.items():
+                    (found if keyval in seen else missing).add((n, owner))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not classify_kafka_error(exc).retriable:  # never resolvable: forget them
+                self._doubts = [d for d in self._doubts if d not in doubts]
+            if isinstance(exc, SinkError):
+                raise
+            _raise_classified(exc, f"cannot read {self.topic} back")
         finally:
-            await producer.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(consumer.stop(), 5.0)
+        arrived: set[int] = set()
+        for n, doubt in enumerate(doubts):
+            for owner in {o for d, o in found if d == n} - {o for d, o in missing if d == n}:
+                arrived.add(id(doubt.batches[owner]))
+        self._doubts = [d for d in self._doubts if d not in doubts]
+        return [id(b) in arrived for b in batches]
+
+    async def _scan(self, consumer: AIOKafkaConsumer, doubt: _Doubt) -> set[tuple[bytes, bytes]]:
+        """Read ``doubt``'s partition from ``scan_from`` to the high-water mark, collecting the
+        messages in doubt found; progress survives a failed attempt."""
+        tp = TopicPartition(self.topic, doubt.partition)
+        consumer.assign([tp])
+        if doubt.scan_from is None:
+            await consumer.seek_to_beginning(tp)
+        else:
+            consumer.seek(tp, doubt.scan_from)
+        seen = doubt.seen
+        loop = asyncio.get_running_loop()
+        stuck_s = self._producer_options["request_timeout_ms"] / 1000
+        last, moved = -1, loop.time()
+        while True:
+            got = await consumer.getmany(tp, timeout_ms=200)
+            for record in got.get(tp, ()):
+                keyval = (record.key, record.value)
+                if keyval in doubt.msgs:
+                    seen.add(keyval)
+            high = consumer.highwater(tp)
+            position = await consumer.position(tp)
+            doubt.scan_from = position
+            if high is not None and position >= high:
+                return seen
+            now = loop.time()
+            if position != last:
+                last, moved = position, now
+            elif high is None:
+                if now - moved > stuck_s:
+                    raise RetriableSinkError(f"cannot read partition {doubt.partition} back")
+            elif now - moved > 1.5:
+                # an offset the broker cannot serve (tansu's S3 storage leaves holes after a
+                # crash mid-produce): what no consumer can read did not arrive
+                consumer.seek(tp, position + 1)
+                moved = now
 
     # ------------------------------------------------------------------------ read back
 
@@ -521,7 +701,7 @@ class KafkaSink(Sink):
         by_partition: dict[int, _PartitionSend] = {}
         codec, schema_id = self.codec, self.schema_registry_id
         base = self._base_headers
-        for b in batches:
+        for index, b in enumerate(batches):
             src = b.source
             route = routes.get(src.key)
             if route is None:
@@ -538,6 +718,7 @@ class KafkaSink(Sink):
             if part is None:
                 part = by_partition[partition] = _PartitionSend(partition)
             part.msgs.append((key, value, headers, b.ts_ns // 1_000_000))
+            part.owners.append(index)
         return _Chunk(batches, list(by_partition.values()))
 
     async def _send_partition(self, producer: AIOKafkaProducer, part: _PartitionSend) -> None:
@@ -551,9 +732,12 @@ class KafkaSink(Sink):
                     if builder.append(key=key, value=value, timestamp=ts, headers=headers) is None:
                         break
                     end += 1
+                if not part.unacked:  # the first send of msgs[done]
+                    part.scan_from = self._next_offset.get(part.partition)
                 fut = await producer.send_batch(builder, self.topic, partition=part.partition)
                 fut.add_done_callback(_retrieve)
                 part.inflight, part.inflight_end = fut, end
+                part.unacked.append((builder, end))
             fut = part.inflight
             try:
                 await asyncio.shield(fut)
@@ -565,6 +749,15 @@ class KafkaSink(Sink):
             except BaseException:
                 part.inflight = None
                 raise
+            meta = fut.result()
+            if meta is not None:
+                nxt = meta.offset + part.inflight_end - part.done
+                self._next_offset[part.partition] = max(
+                    self._next_offset.get(part.partition, 0), nxt
+                )
+            for sent, _ in part.unacked:
+                self._written.discard(id(getattr(sent, "_buffer", None)))
+            part.unacked.clear()
             part.done, part.inflight = part.inflight_end, None
 
 
@@ -576,12 +769,90 @@ async def _flush(producer: AIOKafkaProducer, timeout_s: float | None) -> bool:
     return True
 
 
-def _fail_pending(producer: AIOKafkaProducer) -> None:
-    # aiokafka's stop() waits for every queued batch; at a shutdown deadline fail them instead
-    accumulator = getattr(producer, "_message_accumulator", None)
-    fail_all = getattr(accumulator, "fail_all", None)
-    if callable(fail_all):
-        fail_all(kerr.KafkaTimeoutError("the kvstream sink shut down before delivery"))
+def _track_writes(producer: AIOKafkaProducer, written: set[int]) -> None:
+    """Record which record buffers a produce request was written to a connection with.
+
+    A batch aiokafka holds but never wrote (the broker unreachable all along) cannot have
+    arrived; only written ones are in doubt. The check is conservative: the buffers count as
+    written once the connection is ready, right before aiokafka writes the request (no await
+    in between on a ready connection). Where aiokafka's internals differ (not 0.10-0.14),
+    every produce request counts as written: more doubt, never less.
+    """
+    client = getattr(producer, "client", None)
+    send = getattr(client, "send", None)
+    if client is None or send is None:
+        return
+
+    async def tracked_send(node_id: Any, request: Any, **kw: Any) -> Any:
+        topics = getattr(request, "_topics", None)
+        if getattr(request, "API_KEY", None) == 0 and topics is not None:  # ProduceRequest
+            if await client.ready(node_id, **kw):
+                for _topic, parts in topics:
+                    for _partition, buffer in parts:
+                        written.add(id(buffer))
+        elif getattr(request, "API_KEY", None) == 0:
+            written.add(_ANY_WRITE)
+        return await send(node_id, request, **kw)
+
+    client.send = tracked_send
+
+
+_ANY_WRITE: Final = -1  # a produce request whose buffers could not be told apart
+
+
+class _NoConnections(dict[Any, Any]):
+    """An abandoned client's connection table: a connection that was still being opened is
+    closed at once, so no request (a produce retry in particular) goes out on it."""
+
+    def __setitem__(self, key: Any, conn: Any) -> None:
+        conn.close(reason=CloseReason.SHUTDOWN)
+        raise kerr.KafkaConnectionError("the kvstream sink abandoned this producer")
+
+
+def _abandon(producer: AIOKafkaProducer, exc: Exception) -> None:
+    """Give ``producer`` up now, synchronously and for good.
+
+    ``producer.stop()`` waits for every queued batch and its request timeouts; at a deadline
+    that is not an option, and a given-up send must not be retried later. This (written
+    against aiokafka 0.10-0.14 internals, each step guarded) stops new sends (closed
+    accumulator, nothing drained), turns a retry's re-enqueue into a failure (the KeyError
+    of failing batches first and letting ``reenqueue`` remove them again cannot happen),
+    closes every connection (requests in flight fail now; a connection being opened is
+    closed on arrival), cancels the metadata and sender tasks and fails every batch left.
+    """
+    with contextlib.suppress(Exception):
+        producer._closed = True  # stop() is a no-op now, and no "unclosed" warning
+    acc = getattr(producer, "_message_accumulator", None)
+    client = getattr(producer, "client", None)
+    if acc is not None:
+        with contextlib.suppress(Exception):
+            acc._closed = True
+
+            def no_resend(batch: Any) -> None:
+                if not batch.future.done():
+                    batch.failure(exception=exc)
+
+            acc.reenqueue = no_resend
+            acc.drain_by_nodes = lambda *a, **kw: ({}, False)
+    if client is not None:
+        with contextlib.suppress(Exception):
+            conns, client._conns = client._conns, _NoConnections()
+            for conn in list(conns.values()):
+                conn.close(reason=CloseReason.SHUTDOWN)
+        with contextlib.suppress(Exception):
+            if client._sync_task is not None:
+                client._sync_task.cancel()
+                client._sync_task = None
+            md = client._md_update_fut
+            if md is not None and not md.done():
+                md.set_result(False)  # a produce retry waiting for metadata goes on (to fail)
+    sender = getattr(producer, "_sender", None)
+    task = getattr(sender, "sender_task", None)
+    if task is not None and not task.done():
+        task.cancel()
+    if acc is not None:
+        with contextlib.suppress(Exception):
+            acc.fail_all(exc)
 
 
 def _env(name: str, url: str) -> str:

@@ -2,7 +2,8 @@
 
 ``kafka`` gives a :class:`KafkaEnv` whose ``bootstrap`` goes through a :class:`FaultProxy`
 (the broker advertises the proxy's port, so every connection does), restored after each test.
-``kafka_factory`` starts dedicated brokers (for tests that kill and restart one).
+``kafka_factory`` starts dedicated brokers (for tests that kill, freeze and restart one);
+``kafka_factory(durable=True)`` gives one whose storage (moto's S3 server) survives ``kill -9``.
 Tests using them are marked ``kafka``; they skip when tansu is not available.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fault_proxy import FaultProxy
-from kafka_broker import BrokerUnavailable, KafkaBroker, free_port, tansu_binary
+from kafka_broker import BrokerUnavailable, KafkaBroker, S3Storage, free_port, tansu_binary
 
 _topic_ids = itertools.count()
 
@@ -26,6 +27,7 @@ class KafkaEnv:
     broker: KafkaBroker
     proxy: FaultProxy
     topics: list[str] = field(default_factory=list)
+    storage: S3Storage | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -37,32 +39,40 @@ class KafkaEnv:
         return name
 
     def heal(self) -> None:
-        """Undo faults: proxy forwarding, broker running."""
+        """Undo faults: proxy forwarding, broker thawed and running."""
         self.proxy.restore()
+        self.broker.thaw()
         if self.broker.proc is None or self.broker.proc.poll() is not None:
             self.broker.start()
 
     def close(self) -> None:
         self.proxy.close()
         self.broker.close()
+        if self.storage is not None:
+            self.storage.close()
 
 
-def start_env() -> KafkaEnv:
-    """A fresh broker behind a fresh proxy (skips the test when tansu is missing)."""
+def start_env(*, durable: bool = False) -> KafkaEnv:
+    """A fresh broker behind a fresh proxy (skips the test when tansu is missing). With
+    ``durable`` its storage is moto's S3 server, so ``broker.restart()`` keeps the data
+    (skips when moto is not installed)."""
     try:
         tansu_binary()
+        storage = S3Storage().start() if durable else None
     except BrokerUnavailable as exc:
         pytest.skip(f"no Kafka broker for tests: {exc}")
     broker_port = free_port()
     proxy = FaultProxy("127.0.0.1", broker_port).start()
-    broker = KafkaBroker(broker_port, advertise_port=proxy.port)
+    broker = KafkaBroker(broker_port, advertise_port=proxy.port, storage=storage)
     try:
         broker.start()
     except BaseException:
         proxy.close()
         broker.close()
+        if storage is not None:
+            storage.close()
         raise
-    return KafkaEnv(broker, proxy)
+    return KafkaEnv(broker, proxy, storage=storage)
 
 
 @pytest.fixture(scope="session")
@@ -81,12 +91,13 @@ def kafka(kafka_session: KafkaEnv) -> Iterator[KafkaEnv]:
 
 
 @pytest.fixture
-def kafka_factory() -> Iterator[Callable[[], KafkaEnv]]:
-    """Start dedicated brokers (each behind its own proxy), closed after the test."""
+def kafka_factory() -> Iterator[Callable[..., KafkaEnv]]:
+    """Start dedicated brokers (each behind its own proxy), closed after the test;
+    ``make(durable=True)`` for one whose data survives ``kill -9`` and restart."""
     envs: list[KafkaEnv] = []
 
-    def make() -> KafkaEnv:
-        env = start_env()
+    def make(*, durable: bool = False) -> KafkaEnv:
+        env = start_env(durable=durable)
         envs.append(env)
         return env
 

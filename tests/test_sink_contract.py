@@ -120,3 +120,13 @@ async def test_start_flush_and_shutdown_are_idempotent(case: Case) -> None:
     await case.sink.shutdown(5)
     result = await case.sink.export(batches_for(source(), 1, 1))
     assert result.status is ExportStatus.PERMANENT
+
+
+async def test_abandon_after_a_delivered_export_reports_nothing_in_flight(case: Case) -> None:
+    """After a successful export nothing is held: abandoning it is a synchronous no-op that
+    says nothing is in doubt, and the sink keeps working."""
+    batch = batches_for(source(), 4, 2)
+    assert (await case.sink.export(batch)).ok
+    outcome = case.sink.abandon()
+    assert list(outcome.in_doubt) == []
+    assert (await case.sink.export(batches_for(source(), 2, 2))).ok

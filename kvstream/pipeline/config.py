@@ -63,6 +63,10 @@ class RetryPolicy(_Model):
     deadline_s: _PositiveSeconds | None = 30.0
     #: Each export attempt is cancelled (and counted as retriable) after this long.
     attempt_timeout_s: _PositiveSeconds = 10.0
+    #: Each attempt to read sends in doubt back (:meth:`~kvstream.sink.Sink.resolve`, after a
+    #: chunk was given up) is cancelled after this long; attempts go on with backoff until
+    #: one succeeds or the pipeline closes (then the sends are reported ``unknown``).
+    resolve_timeout_s: _PositiveSeconds = 15.0
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:

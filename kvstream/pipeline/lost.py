@@ -155,6 +155,12 @@ class LossLedger:
         for gap in _runs(batch, reason):
             self._insert(batch.source, gap)
 
+    def merge(self, other: LossLedger) -> None:
+        """Add every gap of ``other`` (built elsewhere, e.g. outside a lock) to this ledger."""
+        for source, gaps in other._gaps.items():
+            for gap in gaps:
+                self._insert(source, gap)
+
     def _insert(self, source: SourceId, gap: Gap) -> None:
         gaps = self._gaps.setdefault(source, [])
         if gaps and gaps[-1].last + 1 >= gap.first and gap.last + 1 >= gaps[-1].first:

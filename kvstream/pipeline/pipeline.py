@@ -7,8 +7,9 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from types import TracebackType
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +26,8 @@ from .report import CloseReport, SinkReport
 from .worker import SinkWorker
 
 __all__ = ["Pipeline"]
+
+T = TypeVar("T")
 
 
 class _Lane:
@@ -251,7 +254,7 @@ class Pipeline:
     @staticmethod
     async def _force_flush(sink: Sink, timeout_s: float) -> bool | str:
         try:
-            return await asyncio.wait_for(sink.force_flush(timeout_s * 0.9), timeout_s)
+            return bool(await _bounded(sink.force_flush(timeout_s * 0.9), timeout_s))
         except asyncio.TimeoutError:
             return f"force_flush did not finish within {timeout_s:.3g}s"
         except Exception as exc:
@@ -261,7 +264,12 @@ class Pipeline:
 
     async def aclose(self, timeout_s: float | None = None) -> CloseReport:
         """Stop intake, drain, flush and shut every sink down, all within ``timeout_s``
-        (default ``close_timeout_s``); returns what each sink did not receive.
+        (default ``close_timeout_s``) whatever the sinks do; returns what each sink did not
+        receive.
+
+        A sink call that overruns its share of the budget is cancelled and left behind, not
+        waited for (a sink that ignores cancellation cannot hold ``aclose`` past its
+        deadline); the report then says ``shut_down=False``.
 
         Batches still queued or in flight when the drain deadline passes are dropped as
         ``shutdown``. Idempotent: later calls return the first call's report.
@@ -320,7 +328,7 @@ class Pipeline:
         remaining = max(timeout_s - (time.monotonic() - t0), 0.001)
         shut = True
         try:
-            await asyncio.wait_for(sink.shutdown(remaining * 0.9), remaining)
+            await _bounded(sink.shutdown(remaining * 0.9), remaining)
         except asyncio.TimeoutError:
             shut, error = False, error or f"shutdown did not finish within {remaining:.3g}s"
         except Exception as exc:
@@ -360,6 +368,28 @@ class Pipeline:
             shut_down=shut_down,
             last_error=error if error is not None else lane.worker.last_error,
         )
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """Await ``coro`` for at most ``timeout_s``; then cancel it and raise TimeoutError at once
+    (unlike ``asyncio.wait_for``, which waits for the cancelled call to finish)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # an abandoned call's late failure is not an unretrieved error
 
 
 def _named(sinks: Sequence[Sink] | Mapping[str, Sink]) -> dict[str, Sink]:

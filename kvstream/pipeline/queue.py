@@ -4,6 +4,8 @@ Producers (the engine thread, any thread, or coroutines on the loop) :meth:`~Sin
 batches; the sink's task takes export chunks with :meth:`~SinkQueue.get_chunk`. Everything is
 guarded by one ``threading.Lock`` held for a few dictionary/deque operations, so a put costs
 about a microsecond and never waits on the sink unless the overflow policy is ``block``.
+Bulk loss recording (a chunk given up, everything left at close) builds its ledger entries
+outside the lock and merges them under it, so a producer never waits behind it.
 
 The queue also owns the sink's :class:`~kvstream.pipeline.lost.LossLedger` and its counters,
 so a drop (by a producer or by the sink task) and the marker that replaces it are recorded
@@ -22,7 +24,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvstream.clock import Clock
@@ -30,6 +32,8 @@ from kvstream.events.deferred import AnyBatch, DeferredBatch
 
 from .config import OverflowPolicy, SinkPolicy
 from .lost import LossLedger, batch_first_id, batch_len, make_marker_batch
+
+_NO_POSITIONS: frozenset[int] = frozenset()
 
 __all__ = ["Chunk", "DropReason", "QueueCounters", "SinkQueue"]
 
@@ -43,6 +47,9 @@ class DropReason:
     PERMANENT_ERROR = "permanent_error"  # the sink said retrying cannot help
     SHUTDOWN = "shutdown"  # still queued or in flight when close's deadline passed
     CLOSED = "closed"  # submitted after close (no marker: the stream has ended)
+    #: given up while sent and unacknowledged, and the sink could not tell whether it arrived
+    #: (its marker's reason says ``unknown``: some of those ids may be in the stream)
+    UNKNOWN = "unknown"
 
 
 @dataclass(slots=True)
@@ -72,6 +79,8 @@ class Chunk:
     data_batches: int
     data_events: int
     marker_events: int
+    #: Positions in ``batches`` of the marker batches the queue put in.
+    markers: frozenset[int] = frozenset()
 
 
 class SinkQueue:
@@ -328,6 +337,7 @@ class SinkQueue:
         pol = self.policy
         max_batches, max_events = pol.max_export_batches, pol.max_export_events
         out: list[AnyBatch] = []
+        markers: list[int] = []
         data_batches = data_events = marker_events = 0
         with self._lock:
             self._consumer_waiting = False
@@ -346,6 +356,7 @@ class SinkQueue:
                     if first is not None:
                         gaps = ledger.take_before(b.source, first)
                         if gaps:
+                            markers.append(len(out))
                             append(make_marker_batch(b.source, gaps, now_ns))
                             marker_events += len(gaps)
                 append(b)
@@ -357,11 +368,18 @@ class SinkQueue:
                 for source in ledger.sources():
                     if source not in waiting:
                         gaps = ledger.take_all(source)
+                        markers.append(len(out))
                         append(make_marker_batch(source, gaps, now_ns))
                         marker_events += len(gaps)
             if data_batches:
                 self._space_freed()
-        return Chunk(out, data_batches, data_events, marker_events)
+        return Chunk(
+            out,
+            data_batches,
+            data_events,
+            marker_events,
+            frozenset(markers) if markers else _NO_POSITIONS,
+        )
 
     # ------------------------------------------------------------------- sink task results
 
@@ -375,32 +393,79 @@ class SinkQueue:
             c.settled_batches += chunk.data_batches
             self._marker_not_before = 0.0
 
-    def failed(self, chunk: Chunk, reason: str, marker_backoff_s: float) -> None:
+    def failed(
+        self,
+        chunk: Chunk,
+        reason: str,
+        marker_backoff_s: float,
+        *,
+        delivered: Collection[int] = _NO_POSITIONS,
+        unknown: Collection[int] = _NO_POSITIONS,
+    ) -> None:
         """``chunk`` is given up for ``reason``: count it and put its ids in the ledger.
 
-        Markers for it are not retried alone before ``marker_backoff_s`` has passed, so a
-        sink that fails everything is not hammered with marker-only exports.
+        ``delivered`` are positions in ``chunk.batches`` the sink did deliver after all
+        (counted as out, no marker); ``unknown`` those it cannot tell about (recorded as
+        ``unknown``). Markers for the rest are not retried alone before ``marker_backoff_s``
+        has passed, so a sink that fails everything is not hammered with marker-only exports.
         """
+        lost = LossLedger()
+        dropped: dict[str, list[int]] = {}  # reason -> [events, batches]
+        out_batches = out_events = out_markers = 0
+        for i, b in enumerate(chunk.batches):
+            n = batch_len(b)
+            is_marker = i in chunk.markers
+            if i in delivered:
+                if is_marker:
+                    out_markers += n
+                else:
+                    out_batches += 1
+                    out_events += n
+                continue
+            why = DropReason.UNKNOWN if i in unknown else reason
+            if not is_marker:
+                count = dropped.setdefault(why, [0, 0])
+                count[0] += n
+                count[1] += 1
+            if n:
+                lost.record(b, why)
         with self._lock:
             c = self.counters
-            c.dropped[reason] = c.dropped.get(reason, 0) + chunk.data_events
-            c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + chunk.data_batches
+            for why, (events, batches) in dropped.items():
+                c.dropped[why] = c.dropped.get(why, 0) + events
+                c.dropped_batches[why] = c.dropped_batches.get(why, 0) + batches
+            c.batches_out += out_batches
+            c.events_out += out_events
+            c.markers_out += out_markers
             c.settled_batches += chunk.data_batches
-            for b in chunk.batches:
-                if batch_len(b):
-                    self.ledger.record(b, reason)
+            self.ledger.merge(lost)
             self._marker_not_before = time.monotonic() + marker_backoff_s
 
     def drain_remaining(self, reason: str) -> tuple[int, int]:
-        """Drop everything still queued (close's deadline passed); returns (batches, events)."""
+        """Drop everything still queued (close's deadline passed); returns (batches, events).
+
+        The queue is emptied under the lock; the drops are recorded outside it and merged
+        back, so a producer calling :meth:`put` meanwhile is not held up.
+        """
         with self._lock:
-            batches, events = len(self._items), self._events
-            while self._items:
-                b = self._items.popleft()
-                self.counters.settled_batches += 1
-                self._drop(b, batch_len(b), reason)
-            self._events = 0
-            return batches, events
+            items, self._items = self._items, deque()
+            events, self._events = self._events, 0
+        lost = LossLedger()
+        for b in items:
+            n = batch_len(b)
+            if n:
+                lost.record(b, reason)
+        if not items:
+            return 0, 0
+        with self._lock:
+            c = self.counters
+            c.settled_batches += len(items)
+            c.dropped[reason] = c.dropped.get(reason, 0) + events
+            c.dropped_batches[reason] = c.dropped_batches.get(reason, 0) + len(items)
+            self.ledger.merge(lost)
+            if lost and self._consumer_waiting:
+                self._signal()
+        return len(items), events
 
     # ------------------------------------------------------------------------ inspection
 

@@ -16,7 +16,11 @@ class SinkReport:
     ``undelivered_events`` is every event accepted for this sink that it never received
     (dropped for any reason, including ``shutdown`` at close); ``lost_pending_ids`` is how many
     of the dropped ids no delivered ``lost`` marker covers (non-zero only when the sink failed
-    until the end).
+    until the end). ``in_doubt_events`` (reason ``unknown``) are among them but may have
+    arrived after all: sent, never acknowledged, and the sink could not read them back
+    (e.g. the broker never came back). The events really missing are at least
+    ``undelivered_events - in_doubt_events`` and at most ``undelivered_events``; with
+    ``in_doubt_events == 0`` exactly ``undelivered_events``.
     """
 
     sink: str
@@ -39,6 +43,11 @@ class SinkReport:
         return sum(self.dropped.values())
 
     @property
+    def in_doubt_events(self) -> int:
+        """Undelivered events that may have arrived after all (drop reason ``unknown``)."""
+        return self.dropped.get("unknown", 0)
+
+    @property
     def ok(self) -> bool:
         """Nothing undelivered and (after close) flushed and shut down cleanly."""
         return (
@@ -57,6 +66,7 @@ class SinkReport:
             "batches_out": self.batches_out,
             "dropped": dict(self.dropped),
             "undelivered_events": self.undelivered_events,
+            "in_doubt_events": self.in_doubt_events,
             "lost_markers_out": self.lost_markers_out,
             "lost_pending_ids": self.lost_pending_ids,
             "retries": self.retries,

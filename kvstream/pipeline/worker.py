@@ -13,9 +13,10 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from kvstream.errors import PermanentSinkError
 from kvstream.events.deferred import AnyBatch, DeferredBatch
 from kvstream.events.model import EventBatch
-from kvstream.sink import ExportResult, ExportStatus, Sink
+from kvstream.sink import Abandoned, ExportResult, ExportStatus, Sink
 
 from .config import SinkPolicy
 from .queue import Chunk, DropReason, SinkQueue
@@ -35,6 +36,13 @@ class SinkWorker:
     the task is cancelled (close's deadline) the chunk in flight is dropped as ``shutdown``.
     A chunk's deferred batches are materialised once, before its first attempt; one that
     cannot be (a recorder bug) fails the chunk permanently.
+
+    Giving a chunk up first asks the sink to :meth:`~kvstream.sink.Sink.abandon` it: the
+    sink stops delivering it and says which batches arrived after all and which are in
+    doubt; those in doubt are :meth:`~kvstream.sink.Sink.resolve`-d before the rest is
+    recorded lost, so markers cover exactly what is missing. Resolving is retried with backoff
+    until the sink answers (nothing else could be delivered meanwhile anyway), it says it never
+    can (permanent) or close cancels it; what is left is recorded as ``unknown``.
     """
 
     def __init__(
@@ -55,7 +63,10 @@ class SinkWorker:
         self._started = False
         #: Set after each settled chunk (delivered or dropped); flush() waits on it.
         self.progress = asyncio.Event()
+        #: The last failure, cleared when data is delivered again.
         self.last_error: str | None = None
+        # the chunk being given up: (chunk, batches, reason, delivered, in doubt positions)
+        self._giving_up: tuple[Chunk, Sequence[EventBatch], str, set[int], set[int]] | None = None
 
     async def run(self) -> None:
         """Deliver chunks until the queue is closed and empty (or the task is cancelled)."""
@@ -69,8 +80,8 @@ class SinkWorker:
                 try:
                     await self._deliver(chunk)
                 except asyncio.CancelledError:
-                    # close's deadline passed with this chunk in flight
-                    self.queue.failed(chunk, DropReason.SHUTDOWN, 0.0)
+                    # close's deadline passed with this chunk in flight (or being given up)
+                    self._cancelled(chunk)
                     raise
                 finally:
                     self.progress.set()
@@ -89,7 +100,7 @@ class SinkWorker:
             self.last_error = f"materialising a deferred batch failed: {type(exc).__name__}: {exc}"
             counters.failures_permanent += 1
             log.exception("sink %s: %s", self.sink.name, self.last_error)
-            self._give_up(chunk, DropReason.PERMANENT_ERROR)
+            self.queue.failed(chunk, DropReason.PERMANENT_ERROR, self._marker_backoff.next_delay())
             return
         first = time.monotonic()
         deadline = None if retry.deadline_s is None else first + retry.deadline_s
@@ -105,12 +116,14 @@ class SinkWorker:
             if result.status is ExportStatus.SUCCESS:
                 self.queue.delivered(chunk)
                 self._marker_backoff.reset()
+                if chunk.data_batches:  # data flows again (a marker alone is no recovery)
+                    self.last_error = None
                 return
             self.last_error = result.reason
             if result.status is ExportStatus.PERMANENT:
                 counters.failures_permanent += 1
                 log.warning("sink %s failed permanently: %s", self.sink.name, result.reason)
-                self._give_up(chunk, DropReason.PERMANENT_ERROR)
+                await self._give_up(chunk, batches, DropReason.PERMANENT_ERROR)
                 return
             counters.failures_retriable += 1
             delay = self._backoff.next_delay()
@@ -121,13 +134,77 @@ class SinkWorker:
                     time.monotonic() - first,
                     result.reason,
                 )
-                self._give_up(chunk, DropReason.RETRY_EXHAUSTED)
+                await self._give_up(chunk, batches, DropReason.RETRY_EXHAUSTED)
                 return
             counters.retries += 1
             await asyncio.sleep(delay)
 
-    def _give_up(self, chunk: Chunk, reason: str) -> None:
-        self.queue.failed(chunk, reason, self._marker_backoff.next_delay())
+    def _abandon(self, batches: Sequence[EventBatch]) -> tuple[set[int], set[int]]:
+        """Ask the sink to stop delivering ``batches``: (positions delivered, in doubt)."""
+        try:
+            outcome = self.sink.abandon()
+        except Exception:  # a third-party sink breaking the contract: assume nothing arrived
+            log.exception("sink %s: abandon() raised", self.sink.name)
+            outcome = Abandoned()
+        where = {id(b): i for i, b in enumerate(batches)}
+        delivered = {where[id(b)] for b in outcome.delivered if id(b) in where}
+        doubt = {where[id(b)] for b in outcome.in_doubt if id(b) in where} - delivered
+        return delivered, doubt
+
+    async def _give_up(self, chunk: Chunk, batches: Sequence[EventBatch], reason: str) -> None:
+        delivered, doubt = self._abandon(batches)
+        unknown: set[int] = set()
+        if doubt:
+            self._giving_up = (chunk, batches, reason, delivered, doubt)
+            arrived, unknown = await self._resolve(batches, doubt)
+            self._giving_up = None
+            delivered |= arrived
+        self.queue.failed(
+            chunk,
+            reason,
+            self._marker_backoff.next_delay(),
+            delivered=delivered,
+            unknown=unknown,
+        )
+
+    async def _resolve(
+        self, batches: Sequence[EventBatch], doubt: set[int]
+    ) -> tuple[set[int], set[int]]:
+        """Ask the sink which batches in doubt arrived: (arrived, still unknown) positions."""
+        retry = self.policy.retry
+        order = sorted(doubt)
+        asked = [batches[i] for i in order]
+        backoff = Backoff(retry)
+        while True:
+            try:
+                found = await asyncio.wait_for(self.sink.resolve(asked), retry.resolve_timeout_s)
+                if len(found) != len(order):
+                    raise PermanentSinkError("resolve() answered for other batches")
+                arrived = {i for i, ok in zip(order, found, strict=True) if ok}
+                return arrived, set()
+            except asyncio.CancelledError:
+                raise
+            except PermanentSinkError as exc:
+                log.warning("sink %s: cannot tell whether sends arrived: %s", self.sink.name, exc)
+                return set(), doubt
+            except Exception as exc:  # retriable (timeouts included); last_error keeps the cause
+                log.info("sink %s: reading sends in doubt back failed: %r", self.sink.name, exc)
+            await asyncio.sleep(backoff.next_delay())
+
+    def _cancelled(self, chunk: Chunk) -> None:
+        """Close's deadline passed: record the chunk in flight (or being given up)."""
+        if self._giving_up is not None and self._giving_up[0] is chunk:
+            _, _, reason, delivered, doubt = self._giving_up
+            self._giving_up = None
+            self.queue.failed(chunk, reason, 0.0, delivered=delivered, unknown=doubt)
+            return
+        try:
+            batches = _materialized(chunk.batches)
+        except Exception:
+            self.queue.failed(chunk, DropReason.SHUTDOWN, 0.0)
+            return
+        delivered, doubt = self._abandon(batches)
+        self.queue.failed(chunk, DropReason.SHUTDOWN, 0.0, delivered=delivered, unknown=doubt)
 
     async def _attempt(self, batches: Sequence[EventBatch], timeout: float) -> ExportResult:
         sink = self.sink
