@@ -317,7 +317,8 @@ def print_comparison(c: Comparison, out: Console) -> None:
     cols = ["policy"]
     if c.sweep is not None:
         cols.append(c.sweep.param)
-    cols += ["hit ratio", "x ceiling", "TTFT p50", "TTFT p99", "imbalance", "queue p99"]
+    cols += ["hit ratio", "x ceiling", "TTFT p50", "TTFT p90", "TTFT p99", "imbalance"]
+    cols += ["queue p99"]
     cols += ["predicted", "unservable"]
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right")
@@ -330,6 +331,7 @@ def print_comparison(c: Comparison, out: Console) -> None:
                 f"{r.hit_ratio:.3f}",
                 f"{r.hit_ratio / r.ceiling_ratio:.2f}" if r.ceiling_ratio else "-",
                 f"{r.ttft(0.5):.2f} s",
+                f"{r.ttft(0.9):.2f} s",
                 f"{r.ttft(0.99):.2f} s",
                 f"{r.imbalance:.2f}",
                 f"{r.queue(0.99):.2f} s",
