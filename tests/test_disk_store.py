@@ -32,7 +32,14 @@ from kvstream.cache.block_file import (
     verify_payload,
 )
 from kvstream.cache.disk_store import DiskStore
-from kvstream.cache.errors import BlockFileError, StoreError, StoreFullError
+from kvstream.cache.errors import (
+    BlockBufferError,
+    BlockFileError,
+    BlockKeyError,
+    StoreError,
+    StoreFullError,
+)
+from kvstream.errors import ConfigError, KVStreamError
 
 NS = bytes(range(16))
 NS2 = bytes(range(16, 32))
@@ -673,9 +680,28 @@ def test_bad_keys(tmp_path: Path, ns: object, bh: object, exc: type[Exception]) 
             lambda: store.discard(ns, bh),  # type: ignore[arg-type]
             lambda: store.pin(ns, bh),  # type: ignore[arg-type]
         ):
-            with pytest.raises(exc):
+            with pytest.raises(exc) as info:
                 call()
+            # kvstream's own error (the README's promise), still the builtin it was
+            assert isinstance(info.value, BlockKeyError)
+            assert isinstance(info.value, KVStreamError)
         assert list(tmp_path.iterdir()) == []
+    with pytest.raises(BlockKeyError):
+        encode_header(namespace=ns, block_hash=bh, payload=b"")  # type: ignore[arg-type]
+
+
+def test_bad_arguments_are_kvstream_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        DiskStore(tmp_path, capacity_bytes=0)
+    with pytest.raises(ConfigError, match="rescan_interval_s"):
+        DiskStore(tmp_path, capacity_bytes=BIG, rescan_interval_s=-1)
+    with DiskStore(tmp_path, capacity_bytes=BIG) as store:
+        with pytest.raises(BlockBufferError, match="contiguous"):
+            store.put(NS, H8, np.zeros((4, 4), dtype=np.uint8)[:, ::2])
+        with pytest.raises(BlockBufferError, match="writable"):
+            store.get_into(NS, H8, b"read-only")
+        with pytest.raises(BlockKeyError, match="not pinned"):
+            store.unpin(NS, H8)
 
 
 @settings(max_examples=200)

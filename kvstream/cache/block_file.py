@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import xxhash
 
-from kvstream.cache.errors import BlockFileError
+from kvstream.cache.errors import BlockBufferError, BlockFileError, BlockKeyError
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -50,6 +50,7 @@ __all__ = [
     "NAMESPACE_SIZE",
     "BlockHeader",
     "byte_view",
+    "check_key",
     "encode_header",
     "parse_header",
     "payload_hasher",
@@ -80,20 +81,27 @@ class BlockHeader:
 
 def byte_view(buf: BufferLike) -> memoryview:
     """A flat unsigned-byte view of ``buf`` (bytes, bytearray, memoryview, numpy array...),
-    without copying. Raises ``TypeError`` for a buffer that is not C-contiguous."""
+    without copying. Raises BlockBufferError (a TypeError) for a buffer that is not
+    C-contiguous."""
     view = memoryview(cast("Buffer", buf))
     if view.ndim == 1 and view.format == "B":
         return view
     if not view.c_contiguous:
-        raise TypeError("block payload buffers must be C-contiguous")
+        raise BlockBufferError("block payload buffers must be C-contiguous")
     return view.cast("B")
 
 
-def _check_key(namespace: bytes, block_hash: bytes) -> None:
+def check_key(namespace: bytes, block_hash: bytes) -> None:
+    """BlockKeyError unless ``namespace`` is 16 bytes and ``block_hash`` 8 or 32 (``bytes``)."""
+    if not isinstance(namespace, bytes) or not isinstance(block_hash, bytes):
+        raise BlockKeyError(
+            "a block key is (namespace: bytes, block_hash: bytes), got "
+            f"({type(namespace).__name__}, {type(block_hash).__name__})"
+        )
     if len(namespace) != NAMESPACE_SIZE:
-        raise ValueError(f"namespace must be {NAMESPACE_SIZE} bytes, got {len(namespace)}")
+        raise BlockKeyError(f"namespace must be {NAMESPACE_SIZE} bytes, got {len(namespace)}")
     if len(block_hash) not in HASH_LENGTHS:
-        raise ValueError(f"block hash must be 8 or 32 bytes, got {len(block_hash)}")
+        raise BlockKeyError(f"block hash must be 8 or 32 bytes, got {len(block_hash)}")
 
 
 def encode_header(
@@ -107,9 +115,10 @@ def encode_header(
 
     ``payload`` is any C-contiguous buffer; its checksum is computed in place (no copy)
     unless ``checksum`` (a :func:`payload_hasher` digest of it) is given.
-    Raises ``ValueError`` if ``namespace`` is not 16 bytes or ``block_hash`` not 8 or 32.
+    Raises BlockKeyError (a ValueError) if ``namespace`` is not 16 bytes or ``block_hash``
+    not 8 or 32.
     """
-    _check_key(namespace, block_hash)
+    check_key(namespace, block_hash)
     view = byte_view(payload)
     body = _BODY.pack(
         MAGIC,

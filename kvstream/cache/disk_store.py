@@ -46,12 +46,20 @@ from kvstream.cache.block_file import (
     HEADER_SIZE,
     NAMESPACE_SIZE,
     byte_view,
+    check_key,
     encode_header,
     parse_header,
     payload_hasher,
     verify_checksum,
 )
-from kvstream.cache.errors import BlockFileError, StoreError, StoreFullError
+from kvstream.cache.errors import (
+    BlockBufferError,
+    BlockFileError,
+    BlockKeyError,
+    StoreError,
+    StoreFullError,
+)
+from kvstream.errors import ConfigError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -119,9 +127,11 @@ class DiskStore:
     (or with False) temporary names are used and cleaned up by later opens.
     ``put`` rescans the directory when ``rescan_interval_s`` (measured with ``clock``) has
     passed since the last scan, so files written by other processes count toward capacity.
-    Keys are ``(namespace, block_hash)`` bytes: ``TypeError`` for other types, ``ValueError``
-    for a namespace that is not 16 bytes or a hash that is not 8 or 32. After :meth:`close`
-    every method but :meth:`stats` raises ``StoreError``.
+    Keys are ``(namespace, block_hash)`` bytes: BlockKeyError (a KVStreamError that is also
+    a TypeError and a ValueError) for other types, a namespace that is not 16 bytes or a
+    hash that is not 8 or 32; BlockBufferError for a payload buffer that is not
+    C-contiguous or an output buffer that is read-only; ConfigError for bad arguments.
+    After :meth:`close` every method but :meth:`stats` raises ``StoreError``.
     """
 
     def __init__(
@@ -135,9 +145,9 @@ class DiskStore:
         anonymous_temp: bool = True,
     ) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+            raise ConfigError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if rescan_interval_s < 0:
-            raise ValueError(f"rescan_interval_s must be >= 0, got {rescan_interval_s}")
+            raise ConfigError(f"rescan_interval_s must be >= 0, got {rescan_interval_s}")
         self.root = os.path.abspath(os.fspath(root))
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
@@ -168,7 +178,7 @@ class DiskStore:
 
     def path(self, namespace: bytes, block_hash: bytes) -> str:
         """The file that holds (or would hold) this block; always under ``root``."""
-        _check_key(namespace, block_hash)
+        check_key(namespace, block_hash)
         hx = block_hash.hex()
         return f"{self.root}{os.sep}{namespace.hex()}{os.sep}{hx[:2]}{os.sep}{hx}{_SUFFIX}"
 
@@ -379,7 +389,7 @@ class DiskStore:
         key = (namespace, block_hash)
         view = byte_view(out)
         if view.readonly:
-            raise TypeError("get_into needs a writable buffer")
+            raise BlockBufferError("get_into needs a writable buffer")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -455,16 +465,16 @@ class DiskStore:
         """Never evict this block from this process (pins are counted; other processes and
         :meth:`discard` may still remove the file). The block need not exist yet."""
         self._check_open()
-        _check_key(namespace, block_hash)
+        check_key(namespace, block_hash)
         self._pins[(namespace, block_hash)] += 1
 
     def unpin(self, namespace: bytes, block_hash: bytes) -> None:
-        """Undo one :meth:`pin`. ``ValueError`` if the block is not pinned."""
+        """Undo one :meth:`pin`. BlockKeyError (a ValueError) if the block is not pinned."""
         self._check_open()
-        _check_key(namespace, block_hash)
+        check_key(namespace, block_hash)
         key = (namespace, block_hash)
         if key not in self._pins:
-            raise ValueError(f"block {block_hash.hex()} is not pinned")
+            raise BlockKeyError(f"block {block_hash.hex()} is not pinned")
         self._pins[key] -= 1
         if not self._pins[key]:
             del self._pins[key]
@@ -533,18 +543,6 @@ class DiskStore:
         old = self._lru.pop(key, None)
         if old is not None:
             self._used -= old
-
-
-def _check_key(namespace: bytes, block_hash: bytes) -> None:
-    if not isinstance(namespace, bytes) or not isinstance(block_hash, bytes):
-        raise TypeError(
-            "a block key is (namespace: bytes, block_hash: bytes), got "
-            f"({type(namespace).__name__}, {type(block_hash).__name__})"
-        )
-    if len(namespace) != NAMESPACE_SIZE:
-        raise ValueError(f"namespace must be {NAMESPACE_SIZE} bytes, got {len(namespace)}")
-    if len(block_hash) not in HASH_LENGTHS:
-        raise ValueError(f"block hash must be 8 or 32 bytes, got {len(block_hash)}")
 
 
 def _hostname() -> str:

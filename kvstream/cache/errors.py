@@ -13,6 +13,8 @@
         ├── StoreError              the disk block store could not do an operation   (OSError)
         │   ├── StoreFullError      no space left (ENOSPC, EDQUOT, EFBIG): nothing was written
         │   └── BlockFileError      a block file is corrupt, truncated or not the block asked for
+        ├── BlockKeyError           a bad disk-store key           (TypeError, ValueError)
+        ├── BlockBufferError        a block buffer not C-contiguous, or not writable   (TypeError)
         └── CacheInvariantError     internal consistency check failed (a bug in kvstream)
 
 Every operation that raises one of these leaves the manager exactly as it was.
@@ -28,7 +30,9 @@ __all__ = [
     "CacheInvariantError",
     "DuplicateRequestError",
     "KVAccessError",
+    "BlockBufferError",
     "BlockFileError",
+    "BlockKeyError",
     "RequestError",
     "StoreError",
     "StoreFullError",
@@ -111,6 +115,16 @@ class StoreFullError(StoreError):
 class BlockFileError(StoreError):
     """A block file is corrupt: bad magic or version, truncated, a checksum mismatch, or a
     header naming another block or namespace. The store treats it as a miss and removes it."""
+
+
+class BlockKeyError(CacheError, TypeError, ValueError):
+    """A disk-store block key is not ``(namespace: 16 bytes, block_hash: 8 or 32 bytes)`` of
+    type ``bytes``, or :meth:`~kvstream.cache.DiskStore.unpin` names a block that is not
+    pinned. (Also a TypeError and a ValueError, what these raised before.)"""
+
+
+class BlockBufferError(CacheError, TypeError):
+    """A block payload buffer is not C-contiguous, or an output buffer is read-only."""
 
 
 class CacheInvariantError(CacheError):
