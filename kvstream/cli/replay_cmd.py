@@ -178,8 +178,8 @@ def replay(
         typer.echo(json.dumps(out))
     elif single:
         print_result(comparison.results[0], Console())
-    else:
-        print_comparison(comparison, Console())
+    else:  # a wide table: piped into a file it need not fit 80 columns
+        print_comparison(comparison, Console() if sys.stdout.isatty() else Console(width=140))
     if report is not None and not as_json:
         err.print(f"report: {report}", highlight=False)
 
@@ -206,6 +206,7 @@ def _run(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("requests"),
         TimeElapsedColumn(),
         console=console,
         transient=True,
@@ -213,10 +214,14 @@ def _run(
     task = bar.add_task("replaying", total=None)
 
     def on_run(i: int, total: int, label: str) -> None:
-        bar.update(task, completed=i, total=total, description=f"replaying {label}")
+        what = f"replaying {label}" + (f" ({i + 1}/{total})" if total > 1 else "")
+        bar.reset(task, description=what, total=None)
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
 
     with bar:
-        return asyncio.run(run_many(opts, policies, spec, on_run=on_run))
+        return asyncio.run(run_many(opts, policies, spec, on_run=on_run, progress=update))
 
 
 def print_result(r: ReplayResult, out: Console) -> None:
@@ -313,15 +318,18 @@ def print_comparison(c: Comparison, out: Console) -> None:
         f"{o.workers} workers x {o.capacity_blocks:,} blocks of {first.block_size} tokens"
         + (f", sweeping {c.sweep.param}" if c.sweep is not None else "")
     )
-    t = Table(title_justify="left")
+    t = Table(
+        title_justify="left",
+        caption="hit: prefix hit ratio; /ceil: of the ceiling; "
+        "pred: index predicted the reuse; unserv: larger than a worker's cache",
+        caption_justify="left",
+    )
     cols = ["policy"]
     if c.sweep is not None:
         cols.append(c.sweep.param)
-    cols += ["hit ratio", "x ceiling", "TTFT p50", "TTFT p90", "TTFT p99", "imbalance"]
-    cols += ["queue p99"]
-    cols += ["predicted", "unservable"]
+    cols += ["hit", "/ceil", "TTFT p50/p90/p99 s", "imbal", "queue p99 s", "pred", "unserv"]
     for col in cols:
-        t.add_column(col, justify="left" if col == "policy" else "right")
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for value in c.values:
         for r in c.at(value):
             row = [r.policy]
@@ -329,12 +337,10 @@ def print_comparison(c: Comparison, out: Console) -> None:
                 row.append(f"{value:,}")
             row += [
                 f"{r.hit_ratio:.3f}",
-                f"{r.hit_ratio / r.ceiling_ratio:.2f}" if r.ceiling_ratio else "-",
-                f"{r.ttft(0.5):.2f} s",
-                f"{r.ttft(0.9):.2f} s",
-                f"{r.ttft(0.99):.2f} s",
+                f"{r.hit_ratio / r.ceiling_ratio:.0%}" if r.ceiling_ratio else "-",
+                f"{r.ttft(0.5):.2f}/{r.ttft(0.9):.2f}/{r.ttft(0.99):.2f}",
                 f"{r.imbalance:.2f}",
-                f"{r.queue(0.99):.2f} s",
+                f"{r.queue(0.99):.2f}",
                 f"{r.prediction_accuracy:.0%}",
                 f"{r.unservable:,}",
             ]

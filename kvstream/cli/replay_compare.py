@@ -98,9 +98,10 @@ async def run_many(
     sweep: Sweep | None = None,
     *,
     on_run: Callable[[int, int, str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Comparison:
     """Replay ``base``'s trace once per policy (per swept value); ``on_run(i, total,
-    label)`` is called before each run."""
+    label)`` is called before each run, ``progress(done, total)`` as its requests arrive."""
     base.check()
     rows = load_rows(base)
     out = Comparison(base, list(policies), sweep)
@@ -116,5 +117,6 @@ async def run_many(
             if on_run is not None:
                 label = p if sweep is None else f"{p}, {sweep.param}={value}"
                 on_run(len(out.results), total, label)
-            out.results.append(await run_replay(replace(opts, router=p), rows=rows))
+            run = replace(opts, router=p)
+            out.results.append(await run_replay(run, rows=rows, progress=progress))
     return out
