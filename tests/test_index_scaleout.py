@@ -376,6 +376,41 @@ def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None
     assert says in result.output
 
 
+def test_a_shard_that_stops_answering_leaves_its_workers_untrusted() -> None:
+    a = build(_stored("a"), "engine")
+    b = build(_stored("b"), "engine")
+    with served([a, b]) as remotes:
+        fan = ShardedIndex(remotes)
+        strict = ShardedIndex(remotes, tolerate_unavailable=False)
+        assert [m.matched_blocks for m in fan.match(REQUESTS[0])] == [4, 4]
+        dead = RemoteShard("127.0.0.1", remotes[1].port, timeout_s=1)
+        dead.workers()
+    # the servers are gone: `dead` knows b but cannot reach it; a local shard still answers
+    fan = ShardedIndex([a, dead])
+    res = fan.match(REQUESTS[0])
+    assert res.matches[0].matched_blocks == 4
+    gone = res.matches[1]
+    assert gone.worker == WorkerKey("b")
+    assert not gone.trusted
+    assert gone.note.startswith("shard unavailable")
+    assert sharded_router(fan).route(REQUESTS[0]).worker == WorkerKey("a")
+    with pytest.raises(ShardUnavailableError):
+        strict.match(REQUESTS[0])
+
+
+def test_fan_out_reads_every_reply_before_raising() -> None:
+    a = build(_stored("a", algo="v2_sha256_64"), "engine")
+    b = build(_stored("b"), "engine")
+    with served([a, b]) as remotes:
+        fan = ShardedIndex(remotes)
+        with pytest.raises(HashConfigMismatchError):
+            fan.match(REQUESTS[0], hash_algo="blake3_64")
+        # both connections are still in step: the next answers are this request's (a reply
+        # left unread would answer it with the previous request's 4 blocks)
+        res = fan.match(REQUESTS[1])
+        assert [m.matched_blocks for m in res] == [2, 2]
+
+
 @pytest.mark.parametrize(
     "reply",
     [b"[1, 2]", b'{"ok": true, "num_tokens": 3, "matches": [[1]]}', b'{"ok": true}', b"{no"],

@@ -37,9 +37,10 @@ from typing import Any, Final
 from kvstream._types import TokenIds
 from kvstream.errors import ConfigError
 from kvstream.index.consumer import ConsumerReport, IndexConsumer
-from kvstream.index.errors import HashConfigMismatchError, PrefixIndexError
+from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.index import PrefixIndex
 from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
+from kvstream.index.shards import ShardUnavailableError
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RemoteShard", "ShardServer", "ShardUnavailableError", "serve_shard"]
@@ -49,10 +50,6 @@ _LEN: Final = struct.Struct(">I")
 MAX_MESSAGE: Final = 64 << 20
 
 _Worker = WorkerKey | tuple[str, int | None]
-
-
-class ShardUnavailableError(PrefixIndexError):
-    """A remote shard did not answer (refused, timed out, closed) or answered garbage."""
 
 
 # ---------------------------------------------------------------------- encoding

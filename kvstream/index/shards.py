@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvstream.errors import ConfigError
+from kvstream.index.errors import PrefixIndexError
 from kvstream.index.index import PrefixIndex
 from kvstream.index.load import LoadTracker
 from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IndexShard",
+    "ShardUnavailableError",
     "ShardSpec",
     "ShardedIndex",
     "open_group_shard",
@@ -53,6 +55,10 @@ __all__ = [
 ]
 
 _Worker = WorkerKey | tuple[str, int | None]
+
+
+class ShardUnavailableError(PrefixIndexError):
+    """A shard did not answer (refused, timed out, closed) or answered garbage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,20 +166,41 @@ class ShardedIndex:
     ``match()`` sends each shard only the candidates it holds and puts the answers back in
     candidate order; a candidate no shard holds is reported as an unknown worker, one held by
     several shards as untrusted (note ``held by shards i, j``). Errors a shard raises (e.g.
-    HashConfigMismatchError) propagate. Reads only: shards keep being fed by their consumers.
+    HashConfigMismatchError) propagate, after every other shard's answer was read.
+
+    A shard that does not answer (:class:`ShardUnavailableError`) does not stop the others:
+    with ``tolerate_unavailable`` (the default) its workers, as it last listed them, are
+    matched as untrusted (note ``shard unavailable: ...``), so a router still routes, without
+    counting on their caches; otherwise the error propagates. Reads only: shards keep being
+    fed by their consumers.
     """
 
-    def __init__(self, shards: Sequence[IndexShard]) -> None:
+    def __init__(self, shards: Sequence[IndexShard], *, tolerate_unavailable: bool = True) -> None:
         if not shards:
             raise ConfigError("a sharded index needs at least one shard")
         self.shards = list(shards)
+        self.tolerate_unavailable = tolerate_unavailable
+        self._down: dict[int, str] = {}  # shard -> why it did not answer (this call)
+        self._last: list[list[WorkerKey]] = [[] for _ in self.shards]
         # the placement as of the shards' last answers, recomputed only when one changes
         self._seen: list[list[WorkerKey]] | None = None
         self._owners: dict[WorkerKey, list[int]] = {}
         self._sorted: list[WorkerKey] = []
 
+    def _unavailable(self, i: int, exc: ShardUnavailableError) -> None:
+        if not self.tolerate_unavailable:
+            raise exc
+        self._down[i] = str(exc)
+
     def _placement(self) -> tuple[dict[WorkerKey, list[int]], list[WorkerKey]]:
-        lists = [shard.workers() for shard in self.shards]
+        self._down = {}
+        lists = []
+        for i, shard in enumerate(self.shards):
+            try:
+                self._last[i] = shard.workers()
+            except ShardUnavailableError as exc:
+                self._unavailable(i, exc)  # keep its last list: its workers stay known
+            lists.append(self._last[i])
         if lists != self._seen:
             out: dict[WorkerKey, list[int]] = {}
             for i, ws in enumerate(lists):
@@ -223,18 +250,7 @@ class ShardedIndex:
             "hash_algo": hash_algo,
             "tokens_per_block": tokens_per_block,
         }
-        # remote shards get their requests first and work in parallel with the local ones
-        pending: list[Callable[[], MatchResult]] = []
-        for i, subset in per_shard.items():
-            submit = getattr(self.shards[i], "submit_match", None)
-            if submit is not None:
-                pending.append(submit(tokens, workers=subset, **args))
-        results = [
-            self.shards[i].match(tokens, workers=subset, **args)
-            for i, subset in per_shard.items()
-            if not hasattr(self.shards[i], "submit_match")
-        ]
-        results += [wait() for wait in pending]
+        results = self._fan_out(tokens, per_shard, args)
         found: dict[WorkerKey, WorkerMatch] = {}
         num_tokens: int | None = None
         for res in results:
@@ -248,14 +264,52 @@ class ShardedIndex:
             got = found.get(w)
             if got is None:
                 held = owners.get(w)
-                note = (
-                    "unknown worker"
-                    if held is None
-                    else "held by shards " + ", ".join(map(str, held))
-                )
+                if held is None:
+                    note = "unknown worker"
+                elif len(held) > 1:
+                    note = "held by shards " + ", ".join(map(str, held))
+                else:
+                    note = f"shard unavailable: {self._down.get(held[0], '')}"
                 got = WorkerMatch(w, 0, 0.0, 0, None, None, False, note)
             out.append(got)
         return MatchResult(tuple(out), num_tokens)
+
+    def _fan_out(
+        self, tokens: Any, per_shard: dict[int, list[WorkerKey]], args: dict[str, Any]
+    ) -> list[MatchResult]:
+        """Every shard's answer for its candidates. Remote shards get their requests first
+        and work in parallel with the local ones; every reply is read before an error is
+        raised (a reply left unread would answer the connection's next request)."""
+        pending: list[tuple[int, Callable[[], MatchResult]]] = []
+        results: list[MatchResult] = []
+        error: BaseException | None = None
+        for i, subset in per_shard.items():
+            if i in self._down:
+                continue
+            submit = getattr(self.shards[i], "submit_match", None)
+            if submit is None:
+                continue
+            try:
+                pending.append((i, submit(tokens, workers=subset, **args)))
+            except ShardUnavailableError as exc:
+                self._down[i] = str(exc)
+                error = error or (None if self.tolerate_unavailable else exc)
+        calls = [
+            (i, lambda i=i, subset=subset: self.shards[i].match(tokens, workers=subset, **args))
+            for i, subset in per_shard.items()
+            if i not in self._down and not hasattr(self.shards[i], "submit_match")
+        ]
+        for i, call in [*calls, *pending]:
+            try:
+                results.append(call())
+            except ShardUnavailableError as exc:
+                self._down[i] = str(exc)
+                error = error or (None if self.tolerate_unavailable else exc)
+            except Exception as exc:  # re-raised once every reply is read
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
 
 def sharded_router(
