@@ -95,6 +95,11 @@ def test_modelled_ttft_is_queue_wait_plus_uncached_prefill(tmp_path: Path) -> No
     r = replay(trace=trace, workers=1, capacity_blocks=64, prefill_tokens_per_s=100.0)
     # 1: nothing cached; 2: waits for 1's prefill (11 s); 3: reuses 2 full blocks
     assert r.queue_s == pytest.approx([0.0, 11.0, 0.0])
+    assert [(x.index, x.queue_s, x.hit_blocks) for x in r.per_request] == [
+        (0, 0.0, 0),
+        (1, pytest.approx(11.0), 0),
+        (2, 0.0, 2),
+    ]
     assert r.ttft_s == pytest.approx([11.0, 17.0, (1100 - 1024) / 100.0])
     assert r.hit_blocks == 2
     assert r.ceiling_blocks == 2

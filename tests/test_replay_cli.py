@@ -161,3 +161,18 @@ def test_report_renders_in_a_headless_browser(report: Path, tmp_path: Path) -> N
     for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
         near = (abs(rgb - colour).sum(axis=-1) < 40).sum()
         assert near > 200, colour
+
+
+def test_requests_out_writes_every_served_request(tmp_path: Path) -> None:
+    out = tmp_path / "requests.jsonl"
+    summary = json.loads(
+        run(*SMALL, "--compare", "kv,round_robin", "--requests-out", str(out), "--json")
+    )
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    for policy, r in zip(("kv", "round-robin"), summary["runs"], strict=True):
+        mine = [x for x in lines if x["policy"] == policy]
+        assert len(mine) == r["requests"]
+        assert sorted(x["index"] for x in mine) == list(range(r["requests"]))
+        assert sum(x["hit_blocks"] for x in mine) == r["hit_blocks"]
+        assert all(x["ttft_s"] >= x["queue_s"] >= 0 for x in mine)
+        assert {x["worker"] for x in mine} <= set(range(3))

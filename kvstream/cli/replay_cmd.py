@@ -73,6 +73,13 @@ def replay(
             "pip install 'kvstream[report]').",
         ),
     ] = None,
+    requests_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write every served request as JSON Lines: policy, trace row, worker, "
+            "arrival, queue_s, ttft_s, prompt and reused blocks.",
+        ),
+    ] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", "-n", min=1, help="Replay only the first N rows.")
     ] = None,
@@ -166,6 +173,8 @@ def replay(
             from kvstream.cli.replay_report import write_report
 
             write_report(comparison, report)
+        if requests_out is not None:
+            _write_requests(comparison, requests_out)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -222,6 +231,15 @@ def _run(
 
     with bar:
         return asyncio.run(run_many(opts, policies, spec, on_run=on_run, progress=update))
+
+
+def _write_requests(c: Comparison, path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for r in c.results:
+            o = r.options
+            head = {"policy": r.policy, "workers": o.workers, "capacity_blocks": o.capacity_blocks}
+            for rec in r.per_request:
+                f.write(json.dumps({**head, **rec.as_dict()}) + "\n")
 
 
 def print_result(r: ReplayResult, out: Console) -> None:

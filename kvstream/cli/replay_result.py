@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvstream.cli.replay_run import ReplayOptions
 
-__all__ = ["LoadSample", "ReplayResult", "WorkerSummary", "quantile"]
+__all__ = ["LoadSample", "ReplayResult", "RequestRecord", "WorkerSummary", "quantile"]
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -59,6 +59,33 @@ class LoadSample:
     waiting: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One served request: its trace row (``index``, arrival order), the worker it ran on,
+    its arrival, queueing delay and modelled time to first token (simulated seconds), and
+    its prompt blocks and the blocks it reused."""
+
+    index: int
+    worker: int
+    arrival_s: float
+    queue_s: float
+    ttft_s: float
+    prompt_blocks: int
+    hit_blocks: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form (times rounded to microseconds)."""
+        return {
+            "index": self.index,
+            "worker": self.worker,
+            "arrival_s": round(self.arrival_s, 6),
+            "queue_s": round(self.queue_s, 6),
+            "ttft_s": round(self.ttft_s, 6),
+            "prompt_blocks": self.prompt_blocks,
+            "hit_blocks": self.hit_blocks,
+        }
+
+
 @dataclass
 class ReplayResult:
     """Everything a replay measured (see the module docstring for the counting)."""
@@ -85,6 +112,7 @@ class ReplayResult:
     simulated_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list, repr=False)
     queue_s: list[float] = field(default_factory=list, repr=False)
+    per_request: list[RequestRecord] = field(default_factory=list, repr=False)
     workers: list[WorkerSummary] = field(default_factory=list)
     timeline: list[LoadSample] = field(default_factory=list, repr=False)
     router_signals: dict[str, float] = field(default_factory=dict)

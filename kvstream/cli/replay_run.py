@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstream.cache import CacheConfig, CacheFullError, KVCacheManager, LayerGroupSpec
-from kvstream.cli.replay_result import LoadSample, ReplayResult, WorkerSummary
+from kvstream.cli.replay_result import LoadSample, ReplayResult, RequestRecord, WorkerSummary
 from kvstream.cli.replay_transport import Transport
 from kvstream.errors import ConfigError
 from kvstream.events.model import SourceId
@@ -418,6 +418,17 @@ class _Replay:
             self.busy[w] = first
             result.queue_s.append(start - req.arrival)
             result.ttft_s.append(first - req.arrival)
+            result.per_request.append(
+                RequestRecord(
+                    req.row.index,
+                    w,
+                    req.arrival,
+                    start - req.arrival,
+                    first - req.arrival,
+                    req.blocks,
+                    hit,
+                )
+            )
             self.running[w] += 1
             self.seq += 1
             heapq.heappush(self.heap, (first, self.seq, _FIRST_TOKEN, req))
