@@ -516,7 +516,7 @@ msg_capacity(const chain_cfg *cfg, Py_ssize_t n)
 {
     size_t tail = (size_t)(cfg->tail_len > cfg->first_tail_len ? cfg->tail_len
                                                                  : cfg->first_tail_len);
-    return 3 + KEY_LEN + 9 + 5 * (size_t)n + tail + 72;
+    return 3 + KEY_LEN + 9 + 5 * (size_t)n + 8 + tail + 72;
 }
 
 /* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i. msg: scratch buffer of
@@ -543,13 +543,29 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             q += 3 + KEY_LEN;
             q += cbor_head(q, 4, (uint32_t)n);
             for (i = 0; i < n; i++) {
-                /* branchless (token sizes are unpredictable): the head byte, then the
-                 * argument's 0, 1, 2 or 4 big-endian bytes from one 4-byte store */
-                uint32_t v = load_le32(t + 4 * i);
-                unsigned k1 = v >= 24, k2 = v >= 0x100, k3 = v >= 0x10000;
-                unsigned extra = k1 + k2 + 2 * k3;
-                q[0] = (unsigned char)(k1 ? 0x17 + k1 + k2 + k3 : v);
-                store_be32(q + 1, (uint32_t)((uint64_t)v << (32 - 8 * extra)));
+                /* branchless (token sizes are unpredictable): head byte and the argument's
+                 * 0, 1, 2 or 4 big-endian bytes as one 8-byte store (the buffer has room),
+                 * whose garbage tail the next token overwrites */
+                uint32_t v;
+                uint64_t word;
+                unsigned k1, k2, k3, extra, headb;
+                memcpy(&v, t + 4 * i, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+                v = __builtin_bswap32(v);
+#endif
+                k1 = v >= 24;
+                k2 = v >= 0x100;
+                k3 = v >= 0x10000;
+                extra = k1 + k2 + 2 * k3;
+                headb = k1 ? 0x17 + k1 + k2 + k3 : v;
+                /* bytes in memory order: head, then the argument big-endian, left-aligned */
+                word = (uint64_t)headb |
+                       ((uint64_t)__builtin_bswap32((uint32_t)((uint64_t)v << (32 - 8 * extra)))
+                        << 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+                word = __builtin_bswap64(word);
+#endif
+                memcpy(q, &word, 8);
                 q += 1 + extra;
             }
             memcpy(q, tail, (size_t)tail_len);
