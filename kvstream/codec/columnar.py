@@ -82,6 +82,8 @@ _KIND_CODE: Final = {
     "LOST": LOST,
 }
 _PAYLOADS: Final = ("created", "stored", "removed", "updated", "lost")
+#: Per kind code, the payload fields that must be null.
+_OTHERS: Final = tuple(tuple(p for p in _PAYLOADS if p != name) for name in KIND_NAMES)
 _ATTENTION: Final = {
     "FULL_ATTENTION": AttentionKind.FULL.value,
     "SLIDING_WINDOW": AttentionKind.SLIDING_WINDOW.value,
@@ -276,6 +278,10 @@ def _split(data: bytes, count: int, where: str) -> list[bytes]:
     return [data[i : i + width] for i in range(0, len(data), width)]
 
 
+#: The hash width every known algorithm publishes (a hit skips :func:`_check_width`).
+_WIDTH_OK: Final = dict(BLOCK_HASH_WIDTHS)
+
+
 def _check_width(algo: str, width: int, where: str) -> None:
     want = BLOCK_HASH_WIDTHS.get(algo)
     if want is None:
@@ -312,42 +318,84 @@ def _check_sparse(entries: Sequence[Mapping[str, Any]], n: int, where: str, stri
 
 
 def _stored(
-    rec: Mapping[str, Any], algo: str, pos: int, n_tokens: int, where: str
+    rec: Mapping[str, Any], algo: str, pos: int, n_tokens: int, i: int
 ) -> tuple[tuple[Any, ...], int]:
-    """The stored payload and the token position after its blocks."""
+    """The stored payload of event ``i`` and the token position after its blocks."""
+    get = rec.get
     n = rec["block_count"]
-    hashes = _split(rec["block_hashes"], n, where)
-    width = len(hashes[0])
-    sizes = _column(rec, "block_sizes", n, where)
+    data = rec["block_hashes"]
+    if n < 1 or len(data) % n or not data or len(data) > n * _MAX_HASH:
+        _split(data, n, f"events[{i}].stored")  # raises, saying why
+    width = len(data) // n
+    hashes = [data] if n == 1 else [data[k : k + width] for k in range(0, len(data), width)]
+    sizes = get("block_sizes")
     if sizes is None:
-        first = rec["block_size"] if n > 1 else rec["last_block_size"]
         last = rec["last_block_size"]
-        low = min(first, last)
+        first = rec["block_size"] if n > 1 else last
+        low = first if first < last else last
         used = first * (n - 1) + last
     else:
+        if len(sizes) != n:
+            raise DecodeError(
+                f"events[{i}].stored.block_sizes has {len(sizes)} entries for {n} blocks"
+            )
         first = sizes[0]
         low = min(sizes)
         used = sum(sizes)
     if low < 0:
-        raise DecodeError(f"{where}: negative block token count {low}")
+        raise DecodeError(f"events[{i}].stored: negative block token count {low}")
     end = pos + used
     if end > n_tokens:
         raise DecodeError(
-            f"{where}: blocks need more token ids than the batch's TokenPack holds ({n_tokens})"
+            f"events[{i}].stored: blocks need more token ids than the batch's TokenPack holds "
+            f"({n_tokens})"
         )
-    levels = _column(rec, "cache_levels", n, where)
+    levels = get("cache_levels")
     level: int | list[int]
     if levels is None:
-        level = _int_range(rec.get("cache_level", 0), 0, _I32_MAX, f"{where}.cache_level")
+        level = get("cache_level", 0)
+        if type(level) is not int or not 0 <= level <= _I32_MAX:
+            _int_range(level, 0, _I32_MAX, f"events[{i}].stored.cache_level")
     else:
+        where = f"events[{i}].stored"
+        levels = _column(rec, "cache_levels", n, where)
+        assert levels is not None
         for v in levels:
             _int_range(v, 0, _I32_MAX, f"{where}.cache_levels")
         level = levels[0] if levels.count(levels[0]) == n else levels
-    prios = _column(rec, "priorities", n, where)
-    for v in prios if prios is not None else (rec.get("priority", 35),):
-        _int_range(v, 0, PRIORITY_MAX, f"{where}.priority")
-    for many in ("lora_ids", "lora_names", "cache_salts"):
-        _column(rec, many, n, where)
+    prios = get("priorities")
+    if prios is None:
+        prio = get("priority", 35)
+        if type(prio) is not int or not 0 <= prio <= PRIORITY_MAX:
+            _int_range(prio, 0, PRIORITY_MAX, f"events[{i}].stored.priority")
+    else:
+        prios = _column(rec, "priorities", n, f"events[{i}].stored")
+        for v in prios or ():
+            _int_range(v, 0, PRIORITY_MAX, f"events[{i}].stored.priority")
+    if (
+        get("lora_ids") is not None
+        or get("lora_names") is not None
+        or get("cache_salts") is not None
+    ):
+        for many in ("lora_ids", "lora_names", "cache_salts"):
+            _column(rec, many, n, f"events[{i}].stored")
+    if get("mm_keys") or get("token_extra_ids") or get("extra_keys"):
+        _sparse_columns(rec, n, sizes, first, f"events[{i}].stored")
+    parent = rec["parent_hash"]
+    if parent is not None and len(parent) != width:
+        raise DecodeError(
+            f"events[{i}].stored: parent_hash has {len(parent)} bytes, block hashes {width}"
+        )
+    if _WIDTH_OK.get(algo) != width:
+        _check_width(algo, width, f"events[{i}].stored")
+    return (parent, hashes, level, first), end
+
+
+def _sparse_columns(
+    rec: Mapping[str, Any], n: int, sizes: Sequence[int] | None, first: int, where: str
+) -> None:
+    """Check the sparse per-block arrays: multimodal keys, extra token ids, extra keys."""
+    last = rec["last_block_size"]
     mm = rec.get("mm_keys", ())
     if mm:
         _check_sparse(mm, n, f"{where}.mm_keys", False)
@@ -369,11 +417,6 @@ def _stored(
     extra = rec.get("extra_keys", ())
     if extra:
         _check_sparse(extra, n, f"{where}.extra_keys", True)
-    parent = rec["parent_hash"]
-    if parent is not None and len(parent) != width:
-        raise DecodeError(f"{where}: parent_hash has {len(parent)} bytes, block hashes {width}")
-    _check_width(algo, width, where)
-    return (parent, hashes, level, first), end
 
 
 def _diff(rec: Mapping[str, Any] | None, hi: int, where: str) -> tuple[int, int] | None:
@@ -439,28 +482,28 @@ def _record_columns(
         if kind == "UNKNOWN":
             skipped.append(SkippedEvent(eid, kind, "event kind unknown to this reader"))
             continue
-        where = f"events[{i}]"
         if kind in STORED_KINDS:
             if kind != packed_kind:
                 raise DecodeError(
-                    f"{where}: kind {kind} in a batch whose token ids call for {packed_kind}"
+                    f"events[{i}]: kind {kind} in a batch whose token ids call for {packed_kind}"
                 )
             kind = "STORED"
         code = kind_code.get(kind)
         if code is None:
-            raise DecodeError(f"{where}: unknown event kind symbol {kind!r}")
+            raise DecodeError(f"events[{i}]: unknown event kind symbol {kind!r}")
         name = KIND_NAMES[code]
-        for other in _PAYLOADS:
-            if other != name and ev.get(other) is not None:
-                raise DecodeError(f"{where}: kind {kind} but the '{other}' payload is set")
-        rec = ev.get(name) if code != CLEARED else None
+        get = ev.get
+        rec = get(name) if code != CLEARED else None
+        for other in _OTHERS[code]:
+            if get(other) is not None:
+                raise DecodeError(f"events[{i}]: kind {kind} but the '{other}' payload is set")
         if rec is None and code != CLEARED:
-            raise DecodeError(f"{where}: kind {kind} but its '{name}' payload is null")
-        where = f"{where}.{name}"
-        algo = ev.get("hash_algo", DEFAULT_HASH_ALGO)
+            raise DecodeError(f"events[{i}]: kind {kind} but its '{name}' payload is null")
+        where = f"events[{i}].{name}"
+        algo = get("hash_algo", DEFAULT_HASH_ALGO)
         payload: Any
         if code == STORED:
-            payload, pos = _stored(rec, algo, pos, n_tokens, where)  # type: ignore[arg-type]
+            payload, pos = _stored(rec, algo, pos, n_tokens, i)  # type: ignore[arg-type]
         elif code == REMOVED:
             hashes = _split(rec["block_hashes"], rec["block_count"], where)  # type: ignore[index]
             lv = rec.get("cache_level")  # type: ignore[union-attr]
@@ -512,13 +555,22 @@ def _record_columns(
             payload = (first, count, reason)
         else:
             payload = None
-        _int_range(eid, 0, _I64_MAX, f"{where[: where.index(']') + 1]}.event_id")
-        if not 1 <= len(algo) <= 64:
-            raise _bad(f"events[{i}].hash_algo", f"must have 1..64 characters, got {len(algo)}")
-        gid = ev.get("layer_group_id", 0)
-        _int_range(gid, 0, _I32_MAX, f"events[{i}].layer_group_id")
+        gid = get("layer_group_id", 0)
         window = ev["window_size"]
-        _int_range(window, 1, _I64_MAX, f"events[{i}].window_size")
+        if not (
+            type(eid) is int
+            and 0 <= eid <= _I64_MAX
+            and 1 <= len(algo) <= 64
+            and type(gid) is int
+            and 0 <= gid <= _I32_MAX
+            and type(window) is int
+            and 1 <= window <= _I64_MAX
+        ):
+            _int_range(eid, 0, _I64_MAX, f"events[{i}].event_id")
+            if not 1 <= len(algo) <= 64:
+                raise _bad(f"events[{i}].hash_algo", f"must have 1..64 characters, got {len(algo)}")
+            _int_range(gid, 0, _I32_MAX, f"events[{i}].layer_group_id")
+            _int_range(window, 1, _I64_MAX, f"events[{i}].window_size")
         ids.append(eid)
         kinds.append(code)
         algos.append(algo)
