@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from kvstream.cli.main import app
+from kvstream import EVENT_SCHEMA_VERSION
+from kvstream.cli.main import COMMANDS, app, load_command
+from kvstream.events.model import CURRENT_SCHEMA_VERSION
 
 DATA = Path(__file__).parent / "data"
-SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ROOT / "schemas"
 runner = CliRunner()
 
 
@@ -25,7 +31,7 @@ def test_help_lists_commands() -> None:
 def test_version() -> None:
     result = runner.invoke(app, ["version"])
     assert result.exit_code == 0
-    assert "schema v3" in result.output
+    assert f"schema v{CURRENT_SCHEMA_VERSION}" in result.output
 
 
 def test_hash_matches_reference_vector() -> None:
@@ -110,3 +116,65 @@ def test_dump_missing_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["events", "dump", str(tmp_path / "nope.avro")])
     assert result.exit_code == 2
     assert "no such file" in result.output
+
+
+# ------------------------------------------------------------------------------ start-up
+
+HEAVY = (
+    "torch",
+    "numpy",
+    "kvstream.cache",
+    "kvstream.codec",
+    "kvstream.events",
+    "kvstream.index",
+    "kvstream.pipeline",
+    "kvstream.engines",
+    "kvstream.sinks",
+    "asyncio",
+)
+
+
+def _loaded_after(argv: list[str]) -> list[str]:
+    """The heavy modules loaded by running the console entry point with ``argv``."""
+    code = (
+        "import sys\n"
+        f"sys.argv = ['kvstream', *{argv!r}]\n"
+        "from kvstream.cli.main import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    loaded: list[str] = json.loads(out.stdout.strip().splitlines()[-1].replace("'", '"'))
+    return loaded
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["version"], ["hash", "--help"]])
+def test_help_and_version_import_nothing_heavy(argv: list[str]) -> None:
+    """Commands are imported when they run, so ``kvstream --help`` and ``kvstream version``
+    load no torch, numpy, event model, codec, index, pipeline, cache or engine module
+    (benchmarks/bench_cli_start.py times them). (typer itself loads pydantic and rich.)"""
+    assert _loaded_after(argv) == []
+
+
+def test_a_command_still_runs_and_loads_what_it_needs() -> None:
+    assert "kvstream.codec" in _loaded_after(["schema", "show", "--list"])
+
+
+def test_the_listed_help_is_each_commands_own() -> None:
+    """``kvstream --help`` lists commands from a table (without importing them): it must
+    say what each command's own help says."""
+    for name, entry in COMMANDS.items():
+        cmd = load_command(name)
+        own = " ".join((cmd.help or "").split("\n\n")[0].split())
+        assert entry.help == own, name
+        result = runner.invoke(app, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+
+
+def test_the_light_schema_version_matches_the_model() -> None:
+    assert EVENT_SCHEMA_VERSION == CURRENT_SCHEMA_VERSION

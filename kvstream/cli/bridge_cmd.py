@@ -7,7 +7,6 @@ failed or batches were dropped; 2 bad arguments.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import time
@@ -103,6 +102,8 @@ def bridge(
     Kafka to NVIDIA Dynamo / llm-d (vLLM's wire format):
     kvstream bridge kafka://broker:9092/kv -s "vllm://0.0.0.0:5600?replay=5601"
     """
+    import asyncio
+
     from rich.console import Console
 
     from kvstream.cli.bridge_run import BridgeOptions
@@ -161,6 +162,8 @@ def _pipeline_config(path: Path | None, overflow: str | None) -> PipelineConfig:
 
 
 async def _run(opts: BridgeOptions, err: Console, *, show_progress: bool) -> BridgeResult:
+    import asyncio
+
     from rich.live import Live
     from rich.text import Text
 

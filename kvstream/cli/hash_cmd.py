@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 import typer
 
-from kvstream._types import hash_to_hex, hash_to_int
 from kvstream.errors import KVStreamError
 
 
@@ -70,6 +69,7 @@ def hash_tokens(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the chained block hashes of TOKENS (one line per block: index, tokens, hash)."""
+    from kvstream._types import hash_to_hex, hash_to_int
     from kvstream.hashing import get_hasher, split_blocks
 
     params = _params(param or [], seed)

@@ -3,33 +3,34 @@
 Register with ``app.command("index")(index_cmd.index)``. Exit codes: 0 done; 1 the stream
 could not be read; 2 bad arguments (unreadable query file, hash configuration mismatch,
 unreadable snapshot).
+
+The index, the sources and rich are imported inside the command, so ``kvstream --help``
+and the other commands do not pay for them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from kvstream.errors import ConfigError, KVStreamError
-from kvstream.index import (
-    EventSource,
-    HashConfigMismatchError,
-    HashRequest,
-    IndexConsumer,
-    KeyMode,
-    MatchResult,
-    PrefixIndex,
-    SnapshotError,
-    open_source,
-)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvstream.index import (
+        EventSource,
+        HashRequest,
+        IndexConsumer,
+        KeyMode,
+        MatchResult,
+        PrefixIndex,
+    )
 
 __all__ = ["index"]
 
@@ -51,6 +52,8 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def _load_queries(path: Path) -> list[_Query]:
+    from kvstream.index import HashRequest
+
     out = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -131,6 +134,12 @@ def index(
 ) -> None:
     """Build a prefix index from a KV-event stream, then print per-worker matches for the
     queries (and the state of every worker)."""
+    import asyncio
+
+    from rich.console import Console
+
+    from kvstream.index import HashConfigMismatchError, HashRequest, KeyMode, SnapshotError
+
     err = Console(stderr=True)
     try:
         qs = [_Query(_parse_tokens(q), HashRequest()) for q in query or []]
@@ -170,6 +179,8 @@ def _consumer(
     block_size: int | None,
     key_mode: KeyMode,
 ) -> IndexConsumer:
+    from kvstream.index import IndexConsumer, PrefixIndex, open_source
+
     def make(ckpt: dict[str, Any] | None) -> EventSource:
         kw: dict[str, Any] = {}
         if stream.startswith("kafka://"):
@@ -250,6 +261,8 @@ def _print(
     results: list[MatchResult],
     out: Console,
 ) -> None:
+    from rich.table import Table
+
     idx = consumer.index
     st = idx.stats()
     src = consumer.source.stats
