@@ -23,7 +23,7 @@ from kvstream.codec.binary import encode_long
 from kvstream.codec.container import CODECS, DEFAULT_CODEC
 from kvstream.codec.records import batch_to_record
 from kvstream.codec.samples import sample_batches
-from kvstream.codec.schemas import schema_dir
+from kvstream.codec.schemas import CURRENT_VERSION, schema_dir
 from kvstream.errors import DecodeError, EncodeError
 from kvstream.events.model import EventBatch
 
@@ -42,7 +42,7 @@ def test_plain_fastavro_reads_our_files(tmp_path: Path, codec: str) -> None:
         reader = fastavro.reader(fo)
         records = list(reader)
         assert reader.metadata["avro.codec"] == codec
-        assert reader.metadata["kvstream.schema_version"] == "3"
+        assert reader.metadata["kvstream.schema_version"] == str(CURRENT_VERSION)
     assert len(records) == 50
     assert [len(r["events"]) for r in records[:3]] == [len(b.events) for b in SAMPLES]
     assert list(read_container(path)) == _many(50)
@@ -74,7 +74,7 @@ def test_v1_files_and_reader_details(tmp_path: Path) -> None:
 
 def test_files_written_by_plain_fastavro_are_readable(tmp_path: Path) -> None:
     path = tmp_path / "foreign.avro"
-    for version in (1, 2, 3):
+    for version in (1, 2, 3, CURRENT_VERSION):
         info = schema_registry().get(version)
         records = [batch_to_record(b, version, lossy=True) for b in SAMPLES]
         with path.open("wb") as fo:
@@ -91,12 +91,12 @@ def test_append_reuses_header(tmp_path: Path) -> None:
         w.write_many(_many(3))
     with ContainerWriter(path) as w:
         assert w.codec == "deflate"
-        assert w.schema_version == 3
+        assert w.schema_version == CURRENT_VERSION
         w.write_many(_many(4))
     assert list(read_container(path)) == _many(3) + _many(4)
     with path.open("rb") as fo:
         assert len(list(fastavro.reader(fo))) == 7
-    with pytest.raises(EncodeError, match="v1 batches to a v3 file"):
+    with pytest.raises(EncodeError, match=f"v1 batches to a v{CURRENT_VERSION} file"):
         ContainerWriter(path, schema_version=1)
     with pytest.raises(EncodeError, match="codec 'null'"):
         ContainerWriter(path, codec="null")
@@ -190,7 +190,7 @@ def test_torn_header_and_empty_files() -> None:
             read_container(io.BytesIO(data[:cut]))
     reader = read_container(io.BytesIO(data))
     assert list(reader) == []
-    assert reader.writer_version == 3
+    assert reader.writer_version == CURRENT_VERSION
 
 
 def test_not_a_container() -> None:

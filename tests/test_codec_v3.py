@@ -27,7 +27,7 @@ from kvstream.events.model import (
     Updated,
 )
 
-CODEC = AvroCodec()
+CODEC = AvroCodec(3)  # this module is about schema v3 itself
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V3 = schema_registry().get(3)
 
@@ -40,6 +40,7 @@ def _batch(*extra_keys: tuple[ExtraKey, ...] | None, event_id: int = 7) -> Event
     return EventBatch(
         source=SourceId(instance_id="w"),
         ts_ns=0,
+        schema_version=3,
         events=(KVCacheEvent(event_id=event_id, window_size=16, data=Stored(blocks=blocks)),),
     )
 
@@ -220,10 +221,11 @@ def test_v1_reader_of_v3_data(batch: EventBatch) -> None:
 @given(batches(max_events=4))
 def test_v3_container_round_trip_and_plain_fastavro(batch: EventBatch) -> None:
     buf = io.BytesIO()
-    write_container(buf, [batch, batch], codec="deflate")
+    write_container(buf, [batch, batch], codec="deflate", schema_version=3)
     buf.seek(0)
     reader = read_container(buf)
-    assert list(reader) == [batch, batch]
+    v3 = batch.model_copy(update={"schema_version": 3})
+    assert list(reader) == [v3, v3]
     assert reader.writer_version == 3
     buf.seek(0)
     assert len(list(fastavro.reader(buf))) == 2

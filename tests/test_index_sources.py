@@ -14,7 +14,7 @@ from kvstream.sinks.file import FileSink
 from kvstream.sinks.memory import MemorySink
 
 from kvstream.codec import ContainerWriter
-from kvstream.events.model import EventBatch
+from kvstream.events.model import CURRENT_SCHEMA_VERSION, EventBatch
 from kvstream.index import (
     FileSource,
     IndexConsumer,
@@ -47,7 +47,10 @@ def reference(batches: list[EventBatch], **kw: object) -> PrefixIndex:
 
 
 def write_blocks(
-    path: Path, batches: list[EventBatch], per_block: int = 2, version: int = 3
+    path: Path,
+    batches: list[EventBatch],
+    per_block: int = 2,
+    version: int = CURRENT_SCHEMA_VERSION,
 ) -> list[int]:
     """A container file with ``per_block`` batches per block; returns each block's end."""
     ends = []
@@ -72,7 +75,7 @@ async def drain(
     return out
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 async def test_file_source_reads_every_schema_version(tmp_path: Path, version: int) -> None:
     algo = "v1_block_key" if version == 1 else "v2_sha256_64"
     stream = worker_stream(algo=algo)

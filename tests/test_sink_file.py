@@ -16,7 +16,7 @@ from pipeline_helpers import batches_for, check_contiguous, source, stream_ids
 
 from kvstream.clock import ManualClock
 from kvstream.errors import DecodeError, PermanentSinkError
-from kvstream.events.model import EventBatch
+from kvstream.events.model import CURRENT_SCHEMA_VERSION, EventBatch
 from kvstream.pipeline import Pipeline, PipelineConfig
 from kvstream.sink import ExportStatus
 
@@ -41,7 +41,7 @@ async def test_files_are_plain_avro_containers(tmp_path: Path) -> None:
         reader = fastavro.reader(fh)
         records = list(reader)
         assert reader.metadata["avro.codec"] == "deflate"
-        assert reader.metadata["kvstream.schema_version"] == "3"
+        assert reader.metadata["kvstream.schema_version"] == str(CURRENT_SCHEMA_VERSION)
     assert len(records) == 10
     assert list(read_dir(tmp_path, tolerate_torn_tail=False)) == batches
 

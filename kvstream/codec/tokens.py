@@ -139,7 +139,9 @@ def pack_tokens(raw: bytes) -> PackedTokens:
     return PackedTokens(len(raw) >> 2, k, low, planes)
 
 
-def unpack_tokens(count: int, high_bits: int, low16: bytes, high_planes: bytes) -> bytes:
+def unpack_tokens(
+    count: int, high_bits: int, low16: bytes | memoryview, high_planes: bytes | memoryview
+) -> bytes:
     """The ids of bit-plane fields as little-endian uint32 bytes (``4 * count`` bytes).
 
     Raises DecodeError when the fields are inconsistent: a negative count, ``high_bits``
@@ -218,7 +220,7 @@ def _varint_encode_np(raw: bytes, delta: bool) -> bytes:
     return out.tobytes()
 
 
-def _varint_decode_np(data: bytes, count: int, delta: bool) -> bytes:
+def _varint_decode_np(data: bytes | memoryview, count: int, delta: bool) -> bytes:
     """``count`` canonical LEB128 varints filling ``data`` exactly -> uint32 LE bytes."""
     b = np.frombuffer(data, dtype=np.uint8)
     last = b < 0x80
@@ -263,7 +265,7 @@ def _varint_sizes_np(raw: bytes) -> tuple[int, int, int]:
 
 
 _Encode = Callable[[bytes, bool], bytes]
-_Decode = Callable[[bytes, int, bool], bytes]
+_Decode = Callable[[bytes | memoryview, int, bool], bytes]
 _Sizes = Callable[[bytes], tuple[int, int, int]]
 
 
@@ -273,7 +275,7 @@ def _native() -> tuple[_Encode, _Decode, _Sizes]:
     except ImportError:
         return _varint_encode_np, _varint_decode_np, _varint_sizes_np
 
-    def decode(data: bytes, count: int, delta: bool) -> bytes:
+    def decode(data: bytes | memoryview, count: int, delta: bool) -> bytes:
         try:
             out: bytes = mod.varint_decode(data, count, delta)
         except ValueError as exc:
@@ -311,7 +313,7 @@ def _zstd_compress(data: bytes) -> bytes | None:
     return out if len(data) <= zstd_limit(len(out)) else None
 
 
-def _zstd_decompress(data: bytes, expected_max: int) -> bytes:
+def _zstd_decompress(data: bytes | memoryview, expected_max: int) -> memoryview:
     cj = _cramjam()
     if cj is None:
         raise DecodeError("tokens.packed is zstd-compressed; install cramjam to read it")
@@ -325,7 +327,7 @@ def _zstd_decompress(data: bytes, expected_max: int) -> bytes:
         ) from None
     if n > limit:  # pragma: no cover - decompress_into stops at the buffer's end
         raise DecodeError(f"tokens.packed decompresses to more than {limit} bytes")
-    return bytes(buf[:n])
+    return memoryview(buf)[:n]  # no copy: the decoders read any buffer
 
 
 # ------------------------------------------------------------------------------ choosing
@@ -401,7 +403,7 @@ def encode_tokens(raw: bytes, encoding: str = "auto") -> EncodedTokens:
 # ------------------------------------------------------------------------------ decoding
 
 
-def decode_packed(encoding: str, compression: str, count: int, data: bytes) -> bytes:
+def decode_packed(encoding: str, compression: str, count: int, data: bytes | memoryview) -> bytes:
     """The ids of packed ``TokenPack`` fields as little-endian uint32 bytes.
 
     Raises DecodeError for an unknown encoding or compression symbol, a negative count, data

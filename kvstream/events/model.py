@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: The schema version this library writes by default (see ``schemas/``).
-CURRENT_SCHEMA_VERSION: Final = 3
+CURRENT_SCHEMA_VERSION: Final = 4
 #: What a missing ``hash_algo`` means (TensorRT-LLM V1 events carry none).
 DEFAULT_HASH_ALGO: Final = "v1_block_key"
 #: ``window_size`` of a full-attention group whose producer did not say its maximum sequence
