@@ -33,7 +33,8 @@ An index of ``--workers`` workers, each holding random-length prefixes of 4 requ
 queries are new requests (a system prompt plus fresh tokens), matched on all their tokens (as
 Dynamo's ``find_matches``). Per query, p50 over the queries, best of ``--repeat`` rounds:
 
-- ``hash``: ``RequestHasher.hashes`` (with the prefix cache, and with ``prefix_cache_bytes=0``);
+- ``hash``: ``RequestHasher.hashes`` (with a ``--cache-bytes`` prefix cache, and without: the
+  default, ``prefix_cache_bytes=0``);
 - ``hash+match``: that plus ``PrefixIndex.match_hashes`` (per-worker depths, what Dynamo's
   ``find_matches(...).scores`` returns);
 - ``match()``: the full ``PrefixIndex.match`` (hash, then per-worker ``WorkerMatch`` results);
@@ -44,9 +45,10 @@ Dynamo's ``find_matches``). Per query, p50 over the queries, best of ``--repeat`
 Each operation uses its own RequestHasher, so no query is ever served from a cache filled by
 another measurement of the same query. The caches are first filled to their bound by
 ``--warm`` other requests (steady state: a full cache recycles the memory it evicts; a cache
-still growing pays page faults for fresh memory). Each operation runs over all queries in its
-own loop (as Dynamo's harness does: interleaving calls lets Dynamo's worker threads fall
-asleep between calls, which on a loaded machine costs milliseconds per call).
+still growing pays page faults for fresh memory). The operations take turns over chunks of
+25 queries, each looping over a chunk on its own: load changes on a shared machine hit all of
+them alike, and Dynamo's worker threads stay awake (calling Dynamo once between other work
+lets them fall asleep, which on a loaded machine costs milliseconds per call).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ from kvstream.events.model import (
 )
 from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, split_blocks
 from kvstream.hashing.cbor import dumps as cbor_dumps
+from kvstream.hashing.prefix_cache import DEFAULT_MAX_BYTES
 from kvstream.hashing.trtllm import V1BlockKeyHasher
 from kvstream.index import DomainKey, HashRequest, PrefixIndex, RequestHasher, WorkerKey
 
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=300, help="--request: queries per round")
     ap.add_argument("--warm", type=int, default=700, help="--request: cache warm-up requests")
     ap.add_argument(
+        "--cache-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="--request: prefix_cache_bytes of the cached RequestHashers (32 MiB)",
+    )
+    ap.add_argument(
         "--prompt-share",
         type=float,
         default=0.25,
@@ -199,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             queries=args.queries,
             warm=args.warm,
             prompt_share=args.prompt_share,
+            cache_bytes=args.cache_bytes,
             repeat=args.repeat,
             vocab=args.vocab,
         )
@@ -382,6 +392,7 @@ def run_request_bench(
     queries: int,
     warm: int,
     prompt_share: float,
+    cache_bytes: int,
     repeat: int,
     vocab: int,
 ) -> int:
@@ -408,12 +419,12 @@ def run_request_bench(
         print("# Dynamo: ai-dynamo-runtime not importable (run with .peers-venv/bin/python)")
     header = (
         f"{'algorithm':22} {'block':>5} {'hash':>7} {'hash':>7} {'hash+m':>7} {'hash+m':>7} "
-        f"{'match()':>8} {'dyn h':>7} {'dyn h+m':>8} {'ratio':>6} {'ratio':>6}"
+        f"{'match()':>8} {'dyn h':>7} {'dyn h+m':>8} {'ratio':>6} {'ratio':>6} {'ratio':>6}"
     )
     print(header)
     print(
         f"{'':22} {'':>5} {'cache':>7} {'none':>7} {'cache':>7} {'none':>7} {'cache':>8} "
-        f"{'':>7} {'':>8} {'cache':>6} {'none':>6}"
+        f"{'':>7} {'':>8} {'cache':>6} {'none':>6} {'rounds':>6}"
     )
     print("-" * len(header))
     req = HashRequest(drop_last_token=False)
@@ -428,7 +439,8 @@ def run_request_bench(
         for algo in algos:
             domain = DomainKey(algo, tpb, 0)
             best: dict[str, float] = {}
-            rh = {k: RequestHasher() for k in ("h", "hm", "m")}
+            ratios: list[float] = []
+            rh = {k: RequestHasher(prefix_cache_bytes=cache_bytes) for k in ("h", "hm", "m")}
             rh0 = RequestHasher(prefix_cache_bytes=0)
             for r in rh.values():
                 for _ in range(warm):
@@ -452,11 +464,13 @@ def run_request_bench(
                 lat = _per_op(ops, qs)
                 for k, xs in lat.items():
                     best[k] = min(best.get(k, float("inf")), _p50(xs))
+                if "dhm" in lat:
+                    ratios.append(min(_p50(lat["hm"]), _p50(lat["hm0"])) / _p50(lat["dhm"]))
             dyn = ""
             if "dhm" in best:
                 dyn = (
                     f"{best['dh']:7.1f} {best['dhm']:8.1f} {best['hm'] / best['dhm']:5.2f}x "
-                    f"{best['hm0'] / best['dhm']:5.2f}x"
+                    f"{best['hm0'] / best['dhm']:5.2f}x {statistics.median(ratios):5.2f}x"
                 )
             print(
                 f"{algo:22} {tpb:5} {best['hash']:7.1f} {best['hash0']:7.1f} {best['hm']:7.1f} "
@@ -466,7 +480,8 @@ def run_request_bench(
         "# hash: RequestHasher.hashes; hash+m: + PrefixIndex.match_hashes (Dynamo: "
         "compute_block_hash_for_seq + RadixTree.find_matches); match(): PrefixIndex.match; "
         "cache/none: with the prefix cache / prefix_cache_bytes=0; ratio: kvstream hash+m / "
-        "Dynamo hash+m (target <= 0.8)"
+        "Dynamo hash+m, best p50s (target <= 0.8); rounds: median over the rounds of each "
+        "round's best kvstream hash+m p50 / Dynamo's"
     )
     return 0
 
@@ -539,22 +554,26 @@ def _hm_items(  # noqa: PLR0917
 
 
 def _per_op(
-    ops: dict[str, Callable[[list[int]], Any]], qs: list[list[int]]
+    ops: dict[str, Callable[[list[int]], Any]], qs: list[list[int]], chunk: int = 25
 ) -> dict[str, list[float]]:
-    """Per-query latency (us) of every op, each op in its own loop over the queries."""
+    """Per-query latency (us) of every op: the ops take turns over chunks of ``chunk``
+    queries, each op looping over a chunk on its own (so load changes on a shared machine hit
+    every op alike, and Dynamo's worker threads stay awake within a chunk)."""
     clock = time.perf_counter_ns
-    lat: dict[str, list[float]] = {}
-    for k, fn in ops.items():
-        xs = lat[k] = []
-        gc.collect()
-        gc.disable()
-        try:
-            for q in qs:
-                t0 = clock()
-                fn(q)
-                xs.append((clock() - t0) / 1e3)
-        finally:
-            gc.enable()
+    lat: dict[str, list[float]] = {k: [] for k in ops}
+    gc.collect()
+    gc.disable()
+    try:
+        for start in range(0, len(qs), chunk):
+            part = qs[start : start + chunk]
+            for k, fn in ops.items():
+                xs = lat[k]
+                for q in part:
+                    t0 = clock()
+                    fn(q)
+                    xs.append((clock() - t0) / 1e3)
+    finally:
+        gc.enable()
     return lat
 
 

@@ -34,6 +34,7 @@ ALGOS = [
     "dynamo_xxh3_64",
 ]
 LORA = {"vllm_sha256_cbor": {"lora_paths": {"ad": "/a"}}}
+MIB = 1 << 20
 
 
 def reference(tokens: Any, algo: str, tpb: int, req: HashRequest, **params: Any) -> list[bytes]:
@@ -82,7 +83,7 @@ def test_cached_equals_reference(  # noqa: PLR0917
 def test_recurring_prompt_is_hashed_once() -> None:
     rng = random.Random(1)
     system = [rng.randrange(128_000) for _ in range(4096)]
-    rh = RequestHasher(checkpoint_tokens=256)
+    rh = RequestHasher(prefix_cache_bytes=MIB, checkpoint_tokens=256)
     reqs = [system + [rng.randrange(128_000) for _ in range(100)] for _ in range(5)]
     for tokens in reqs:
         assert rh.hashes(tokens, "vllm_sha256_cbor_64", 16) == reference(
@@ -116,7 +117,7 @@ def test_scopes_never_share_entries(algo: str) -> None:
     else:
         scopes = [HashRequest(), HashRequest(salt_id=1), HashRequest(lora_id=2)]
         scopes.append(HashRequest(lora_id=2, salt_id=1))
-    rh = RequestHasher(LORA, checkpoint_tokens=16)
+    rh = RequestHasher(LORA, prefix_cache_bytes=MIB, checkpoint_tokens=16)
     seen = set()
     for _ in range(2):
         for req in scopes:
@@ -128,8 +129,10 @@ def test_scopes_never_share_entries(algo: str) -> None:
 
 def test_hasher_params_never_share_entries() -> None:
     tokens = list(range(500))
-    a = RequestHasher({"vllm_sha256_cbor": {"seed": "0"}}, checkpoint_tokens=32)
-    b = RequestHasher(checkpoint_tokens=32)
+    a = RequestHasher(
+        {"vllm_sha256_cbor": {"seed": "0"}}, prefix_cache_bytes=MIB, checkpoint_tokens=32
+    )
+    b = RequestHasher(prefix_cache_bytes=MIB, checkpoint_tokens=32)
     assert a.hashes(tokens, "vllm_sha256_cbor", 16) == reference(
         tokens, "vllm_sha256_cbor", 16, HashRequest(), seed="0"
     )
@@ -149,7 +152,7 @@ def test_fingerprint_collisions_are_caught(monkeypatch: pytest.MonkeyPatch) -> N
         return [7] * (len(raw) // stride + (1 if whole and len(raw) % stride else 0))
 
     monkeypatch.setattr(prefix_cache_mod, "fingerprints", constant)
-    rh = RequestHasher(checkpoint_tokens=8)
+    rh = RequestHasher(prefix_cache_bytes=MIB, checkpoint_tokens=8)
     rng = random.Random(3)
     for tokens in requests_sharing(rng, 20, 50):
         assert rh.hashes(tokens, "v2_sha256", 4) == reference(tokens, "v2_sha256", 4, HashRequest())
@@ -183,7 +186,8 @@ def test_memory_bound_evicts_least_recently_used() -> None:
 
 
 def test_inputs_and_errors() -> None:
-    rh = RequestHasher()
+    assert RequestHasher().prefix_cache.max_bytes == 0  # opt-in
+    rh = RequestHasher(prefix_cache_bytes=MIB)
     tokens = list(range(100))
     want = reference(tokens, "v2_sha256", 8, HashRequest())
     import numpy as np
@@ -212,7 +216,7 @@ def test_multimodal_requests_bypass_the_cache() -> None:
     from blake3 import blake3
 
     digest = blake3(b"image").digest()
-    rh = RequestHasher(checkpoint_tokens=4)
+    rh = RequestHasher(prefix_cache_bytes=MIB, checkpoint_tokens=4)
     tokens = list(range(40))
     plain = rh.hashes(tokens, "v2_sha256", 4)
     with_image = rh.hashes(tokens, "v2_sha256", 4, HashRequest(mm_keys=(((digest, 0),),)))

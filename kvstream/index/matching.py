@@ -15,7 +15,7 @@ from typing import Any
 from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, get_hasher, split_blocks
 from kvstream.hashing.accel import pack_request
-from kvstream.hashing.prefix_cache import DEFAULT_CHECKPOINT_TOKENS, DEFAULT_MAX_BYTES, PrefixCache
+from kvstream.hashing.prefix_cache import DEFAULT_CHECKPOINT_TOKENS, PrefixCache
 from kvstream.index.types import WorkerKey
 
 __all__ = ["HashRequest", "MatchResult", "RequestHasher", "WorkerMatch"]
@@ -44,20 +44,26 @@ class RequestHasher:
 
     Requests are packed once (u32 ids, in C for lists) and hashed by the algorithm's
     whole-request chain (in C for the SHA-256 and BLAKE3 algorithms when the extension is
-    built, :mod:`kvstream.hashing.accel`). A bounded LRU of per-prefix chain hashes
+    built, :mod:`kvstream.hashing.accel`).
+
+    ``prefix_cache_bytes`` > 0 enables a bounded LRU of per-prefix chain hashes
     (:class:`~kvstream.hashing.prefix_cache.PrefixCache`, keyed by hasher and its parameters,
-    block size, request scope and prefix tokens) makes a recurring prefix, such as a system
-    prompt, cost one hash: ``prefix_cache_bytes`` bounds its memory (default 32 MiB, about 800
-    8k-token requests, plus a 65,536-fingerprint admission filter; 0 disables it),
-    ``checkpoint_tokens`` (default 512) sets its reuse granularity. Only prefixes that recur
-    are cached; requests with multimodal keys bypass the cache. Thread-safe.
+    block size, request scope and prefix tokens), so a recurring prefix, such as a system
+    prompt or a conversation's previous turns, is hashed once. Its memory is bounded by
+    ``prefix_cache_bytes`` (32 MiB, ``prefix_cache.DEFAULT_MAX_BYTES``, holds about 800 8k-token
+    requests) plus a 65,536-fingerprint admission filter (~4 MiB); ``checkpoint_tokens``
+    (default 512) sets its reuse granularity; only prefixes that recur are cached, and
+    requests with multimodal keys bypass it. It is off by default: with the C chains,
+    hashing costs about 0.2-0.3 us per block, and measured on a busy machine
+    (``benchmarks/bench_hashing.py --request``) the cache pays off only when most of each
+    request recurs (in a tight loop: from about half). Thread-safe.
     """
 
     def __init__(
         self,
         params: Mapping[str, Mapping[str, Any]] | None = None,
         *,
-        prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
+        prefix_cache_bytes: int = 0,
         checkpoint_tokens: int = DEFAULT_CHECKPOINT_TOKENS,
     ) -> None:
         self._params = {k: dict(v) for k, v in (params or {}).items()}
