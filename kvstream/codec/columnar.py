@@ -605,7 +605,10 @@ def decode_columns_message(
     """Decode a message of either framing into columns: Avro single-object (``C3 01`` +
     fingerprint) or Confluent (``00`` + schema id, mapped to a version by ``schema_ids``,
     else ``header_version``). Raises DecodeError (UnknownSchemaError for unknown schemas)."""
-    reader = registry.current if reader_version is None else registry.get(reader_version)
+    # A shipped writer version is read with its own schema: the columns take the current
+    # schema's defaults for fields it lacks, so fastavro's (slower) resolution is only needed
+    # to behave like an older reader (``reader_version``).
+    reader = None if reader_version is None else registry.get(reader_version)
     if bytes(data[:1]) == b"\x00":
         sid, body = split_confluent(data)
         version: int | None = None
@@ -621,9 +624,11 @@ def decode_columns_message(
                 f"Confluent message with schema id {sid}: no mapping to a schema version "
                 "(pass schema_ids or send the kvstream-schema-version header)"
             )
-        return decode_columns_body(body, registry.get(version), reader)
+        writer = registry.get(version)
+        return decode_columns_body(body, writer, reader or writer)
     fingerprint, body = split_single_object(data)
-    return decode_columns_body(body, registry.by_fingerprint(fingerprint), reader)
+    writer = registry.by_fingerprint(fingerprint)
+    return decode_columns_body(body, writer, reader or writer)
 
 
 class ColumnarContainerReader(ContainerReader):
@@ -634,7 +639,12 @@ class ColumnarContainerReader(ContainerReader):
     def _decode_records(self, payload: bytes, count: int) -> list[ColumnBatch]:  # type: ignore[override]
         writer = self.writer_schema
         assert writer is not None
-        reader = None if writer is self._reader_schema else self._reader_schema.parsed
+        # a shipped version is read with its own schema (see decode_columns_message); a later
+        # one this reader does not ship is resolved into the current schema
+        shipped = writer.version in self._registry.versions() and (
+            self._registry.get(writer.version).fingerprint == writer.fingerprint
+        )
+        reader = None if shipped or writer is self._reader_schema else self._reader_schema.parsed
         fo = io.BytesIO(payload)
         read = fastavro.schemaless_reader
         parsed = writer.parsed

@@ -186,7 +186,9 @@ def decode_message(
     return decode_columns_message(
         value,
         codec.registry,
-        reader_version=codec.reader_version,
+        reader_version=(
+            None if codec.reader_version == codec.registry.current.version else codec.reader_version
+        ),
         schema_ids=schema_ids or None,
         header_version=header_version,
     )
