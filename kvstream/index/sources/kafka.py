@@ -394,7 +394,7 @@ class KafkaSource(EventSource):
         except (CodecError, EventValidationError, ValueError) as exc:
             self._malformed(where, exc)
             return None
-        return SourceItem(result.batch, skipped_ids(result.skipped))
+        return SourceItem(result.columns, skipped_ids(result.skipped))
 
     # ------------------------------------------------------------------ positions
 
