@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstream._types import TokenIds
@@ -212,13 +212,14 @@ def v1_batches(draw: st.DrawFn, max_events: int = 6) -> EventBatch:
     )
 
 
-@settings(max_examples=50)
+# Generation slows down on a loaded machine; the health check is not what these tests test.
+@settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_strategy_builds_valid_batches(batch: EventBatch) -> None:
     assert EventBatch.model_validate(batch.model_dump()) == batch
 
 
-@settings(max_examples=30)
+@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow])
 @given(v1_batches())
 def test_v1_strategy_stays_inside_v1(batch: EventBatch) -> None:
     assert all(ev.hash_algo == "v1_block_key" and ev.kind.value in V1_KINDS for ev in batch.events)
