@@ -121,6 +121,7 @@ class _LazyGroup(TyperGroup):
 app = typer.Typer(
     name="kvstream",
     cls=_LazyGroup,
+    rich_markup_mode=None,  # plain help for the command list: rich is imported when needed
     help=(
         "Stream KV-cache telemetry out of LLM inference engines.\n\n"
         "Typed, windowed KV-cache events (stored / removed / updated / cleared / lost), "
@@ -139,7 +140,7 @@ def _root() -> None:
     pass
 
 
-@app.command()
+@app.command(short_help="Print the kvstream version and the event schema version it writes.")
 def version() -> None:
     """Print the kvstream version and the event schema version it writes."""
     typer.echo(f"kvstream {__version__} (writes event schema v{EVENT_SCHEMA_VERSION})")
