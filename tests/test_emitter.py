@@ -593,7 +593,7 @@ def test_recording_builds_no_model_until_take(monkeypatch: pytest.MonkeyPatch) -
     em.updated(FULL, h(1), priority=(35, 90))
     em.removed(FULL, h(2))
     em.flush_iteration()
-    with pytest.raises(AssertionError, match="EventBatch built"):
+    with pytest.raises(AssertionError, match="KVCacheEvent built"):  # the updated event
         em.take()
     monkeypatch.undo()
     assert len(summary(em.take())) == 3  # the failed take kept everything

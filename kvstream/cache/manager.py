@@ -1097,15 +1097,21 @@ class KVCacheManager:
         # Hash the full blocks of `raw` (whose first block is the request's block
         # `first_index`); returns their hashes and the new state.
         step = 4 * self._tpb
+        n = len(raw) // step
+        if not items:
+            # the whole-request chain (in C for the BLAKE3/SHA-256 algorithms), equal to
+            # folding extend() over the blocks; its last chain key resumes the state
+            if not n:
+                return [], chain
+            hasher = self._hasher
+            out, resume_at = hasher.chain_raw(chain, raw, self._tpb, every=n)
+            return out, hasher.resume(chain, resume_at[-1], chain.depth + n)
         extend = self._hasher.extend
         hashes: list[bytes] = []
-        for j in range(len(raw) // step):
+        for j in range(n):
             blk = TokenIds.from_bytes(raw[j * step : (j + 1) * step])
-            if items:
-                keys = block_mm_keys(items, first_index + j, self._tpb)
-                h, chain = extend(chain, blk, [(m.digest, off) for m, off in keys])
-            else:
-                h, chain = extend(chain, blk)
+            keys = block_mm_keys(items, first_index + j, self._tpb)
+            h, chain = extend(chain, blk, [(m.digest, off) for m, off in keys])
             hashes.append(h)
         return hashes, chain
 

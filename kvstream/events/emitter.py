@@ -82,7 +82,16 @@ from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import ConfigError, EmitterError
 from kvstream.events.deferred import BlockRun, DeferredBatch, model_input
 from kvstream.events.dp_gather import gather_attention_dp
-from kvstream.events.model import AttentionKind, EventBatch, MmKey, SourceId
+from kvstream.events.model import (
+    AttentionKind,
+    EventBatch,
+    KVCacheEvent,
+    MmKey,
+    Removed,
+    SourceId,
+    Stored,
+)
+from kvstream.events.trusted import trusted_builder, trusted_stored_blocks
 
 __all__ = [
     "DeferredBatch",
@@ -885,9 +894,7 @@ class EventEmitter:
         buf = self._buf
         if not buf:
             return None
-        batch = EventBatch(
-            source=self._source, ts_ns=self._clock.time_ns(), events=model_input(buf)
-        )
+        batch = emitted_batch(self._source, self._clock.time_ns(), buf)
         self._hand_over(len(buf))
         buf.clear()
         return batch
@@ -1149,3 +1156,49 @@ class NullRecorder:
 
 #: A shared :class:`NullRecorder` (it has no state).
 NULL_RECORDER: Final = NullRecorder()
+
+
+_BUILD_EVENT: Final = trusted_builder(KVCacheEvent)
+_BUILD_STORED: Final = trusted_builder(Stored)
+_BUILD_REMOVED: Final = trusted_builder(Removed)
+_BUILD_BATCH: Final = trusted_builder(EventBatch)
+
+
+def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]]) -> EventBatch:
+    """The :class:`EventBatch` of an emitter's buffered records: equal to
+    ``EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))`` (same fields and
+    ``model_fields_set``; a record that would fail validation raises EventValidationError).
+
+    The emitter validated every value it recorded (hash widths, ids, groups, tokens), so the
+    ``stored`` events of plain blocks and the ``removed`` events, nearly all of a cache's
+    traffic, are built without re-validating (:mod:`kvstream.events.trusted`); any other
+    record (blocks with attributes, created/updated/cleared/lost) is validated as before.
+    """
+    if type(ts_ns) is not int or not 0 <= ts_ns <= _I64_MAX:
+        return EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))
+    events: list[KVCacheEvent] = []
+    append = events.append
+    for rec in records:
+        data = rec["data"]
+        kind = data["type"]
+        if kind == "stored":
+            run = data["blocks"]
+            if type(run) is BlockRun and run.hashes and not run.attrs:
+                blocks = trusted_stored_blocks(tuple(run.hashes), tuple(run.block_tokens()))
+                built = _BUILD_STORED(
+                    {"type": "stored", "parent_hash": data["parent_hash"], "blocks": blocks}
+                )
+                append(_BUILD_EVENT({**rec, "data": built}))
+                continue
+        elif kind == "removed" and data["block_hashes"]:
+            gone = _BUILD_REMOVED(
+                {
+                    "type": "removed",
+                    "block_hashes": tuple(data["block_hashes"]),
+                    "cache_level": data["cache_level"],
+                }
+            )
+            append(_BUILD_EVENT({**rec, "data": gone}))
+            continue
+        append(KVCacheEvent(**model_input((rec,))[0]))
+    return _BUILD_BATCH({"source": source, "ts_ns": ts_ns, "events": tuple(events)})
