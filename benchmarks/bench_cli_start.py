@@ -7,8 +7,9 @@ noise hits them alike, and reports the best and the median wall time. In the sam
 times the floors a user cannot go below: a bare interpreter (``python -c pass``) and a
 one-command typer app (typer 0.29 coerces even ``--help`` through a pydantic TypeAdapter, so
 every typer CLI pays for pydantic), and the eager CLI as it was before commands were lazy
-(every command module imported and its typer command built, then ``version`` run). ``ratio`` = time / bare interpreter time (best of N
-each); ``over`` = time - bare interpreter time (what kvstream itself costs). The target is an
+(every command module imported and its typer command built, then ``version`` run).
+``ratio`` = time / bare interpreter time (best of N each); ``over`` = time - bare interpreter
+time (what kvstream itself costs). The target is an
 absolute 0.25 s on an idle machine; on a loaded one compare ``over`` and the ratios.
 
 The ``kvstream`` console script next to the running interpreter is used when it exists (what a
