@@ -91,7 +91,7 @@ from kvstream.events.model import (
     SourceId,
     Stored,
 )
-from kvstream.events.trusted import trusted_builder, trusted_stored_blocks
+from kvstream.events.trusted import token_blocks, trusted_builder, trusted_stored_blocks
 
 __all__ = [
     "DeferredBatch",
@@ -1184,7 +1184,7 @@ def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]
         if kind == "stored":
             run = data["blocks"]
             if type(run) is BlockRun and run.hashes and not run.attrs:
-                blocks = trusted_stored_blocks(tuple(run.hashes), tuple(run.block_tokens()))
+                blocks = trusted_stored_blocks(tuple(run.hashes), _run_tokens(run))
                 built = _BUILD_STORED(
                     {"type": "stored", "parent_hash": data["parent_hash"], "blocks": blocks}
                 )
@@ -1202,3 +1202,20 @@ def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]
             continue
         append(KVCacheEvent(**model_input((rec,))[0]))
     return _BUILD_BATCH({"source": source, "ts_ns": ts_ns, "events": tuple(events)})
+
+
+def _run_tokens(run: BlockRun) -> tuple[TokenIds, ...]:
+    # run.block_tokens() as a tuple, packed runs cut in C (token_blocks)
+    tokens = run.tokens
+    first = tokens[0]
+    if len(tokens) == 1 and isinstance(first, tuple):
+        packed, k = first
+        return token_blocks(packed._raw, len(packed._raw) // k)
+    out: list[TokenIds] = []
+    for t in tokens:
+        if isinstance(t, tuple):
+            packed, k = t
+            out += token_blocks(packed._raw, len(packed._raw) // k)
+        else:
+            out.append(t)
+    return tuple(out)
