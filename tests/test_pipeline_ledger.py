@@ -131,3 +131,24 @@ def test_any_drop_pattern_yields_a_contiguous_stream(
             total_lost += lost
     assert total_lost == sum(q.counters.dropped.values())
     assert q.counters.events_out + total_lost == sum(next_id)
+
+
+def test_coarse_recording_equals_exact_recording_for_contiguous_sources() -> None:
+    """close's fallback when exact recording would overrun its deadline: per source, one
+    range from the batches' ends only; the same gaps (and marker fields) as per event."""
+    from kvstream.events.deferred import DeferredBatch
+
+    a, b = source("coarse-a"), source("coarse-b", rank=1)
+    batches: list[object] = []
+    for i in range(0, 60, 6):
+        batches.append(make_batch(a, i, 6))
+        raw = make_batch(b, 100 + i, 6)
+        batches.append(DeferredBatch(raw.source, raw.ts_ns, [ev.model_dump() for ev in raw.events]))
+    batches.append(EventBatch(source=a, ts_ns=0, events=(marker(60, 40),)))  # an upstream loss
+    exact, coarse = LossLedger(), LossLedger()
+    for batch in batches:
+        exact.record(batch, "shutdown")  # type: ignore[arg-type]
+    coarse.record_coarse(batches, "shutdown")  # type: ignore[arg-type]
+    assert coarse.gaps() == exact.gaps()
+    assert [(g.first, g.last) for g in coarse.gaps()[a]] == [(0, 99)]
+    assert [(g.first, g.last) for g in coarse.gaps()[b]] == [(100, 159)]

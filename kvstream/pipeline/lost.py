@@ -29,6 +29,7 @@ __all__ = [
     "Gap",
     "LossLedger",
     "batch_first_id",
+    "batch_last_id",
     "batch_len",
     "batch_spans",
     "event_span",
@@ -54,6 +55,15 @@ def batch_first_id(batch: AnyBatch) -> int | None:
     if not batch.events:
         return None
     return event_span(batch.events[0])[0]
+
+
+def batch_last_id(batch: AnyBatch) -> int:
+    """The highest id a non-empty batch covers (events are in id order); O(1)."""
+    if isinstance(batch, DeferredBatch):
+        last = batch.last_event_id
+        assert last is not None
+        return last
+    return event_span(batch.events[-1])[1]
 
 
 def batch_len(batch: AnyBatch) -> int:
@@ -154,6 +164,32 @@ class LossLedger:
         read from its raw records, never materialised)."""
         for gap in _runs(batch, reason):
             self._insert(batch.source, gap)
+
+    def record_coarse(self, batches: Iterable[AnyBatch], reason: str) -> None:
+        """Record ``batches`` as one range per source, from the lowest first id to the highest
+        last id, reading only each batch's ends (O(batches), not O(events)). Exact when each
+        source's ids are contiguous across the batches (the emitter's guarantee: consecutive
+        ids per source, events in id order); for close's deadline, when exact recording of a
+        huge queue would not fit."""
+        # keyed by the source object (hashing a pydantic model per batch costs more than the
+        # rest); equal sources held as distinct objects merge in _insert
+        ends: dict[int, tuple[int, int, AnyBatch]] = {}
+        for b in batches:
+            first = batch_first_id(b)
+            if first is None:
+                continue
+            last = batch_last_id(b)
+            key = id(b.source)
+            cur = ends.get(key)
+            if cur is None:
+                ends[key] = (first, last, b)
+            else:
+                lo, hi, top = cur
+                ends[key] = (min(lo, first), max(hi, last), b if last >= hi else top)
+        for lo, hi, top in ends.values():
+            *_, (_, _, hash_algo, layer_group_id, window_size) = batch_spans(top)
+            gap = Gap(lo, hi, [reason], hash_algo, layer_group_id, window_size, top.schema_version)
+            self._insert(top.source, gap)
 
     def merge(self, other: LossLedger) -> None:
         """Add every gap of ``other`` (built elsewhere, e.g. outside a lock) to this ledger."""

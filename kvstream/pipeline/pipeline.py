@@ -294,7 +294,11 @@ class Pipeline:
         if not self._started:
             await self.start()
         self._closed = True
+        # exact drop recording while time is left, then per-source ranges (the rest of the
+        # budget is for the sinks' flush and shutdown)
+        until = deadline - grace / 2
         for q in self._queues:
+            q.record_until = until
             q.close()
         tasks = [lane.task for lane in self._lanes if lane.task is not None]
         pending: set[asyncio.Task[None]] = set()
@@ -306,8 +310,8 @@ class Pipeline:
                 pending = {t for t in tasks if not t.done()}
         for t in pending:
             t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        if pending:  # a sink task records its chunk in flight when cancelled: a loop turn
+            await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.001))
         for q in self._queues:
             q.drain_remaining(DropReason.SHUTDOWN)
         remaining = max(deadline - time.monotonic(), 0.001)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 from collections import deque
@@ -110,6 +111,9 @@ class SinkQueue:
         self._want_events = 1
         self._urgent = 0
         self._marker_not_before = 0.0
+        #: Close's recording deadline (a ``time.monotonic()`` value): drops recorded after
+        #: it are recorded per source from the batches' ends (see :meth:`drain_remaining`).
+        self.record_until: float | None = None
 
     # ---------------------------------------------------------------------- loop binding
 
@@ -412,6 +416,7 @@ class SinkQueue:
         lost = LossLedger()
         dropped: dict[str, list[int]] = {}  # reason -> [events, batches]
         out_batches = out_events = out_markers = 0
+        by_reason: dict[str, list[AnyBatch]] = {}
         for i, b in enumerate(chunk.batches):
             n = batch_len(b)
             is_marker = i in chunk.markers
@@ -428,12 +433,14 @@ class SinkQueue:
                 count[0] += n
                 count[1] += 1
             if n:
-                lost.record(b, why)
+                by_reason.setdefault(why, []).append(b)
+        for why, given_up in by_reason.items():
+            self._record(lost, given_up, why)
         with self._lock:
             c = self.counters
-            for why, (events, batches) in dropped.items():
-                c.dropped[why] = c.dropped.get(why, 0) + events
-                c.dropped_batches[why] = c.dropped_batches.get(why, 0) + batches
+            for why, (n_events, n_batches) in dropped.items():
+                c.dropped[why] = c.dropped.get(why, 0) + n_events
+                c.dropped_batches[why] = c.dropped_batches.get(why, 0) + n_batches
             c.batches_out += out_batches
             c.events_out += out_events
             c.markers_out += out_markers
@@ -441,20 +448,39 @@ class SinkQueue:
             self.ledger.merge(lost)
             self._marker_not_before = time.monotonic() + marker_backoff_s
 
-    def drain_remaining(self, reason: str) -> tuple[int, int]:
+    def _record(
+        self,
+        lost: LossLedger,
+        batches: Sequence[AnyBatch],
+        reason: str,
+        until: float | None = None,
+    ) -> None:
+        """Record ``batches`` in ``lost`` (no lock needed): per event while time is left
+        before ``until`` (default :attr:`record_until`), then per source from the batches'
+        ends only (:meth:`LossLedger.record_coarse`)."""
+        until = self.record_until if until is None else until
+        clock = time.monotonic
+        for i, b in enumerate(batches):
+            if until is not None and not i & 15 and clock() > until:
+                lost.record_coarse(itertools.islice(batches, i, None), reason)
+                return
+            if batch_len(b):
+                lost.record(b, reason)
+
+    def drain_remaining(self, reason: str, until: float | None = None) -> tuple[int, int]:
         """Drop everything still queued (close's deadline passed); returns (batches, events).
 
         The queue is emptied under the lock; the drops are recorded outside it and merged
-        back, so a producer calling :meth:`put` meanwhile is not held up.
+        back, so a producer calling :meth:`put` meanwhile is not held up. Recording is exact
+        (per event) until ``until`` (a ``time.monotonic()`` value); what is left then is
+        recorded per source from its batches' ends only (:meth:`LossLedger.record_coarse`),
+        so a huge queue cannot hold close past its deadline.
         """
         with self._lock:
             items, self._items = self._items, deque()
             events, self._events = self._events, 0
         lost = LossLedger()
-        for b in items:
-            n = batch_len(b)
-            if n:
-                lost.record(b, reason)
+        self._record(lost, items, reason, until)
         if not items:
             return 0, 0
         with self._lock:
@@ -465,7 +491,13 @@ class SinkQueue:
             self.ledger.merge(lost)
             if lost and self._consumer_waiting:
                 self._signal()
-        return len(items), events
+        n = len(items)
+        # freeing a million event models takes seconds: not on close's clock (one batch per
+        # step, so the GIL goes back and forth; deque.clear() would hold it throughout)
+        threading.Thread(
+            target=_release, args=(items,), name="kvstream-release", daemon=True
+        ).start()
+        return n, events
 
     # ------------------------------------------------------------------------ inspection
 
@@ -496,3 +528,9 @@ class SinkQueue:
         """Ids recorded as lost whose markers are not delivered yet."""
         with self._lock:
             return self.ledger.pending_ids()
+
+
+def _release(items: deque[AnyBatch]) -> None:
+    pop = items.pop
+    while items:
+        pop()
