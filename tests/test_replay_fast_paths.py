@@ -1,6 +1,7 @@
 """The replay's fast paths change nothing it reports: the cache's whole-request hashing, the
-emitter's batches built without re-validation and the replay's garbage-collector thresholds,
-each against the reference path it replaces."""
+emitter's batches built without re-validation, the replay's garbage-collector thresholds and
+one hashing per request (the router matching the cache's hashes), each against the reference
+path it replaces."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvstream.events.deferred import model_input
 from kvstream.events.model import EventBatch, SourceId
 from kvstream.hashing import available_hashers, get_hasher
 from kvstream.hashing.base import ChainState
+from kvstream.index import PrefixIndex, Router
 
 
 def fold_extend(self: Any, chain: ChainState, raw: bytes, first: int, items: Any) -> Any:
@@ -31,6 +33,16 @@ def fold_extend(self: Any, chain: ChainState, raw: bytes, first: int, items: Any
         h, chain = self._hasher.extend(chain, TokenIds.from_bytes(raw[j * step : (j + 1) * step]))
         out.append(h)
     return out, chain
+
+
+def dropping(fn: Any, kw: str) -> Any:
+    """``fn`` ignoring its keyword ``kw`` (the reference: hash the tokens)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop(kw, None)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def validated(source: SourceId, ts_ns: int, records: Any) -> EventBatch:
@@ -85,6 +97,12 @@ def test_replay_results_equal_the_reference_paths(
     monkeypatch.setattr(Manager, "_hash_blocks", fold_extend)
     monkeypatch.setattr(emitter, "emitted_batch", validated)
     monkeypatch.setattr(replay_run, "_REPLAY_GC_THRESHOLDS", gc.get_threshold())
+    for cls, name, kw in (
+        (Router, "route", "block_hashes"),
+        (PrefixIndex, "match", "block_hashes"),
+        (Manager, "add_request", "hashed"),
+    ):
+        monkeypatch.setattr(cls, name, dropping(getattr(cls, name), kw))
     ref = asyncio.run(run_replay(opts))
     assert fast.requests == 1000
     assert fast.prediction_accuracy == 1.0
@@ -95,3 +113,104 @@ def test_gc_thresholds_are_restored() -> None:
     before = gc.get_threshold()
     asyncio.run(run_replay(ReplayOptions(trace="conversation", limit=5)))
     assert gc.get_threshold() == before
+
+
+def small_manager(algo: str = "blake3_64") -> KVCacheManager:
+    cfg = CacheConfig(
+        tokens_per_block=4,
+        groups=[LayerGroupSpec(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=64)],
+        hash_algo=algo,
+        metadata_only=True,
+    )
+    return KVCacheManager(cfg, source=SourceId(instance_id="w"))
+
+
+def test_add_request_with_hash_prompt_equals_hashing_again() -> None:
+    rng = random.Random(1)
+    a, b, other = small_manager(), small_manager(), small_manager()
+    for i in range(10):
+        prompt = [rng.randrange(30) for _ in range(rng.randrange(1, 25))]
+        hashed = other.hash_prompt(prompt)  # any manager with the same configuration
+        want, _ = fold_extend(a, a._root(None, None, None), hashed.raw, 0, ())
+        assert list(hashed.hashes) == want
+        assert a.add_request(f"r{i}", prompt, hashed=hashed) == b.add_request(f"r{i}", prompt)
+        a.append_tokens(f"r{i}", [1, 2, 3, 4, 5])
+        b.append_tokens(f"r{i}", [1, 2, 3, 4, 5])
+        assert a.block_hashes(f"r{i}") == b.block_hashes(f"r{i}")
+        ea, eb = a.flush_events(), b.flush_events()
+        assert ea is not None
+        assert eb is not None
+        assert ea.events == eb.events
+        a.free_request(f"r{i}")
+        b.free_request(f"r{i}")
+
+
+def test_add_request_rejects_a_hashed_prompt_of_other_tokens_or_scope() -> None:
+    from kvstream.cache import RequestError
+
+    m = small_manager()
+    hashed = m.hash_prompt([1, 2, 3, 4, 5])
+    with pytest.raises(RequestError, match="hash_prompt"):
+        m.add_request("x", [1, 2, 3, 4, 6], hashed=hashed)
+    with pytest.raises(RequestError, match="hash_prompt"):
+        m.add_request("x", [1, 2, 3, 4, 5], hashed=hashed, cache_salt="tenant")
+    with pytest.raises(RequestError, match="hash_prompt"):
+        small_manager("blake3").add_request("x", [1, 2, 3, 4, 5], hashed=hashed)
+    assert m.stats().running_requests == 0
+    m.add_request("x", [1, 2, 3, 4, 5], hashed=hashed)
+
+
+def test_router_with_the_caches_hashes_equals_hashing_the_tokens() -> None:
+    from kvstream.cache import CacheFullError
+    from kvstream.errors import ConfigError
+    from kvstream.index import RouterConfig, WorkerKey
+
+    rng = random.Random(2)
+    keys = [WorkerKey(f"w{i}") for i in range(3)]
+    index = PrefixIndex()
+    mgrs = [
+        KVCacheManager(
+            CacheConfig(
+                tokens_per_block=4,
+                groups=[LayerGroupSpec(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=24)],
+                hash_algo="blake3_64",
+                metadata_only=True,
+            ),
+            source=SourceId(instance_id=k.instance_id),
+        )
+        for k in keys
+    ]
+
+    def publish(m: KVCacheManager) -> None:
+        batch = m.flush_events()
+        if batch is not None:
+            index.apply(batch)
+
+    for m in mgrs:
+        publish(m)
+    router = Router(
+        index, keys, RouterConfig(policy="kv", hash_algo="blake3_64", tokens_per_block=4)
+    )
+    hits = 0
+    stems = [[rng.randrange(40) for _ in range(12)] for _ in range(4)]
+    for i in range(60):
+        prompt = rng.choice(stems)[: rng.randrange(1, 13)] + [
+            rng.randrange(40) for _ in range(rng.randrange(0, 9))
+        ]
+        hashed = mgrs[0].hash_prompt(prompt)
+        given = hashed.hashes[: (hashed.num_tokens - 1) // 4]
+        got = router.match(prompt, block_hashes=given)
+        assert got == router.match(prompt)
+        hits += any(m.matched_blocks for m in got)
+        w = keys.index(router.route(prompt, block_hashes=given).worker)
+        try:
+            mgrs[w].add_request(f"r{i}", prompt, hashed=hashed)
+        except CacheFullError:
+            continue
+        publish(mgrs[w])
+        if i % 3 == 0:
+            mgrs[w].free_request(f"r{i}")
+            publish(mgrs[w])
+    assert hits > 10  # the matches compared were not all empty
+    with pytest.raises(ConfigError, match="block_hashes"):
+        index.match([1, 2, 3, 4, 5], block_hashes=[])

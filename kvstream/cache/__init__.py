@@ -49,7 +49,7 @@ from kvstream.cache.errors import (
     TransferError,
     UnknownRequestError,
 )
-from kvstream.cache.manager import KVCacheManager
+from kvstream.cache.manager import HashedPrompt, KVCacheManager
 from kvstream.cache.request import GroupMatch, MmItem, PrefixMatch
 from kvstream.cache.stats import CacheStats, GroupStats
 from kvstream.cache.tier_config import DiskTierConfig, HostTierConfig
@@ -78,6 +78,7 @@ __all__ = [
     "GroupMatch",
     "GroupStats",
     "GroupTransfer",
+    "HashedPrompt",
     "HostTierConfig",
     "ImportResult",
     "ImportTicket",

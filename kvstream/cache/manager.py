@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +92,26 @@ from kvstream.hashing.blocks import coerce_tokens
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVCacheManager"]
+__all__ = ["HashedPrompt", "KVCacheManager"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HashedPrompt:
+    """A prompt hashed once by :meth:`KVCacheManager.hash_prompt`: ``hashes`` are the
+    published hashes of its full blocks, in order (the request's blocks a router matches are
+    ``hashes[: (num_tokens - 1) // tokens_per_block]``). Pass it to
+    :meth:`~KVCacheManager.add_request` (``hashed=``) of any manager with the same hash
+    configuration so the prompt is not hashed again. Treat the other fields as opaque."""
+
+    raw: bytes
+    root: ChainState
+    hashes: tuple[bytes, ...]
+    chain: ChainState
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's length in tokens."""
+        return len(self.raw) >> 2
 
 
 class KVCacheManager:
@@ -285,6 +305,23 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ requests
 
+    def hash_prompt(
+        self,
+        prompt_tokens: Any,
+        *,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> HashedPrompt:
+        """Hash a prompt's full blocks as :meth:`add_request` would (same arguments, no
+        multimodal items), without changing anything: for a caller that needs the hashes
+        before choosing a manager (a router), then passes the result to ``add_request``.
+        Raises RequestError/HashingError for bad tokens."""
+        raw, _ = self._check_prompt(prompt_tokens, ())
+        root = self._root(lora_id, lora_name, cache_salt)
+        hashes, chain = self._hash_blocks(root, raw, 0, ())
+        return HashedPrompt(raw, root, tuple(hashes), chain)
+
     def add_request(
         self,
         request_id: str,
@@ -295,6 +332,7 @@ class KVCacheManager:
         cache_salt: str | None = None,
         mm_items: Iterable[MmItem | tuple[bytes, int, int]] = (),
         priority: int = PRIORITY_DEFAULT,
+        hashed: HashedPrompt | None = None,
     ) -> PrefixMatch:
         """Start a request: reuse its longest cached prefix per group, allocate the rest,
         commit its full prompt blocks.
@@ -304,6 +342,9 @@ class KVCacheManager:
         and ``mm_items`` (multimodal items: :class:`MmItem` or ``(content bytes, offset,
         length)``) all enter the block hashes, so different adapters, tenants and item
         contents never share blocks. ``priority`` (0..100) is published with the blocks.
+        ``hashed``: this prompt's :meth:`hash_prompt` result (from any manager with the same
+        hash configuration), so it is not hashed again; RequestError when it belongs to other
+        tokens, another LoRA/salt scope or another hasher, or with ``mm_items``.
 
         At least the last prompt token is never reused (the engine needs its logits), so a
         boundary is at most ``(len(prompt) - 1) // tokens_per_block`` blocks.
@@ -320,6 +361,7 @@ class KVCacheManager:
             cache_salt=cache_salt,
             priority=priority,
             importing=False,
+            hashed=hashed,
         )
         return match
 
@@ -349,12 +391,23 @@ class KVCacheManager:
         cache_salt: str | None,
         priority: int,
         importing: bool,
+        hashed: HashedPrompt | None = None,
     ) -> tuple[RequestState, list[Plan], PrefixMatch]:
         # Check the arguments, plan every group, stage disk hits, then take hits, onboard
         # lower-tier blocks, allocate the rest and (unless importing) commit the full blocks.
         raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
         root = self._root(lora_id, lora_name, cache_salt)
-        hashes, chain = self._hash_blocks(root, raw, 0, items)
+        if hashed is None:
+            hashes, chain = self._hash_blocks(root, raw, 0, items)
+        elif (
+            type(hashed) is HashedPrompt and not items and hashed.root == root and hashed.raw == raw
+        ):
+            hashes, chain = list(hashed.hashes), hashed.chain
+        else:
+            raise RequestError(
+                "hashed is not this prompt's hash_prompt() result (other tokens, LoRA or salt "
+                "scope, hasher, or multimodal items given)"
+            )
         n = len(raw) >> 2
         tpb = self._tpb
         planner = plan_import if importing else plan_prompt

@@ -41,7 +41,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstream.cache import CacheConfig, CacheFullError, KVCacheManager, LayerGroupSpec
+from kvstream.cache import (
+    CacheConfig,
+    CacheFullError,
+    HashedPrompt,
+    KVCacheManager,
+    LayerGroupSpec,
+)
 from kvstream.cli.replay_result import LoadSample, ReplayResult, RequestRecord, WorkerSummary
 from kvstream.cli.replay_transport import Transport
 from kvstream.errors import ConfigError
@@ -217,6 +223,7 @@ class _Request:
     predicted: int  # the index's prediction at routing time
     fresh: bool = False  # admitted right at routing, nothing changed in between
     hashes: list[bytes] = field(default_factory=list)
+    hashed: HashedPrompt | None = None  # the prompt's block hashes, until admission
 
 
 class _Replay:
@@ -335,7 +342,11 @@ class _Replay:
                 await self._publish_dirty()
                 await transport.sync(lag)
                 prompt = self.tokens.prompt(row)
-                decision = router.route(prompt)
+                # hashed once: the router matches the cache's own hashes (tokens[:-1])
+                hashed = self.managers[0].hash_prompt(prompt)
+                decision = router.route(
+                    prompt, block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs]
+                )
                 w = self.slot[decision.worker]
                 chosen = decision.chosen
                 req = _Request(
@@ -346,6 +357,7 @@ class _Replay:
                     now,
                     nblocks,
                     decision.predicted_blocks,
+                    hashed=hashed,
                 )
                 router.load.start(
                     req.rid,
@@ -397,7 +409,7 @@ class _Replay:
             if not req.fresh and w in self.dirty:
                 await self._publish(w)  # the index must see the cache as admission finds it
             try:
-                match = mgr.add_request(req.rid, req.prompt)
+                match = mgr.add_request(req.rid, req.prompt, hashed=req.hashed)
             except CacheFullError:
                 if not self.running[w]:  # cannot happen: it fits an idle cache
                     raise RuntimeError(f"request {req.rid} does not fit an idle worker") from None
@@ -410,10 +422,15 @@ class _Replay:
                 # the cache changed while it waited: ask the index again, as of now (its own
                 # events are not published yet)
                 await self.transport.sync(self.opts.max_lag_batches)
+                hashed = req.hashed
+                assert hashed is not None
                 m = self.index.match(
                     req.prompt,
                     workers=[self.keys[w]],
                     tier_weights=self.router.config.tier_weights,
+                    hash_algo=self.opts.hash_algo,
+                    tokens_per_block=bs,
+                    block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs],
                 )
                 predicted = m.matches[0].usable_blocks
                 result.requeried += 1
@@ -457,7 +474,7 @@ class _Replay:
             heapq.heappush(self.heap, (first, self.seq, _FIRST_TOKEN, req))
             finish = first + req.row.output_length * self.decode_s
             heapq.heappush(self.heap, (finish, self.seq, _FINISH, req))
-            req.prompt = None  # the tokens are no longer needed
+            req.prompt = req.hashed = None  # the tokens are no longer needed
             self.dirty.add(w)
 
     async def _publish(self, w: int) -> None:

@@ -637,6 +637,7 @@ class PrefixIndex:
         tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
         hash_algo: str | None = None,
         tokens_per_block: int | None = None,
+        block_hashes: Sequence[bytes] | None = None,
     ) -> MatchResult:
         """How much of ``tokens`` each candidate worker holds in ``layer_group_id``.
 
@@ -649,6 +650,12 @@ class PrefixIndex:
         expects every candidate to use: a candidate advertising something else raises
         HashConfigMismatchError rather than being matched with the wrong hashes. Stale
         workers are matched too but flagged untrusted.
+
+        ``block_hashes``: the request's published block hashes (of the tokens ``request``
+        would hash, the last one dropped unless ``drop_last_token`` is False), computed by the
+        caller with ``hash_algo`` at ``tokens_per_block`` (both required then, and an engine-
+        keyed index): used instead of hashing ``tokens`` again, e.g. the hashes a cache
+        computed for the same prompt. ``tokens`` still gives the token count.
         """
         req = request or HashRequest()
         weights = tuple(tier_weights)
@@ -681,7 +688,16 @@ class PrefixIndex:
             if g.domain is not None:
                 k = g.domain.key
                 by_domain[k] = by_domain.get(k, 0) | s.bit
-        chains_of = self._request_chains(tokens, req, by_domain)
+        if block_hashes is None:
+            chains_of = self._request_chains(tokens, req, by_domain)
+        else:
+            if self._tokens or hash_algo is None or tokens_per_block is None:
+                raise ConfigError(
+                    "block_hashes needs hash_algo and tokens_per_block, and an engine-keyed "
+                    "index (a token-keyed one hashes with its own keys)"
+                )
+            given = list(block_hashes)
+            chains_of = {k: [given] for k in by_domain}
         depth: dict[int, int] = {}
         pick: dict[int, int] = {}  # slot -> the chain (LoRA scope) it matched deepest
         slots = range(len(self._slots))

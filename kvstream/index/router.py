@@ -252,8 +252,15 @@ class Router:
             tokens_per_block=self.config.tokens_per_block,
         )
 
-    def match(self, tokens: Any, request: HashRequest | None = None) -> MatchResult:
-        """Every candidate's match for ``tokens`` (what :meth:`route` scores)."""
+    def match(
+        self,
+        tokens: Any,
+        request: HashRequest | None = None,
+        *,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> MatchResult:
+        """Every candidate's match for ``tokens`` (what :meth:`route` scores);
+        ``block_hashes`` as :meth:`PrefixIndex.match` takes them."""
         cfg = self.config
         return self.index.match(
             tokens,
@@ -263,11 +270,21 @@ class Router:
             tier_weights=cfg.tier_weights,
             hash_algo=cfg.hash_algo,
             tokens_per_block=cfg.tokens_per_block,
+            block_hashes=block_hashes,
         )
 
-    def route(self, tokens: Any, request: HashRequest | None = None) -> RouteDecision:
+    def route(
+        self,
+        tokens: Any,
+        request: HashRequest | None = None,
+        *,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> RouteDecision:
         """Choose a worker for a request of ``tokens``; raises ConfigError without workers
-        and HashConfigMismatchError for a worker hashing otherwise than configured."""
+        and HashConfigMismatchError for a worker hashing otherwise than configured.
+        ``block_hashes``: the request's block hashes when the caller has them already (the
+        configured ``hash_algo`` and ``tokens_per_block`` are then required; see
+        :meth:`PrefixIndex.match`), so the request is not hashed again."""
         cfg = self.config
         policy = RoutingPolicy(cfg.policy)
         workers = self.workers
@@ -278,7 +295,7 @@ class Router:
         self._turn += 1
         self.decisions += 1
         explain = cfg.explain or policy is RoutingPolicy.KV
-        result = self.match(tokens, request) if explain else None
+        result = self.match(tokens, request, block_hashes=block_hashes) if explain else None
         n_tokens = result.num_tokens if result is not None else _len(tokens)
         load = self.load
         adaptive = policy is RoutingPolicy.KV and cfg.overlap_weight is None
