@@ -328,13 +328,15 @@ b3_compress(const uint32_t cv[8], const unsigned char block[64], uint8_t block_l
 #define B3_ROT16(x) _mm_shuffle_epi8((x), rot16)
 #define B3_ROT8(x) _mm_shuffle_epi8((x), rot8)
 #define B3_ROTR(x, n) _mm_or_si128(_mm_srli_epi32((x), (n)), _mm_slli_epi32((x), 32 - (n)))
+/* a + m first: a is ready before b, so only one add waits on b (the chain of one block's
+ * compressions is latency-bound) */
 #define B3_HALF(mx, my)                                  \
     do {                                                 \
-        r0 = _mm_add_epi32(_mm_add_epi32(r0, r1), (mx)); \
+        r0 = _mm_add_epi32(_mm_add_epi32(r0, (mx)), r1); \
         r3 = B3_ROT16(_mm_xor_si128(r3, r0));            \
         r2 = _mm_add_epi32(r2, r3);                      \
         r1 = B3_ROTR(_mm_xor_si128(r1, r2), 12);         \
-        r0 = _mm_add_epi32(_mm_add_epi32(r0, r1), (my)); \
+        r0 = _mm_add_epi32(_mm_add_epi32(r0, (my)), r1); \
         r3 = B3_ROT8(_mm_xor_si128(r3, r0));             \
         r2 = _mm_add_epi32(r2, r3);                      \
         r1 = B3_ROTR(_mm_xor_si128(r1, r2), 7);          \
@@ -499,6 +501,115 @@ cbor_head(unsigned char *p, unsigned major, uint32_t v)
     return 5;
 }
 
+/* The CBOR items of n u32 LE token ids at q (each: head byte, then the argument's 0, 1, 2 or
+ * 4 big-endian bytes); returns the end. May write up to 16 bytes past the end. */
+static unsigned char *
+cbor_tokens_scalar(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        /* branchless (token sizes are unpredictable): head byte and the argument's
+         * 0, 1, 2 or 4 big-endian bytes as one 8-byte store (the buffer has room),
+         * whose garbage tail the next token overwrites */
+        uint32_t v;
+        uint64_t word;
+        unsigned k1, k2, k3, extra, headb;
+        memcpy(&v, t + 4 * i, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = __builtin_bswap32(v);
+#endif
+        k1 = v >= 24;
+        k2 = v >= 0x100;
+        k3 = v >= 0x10000;
+        extra = k1 + k2 + 2 * k3;
+        headb = k1 ? 0x17 + k1 + k2 + k3 : v;
+        /* bytes in memory order: head, then the argument big-endian, left-aligned */
+        word = (uint64_t)headb |
+               ((uint64_t)__builtin_bswap32((uint32_t)((uint64_t)v << (32 - 8 * extra)))
+                << 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+        memcpy(q, &word, 8);
+        q += 1 + extra;
+    }
+    return q;
+}
+
+#ifdef HAVE_X86_SHA
+/* Per pair of tokens by size class (0: < 24, 1: < 2**8, 2: < 2**16, 3: larger; index c0 | c1
+ * << 2): the pshufb pattern taking the pair's 8 LE bytes to their CBOR bytes, the head bytes
+ * to OR in, and the CBOR length. Filled once at import. */
+static struct {
+    unsigned char shuf[16], head[16];
+    unsigned len;
+} CBOR_PAIR[16];
+
+static void
+cbor_pair_table(void)
+{
+    static const unsigned char heads[4] = {0x00, 0x18, 0x19, 0x1a};
+    static const unsigned extra[4] = {0, 1, 2, 4};
+    int idx, k;
+    for (idx = 0; idx < 16; idx++) {
+        unsigned pos = 0;
+        memset(CBOR_PAIR[idx].shuf, 0x80, 16);
+        memset(CBOR_PAIR[idx].head, 0, 16);
+        for (k = 0; k < 2; k++) {
+            unsigned cls = (idx >> (2 * k)) & 3, b;
+            if (cls == 0) { /* the value is its own head byte */
+                CBOR_PAIR[idx].shuf[pos++] = (unsigned char)(4 * k);
+                continue;
+            }
+            CBOR_PAIR[idx].head[pos++] = heads[cls];
+            /* big-endian: most significant byte first (pos stays below 11; the mask tells
+             * the compiler so) */
+            for (b = extra[cls]; b-- > 0;)
+                CBOR_PAIR[idx].shuf[pos++ & 15] = (unsigned char)(4 * k + b);
+        }
+        CBOR_PAIR[idx].len = pos;
+    }
+}
+
+/* cbor_tokens_scalar, four tokens per step: their size classes by SSE4.1 compares, then each
+ * pair's bytes by one table-driven pshufb and a 16-byte store. */
+__attribute__((target("sse4.1,ssse3"))) static unsigned char *
+cbor_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+{
+    const __m128i l24 = _mm_set1_epi32(24), l256 = _mm_set1_epi32(256);
+    const __m128i l64k = _mm_set1_epi32(65536);
+    const __m128i weights = _mm_set1_epi16(0x0401); /* bytes 1, 4: c0 + 4 * c1 per pair */
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(t + 4 * i));
+        /* -1 per threshold reached (unsigned: max(v, l) == v) */
+        __m128i c = _mm_add_epi32(
+            _mm_add_epi32(_mm_cmpeq_epi32(_mm_max_epu32(v, l24), v),
+                          _mm_cmpeq_epi32(_mm_max_epu32(v, l256), v)),
+            _mm_cmpeq_epi32(_mm_max_epu32(v, l64k), v));
+        __m128i cls = _mm_sub_epi32(_mm_setzero_si128(), c);
+        __m128i bytes = _mm_packus_epi16(_mm_packs_epi32(cls, cls), cls);
+        uint32_t idx = (uint32_t)_mm_cvtsi128_si32(_mm_maddubs_epi16(bytes, weights));
+        unsigned a = idx & 15, b = (idx >> 16) & 15;
+        _mm_storeu_si128((__m128i *)q,
+                         _mm_or_si128(_mm_shuffle_epi8(v, _mm_loadu_si128(
+                                                              (const __m128i *)CBOR_PAIR[a].shuf)),
+                                      _mm_loadu_si128((const __m128i *)CBOR_PAIR[a].head)));
+        q += CBOR_PAIR[a].len;
+        _mm_storeu_si128((__m128i *)q,
+                         _mm_or_si128(_mm_shuffle_epi8(_mm_srli_si128(v, 8),
+                                                       _mm_loadu_si128(
+                                                           (const __m128i *)CBOR_PAIR[b].shuf)),
+                                      _mm_loadu_si128((const __m128i *)CBOR_PAIR[b].head)));
+        q += CBOR_PAIR[b].len;
+    }
+    return cbor_tokens_scalar(q, t + 4 * i, n - i);
+}
+#endif
+
+typedef unsigned char *(*cbor_tokens_fn)(unsigned char *q, const unsigned char *t, Py_ssize_t n);
+static cbor_tokens_fn cbor_tokens = cbor_tokens_scalar;
+
 typedef struct {
     const unsigned char *tok;
     Py_ssize_t n; /* tokens */
@@ -525,7 +636,7 @@ static void
 hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
            unsigned char *keys, unsigned char *msg)
 {
-    Py_ssize_t b, i;
+    Py_ssize_t b;
     const unsigned char *prev = parent;
     for (b = 0; b < nb; b++) {
         const unsigned char *t = blocks[b].tok;
@@ -542,32 +653,7 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             memcpy(q + 3, prev, KEY_LEN);
             q += 3 + KEY_LEN;
             q += cbor_head(q, 4, (uint32_t)n);
-            for (i = 0; i < n; i++) {
-                /* branchless (token sizes are unpredictable): head byte and the argument's
-                 * 0, 1, 2 or 4 big-endian bytes as one 8-byte store (the buffer has room),
-                 * whose garbage tail the next token overwrites */
-                uint32_t v;
-                uint64_t word;
-                unsigned k1, k2, k3, extra, headb;
-                memcpy(&v, t + 4 * i, 4);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-                v = __builtin_bswap32(v);
-#endif
-                k1 = v >= 24;
-                k2 = v >= 0x100;
-                k3 = v >= 0x10000;
-                extra = k1 + k2 + 2 * k3;
-                headb = k1 ? 0x17 + k1 + k2 + k3 : v;
-                /* bytes in memory order: head, then the argument big-endian, left-aligned */
-                word = (uint64_t)headb |
-                       ((uint64_t)__builtin_bswap32((uint32_t)((uint64_t)v << (32 - 8 * extra)))
-                        << 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-                word = __builtin_bswap64(word);
-#endif
-                memcpy(q, &word, 8);
-                q += 1 + extra;
-            }
+            q = cbor_tokens(q, t, n);
             memcpy(q, tail, (size_t)tail_len);
             q += tail_len;
             len = (size_t)(q - msg);
@@ -778,11 +864,50 @@ PyDoc_STRVAR(pack_doc,
              "drop_last, which is validated all the same); None when an item is not an int in "
              "0..2**32-1.");
 
+/* store_le32 as one store where the host is little-endian */
+static inline void
+put_le32(unsigned char *p, uint32_t v)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(p, &v, 4);
+#else
+    store_le32(p, v);
+#endif
+}
+
+/* The value of an exact int in 0..2**32-1 read from its digits; -1 when it is negative, larger,
+ * or its layout is not one this reads (the caller then asks the C API). */
+static inline int64_t
+small_int_value(PyObject *item)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return v >= 0 ? (int64_t)v : -1;
+    }
+    return -1;
+#elif PY_VERSION_HEX >= 0x030B0000 && PyLong_SHIFT == 30
+    /* 3.11: ob_size is the signed digit count, digits of 30 bits */
+    const Py_ssize_t size = Py_SIZE(item);
+    const digit *d = ((PyLongObject *)item)->ob_digit;
+    if (size == 1)
+        return (int64_t)d[0];
+    if (size == 0)
+        return 0;
+    if (size == 2 && d[1] < 4)
+        return (int64_t)d[0] | ((int64_t)d[1] << 30);
+    return -1;
+#else
+    (void)item;
+    return -1;
+#endif
+}
+
 static PyObject *
 cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tokens", "drop_last", NULL};
-    PyObject *tokens, *out;
+    PyObject *tokens, *out, **items;
     int drop_last = 0;
     Py_ssize_t n, i;
     unsigned char *p;
@@ -800,9 +925,20 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
     if (out == NULL)
         return NULL;
     p = (unsigned char *)PyBytes_AS_STRING(out);
+    /* no Python code runs in the loop (ints only, no __index__), so the item array stays put */
+    items = PySequence_Fast_ITEMS(tokens);
     for (i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(tokens, i);
+        PyObject *item = items[i];
         unsigned long v;
+        if (Py_IS_TYPE(item, &PyLong_Type)) {
+            /* exact ints read from their digits: PyLong_AsUnsignedLong costs more than the
+             * rest of the loop; bool and other subclasses take the generic path below */
+            int64_t fast = small_int_value(item);
+            if (fast >= 0) {
+                put_le32(p + 4 * i, (uint32_t)fast);
+                continue;
+            }
+        }
         if (!PyLong_Check(item))
             goto bad;
         v = PyLong_AsUnsignedLong(item);
@@ -812,7 +948,7 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
         }
         if (v > 0xFFFFFFFFul)
             goto bad;
-        store_le32(p + 4 * i, (uint32_t)v);
+        put_le32(p + 4 * i, (uint32_t)v);
     }
     if (drop_last && n > 0 && _PyBytes_Resize(&out, 4 * (n - 1)) < 0)
         return NULL;
@@ -1037,6 +1173,7 @@ cn_set_simd(PyObject *self, PyObject *arg)
         using_sha_ni = 0;
     }
     b3_compress_impl = on && cpu_has_sse41() ? b3_compress_sse41 : b3_compress;
+    cbor_tokens = on && cpu_has_sse41() ? cbor_tokens_sse41 : cbor_tokens_scalar;
 #else
     (void)on;
 #endif
@@ -1087,8 +1224,11 @@ PyInit__chainnative(void)
         sha256_blocks = sha256_blocks_shani;
         using_sha_ni = 1;
     }
-    if (cpu_has_sse41())
+    cbor_pair_table();
+    if (cpu_has_sse41()) {
         b3_compress_impl = b3_compress_sse41;
+        cbor_tokens = cbor_tokens_sse41;
+    }
 #endif
     m = PyModule_Create(&moduledef);
     if (m == NULL)

@@ -151,6 +151,12 @@ class BlockHasher(ABC):
     _no_extra_ids: ClassVar[str | None] = None
     #: Likewise for multimodal keys.
     _no_mm_keys: ClassVar[str | None] = None
+    #: The C module (:mod:`kvstream.hashing._chainnative`) hashing this hasher's packed
+    #: requests in :meth:`chain_raw`, None for none; set per instance
+    #: (:func:`kvstream.hashing.accel.native_chains`).
+    _c: Any = None
+    #: Its chain kind for this algorithm (``accel.KIND_*``); used only with :attr:`_c`.
+    _c_kind: ClassVar[int] = -1
 
     @abstractmethod
     def root(
@@ -304,9 +310,34 @@ class BlockHasher(ABC):
         :meth:`resume`). Also returns the chain keys (``ChainState.key``) after every block
         ``i >= start`` with ``(i + 1) % every == 0`` (none when ``every`` is 0), the points a
         caller can resume from. Equals :meth:`chain_bytes` over the same blocks (no mm keys, no
-        extra ids). This default slices the blocks and folds :meth:`extend`; algorithms with a
-        whole-request loop (the C chains) override it.
+        extra ids).
+
+        Runs in one C call when the hasher has a C chain (:attr:`_c`, of kind :attr:`_c_kind`,
+        the per-request bytes from :meth:`_c_tails`), else :meth:`_chain_raw`.
         """
+        c = self._c
+        if c is None:
+            return self._chain_raw(state, raw, tokens_per_block, start, every)
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        offset, first, tail = self._c_tails(state)
+        kind, key, width = self._c_kind, state.key, self.width
+        out: tuple[list[bytes], list[Any]] = c.chain(
+            kind, raw, tokens_per_block, key, start, width, offset, first, tail, every
+        )
+        return out
+
+    def _c_tails(self, state: ChainState) -> tuple[int, bytes | None, bytes | None]:
+        """Hook of the C chain (:meth:`chain_raw`): where the published bytes start in a
+        32-byte key, and the bytes the chain kind appends to the block after ``state`` and to
+        the blocks after it (None: the kind's default)."""
+        return 0, None, None
+
+    def _chain_raw(
+        self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int
+    ) -> tuple[list[bytes], list[Any]]:
+        """Hook: :meth:`chain_raw` without the C chain. This default slices the blocks and
+        folds :meth:`extend`; algorithms with a faster whole-request loop override it."""
         step = 4 * tokens_per_block
         blocks = [
             TokenIds.from_bytes(raw[i * step : (i + 1) * step])

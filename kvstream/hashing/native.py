@@ -78,6 +78,8 @@ class Blake3Hasher(BlockHasher):
     None (default) when built, False never, True required.
     """
 
+    _c_kind = KIND_BLAKE3
+
     def __init__(self, width: int = 32, *, native: bool | None = None) -> None:
         if width not in (8, 32):
             raise HashingError(f"blake3 publishes 32-byte keys or their first 8 bytes, not {width}")
@@ -163,23 +165,4 @@ class Blake3Hasher(BlockHasher):
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]
-        return out
-
-    def chain_raw(
-        self,
-        state: ChainState,
-        raw: bytes,
-        tokens_per_block: int,
-        *,
-        start: int = 0,
-        every: int = 0,
-    ) -> tuple[list[bytes], list[Any]]:
-        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
-        c = self._c
-        if c is None:
-            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
-        self._check_state(state)
-        out: tuple[list[bytes], list[Any]] = c.chain(
-            KIND_BLAKE3, raw, tokens_per_block, state.key, start, self.width, 0, None, None, every
-        )
         return out

@@ -395,18 +395,12 @@ class V1BlockKeyHasher(BlockHasher):
             return _v1native.chain_bytes(*self._native_args(state, blocks, mm, extra))
         return [k.to_bytes(8, "big") for k in self._ints(state, blocks, mm, extra)]
 
-    def chain_raw(
-        self,
-        state: ChainState,
-        raw: bytes,
-        tokens_per_block: int,
-        *,
-        start: int = 0,
-        every: int = 0,
+    def _chain_raw(
+        self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int
     ) -> tuple[list[bytes], list[Any]]:
-        """See :meth:`BlockHasher.chain_raw`; the C extension hashes the flat buffer."""
+        """See :meth:`BlockHasher.chain_raw`; the v1 C extension hashes the flat buffer."""
         if not self.native:
-            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
+            return super()._chain_raw(state, raw, tokens_per_block, start, every)
         self._check_state(state)
         step = 4 * tokens_per_block
         end = len(raw) // step * step
@@ -474,6 +468,7 @@ class V2Sha256Hasher(BlockHasher):
     """
 
     _no_extra_ids = "v2_sha256 keys do not include per-token extra ids"
+    _c_kind = KIND_V2
 
     def __init__(
         self,
@@ -602,23 +597,4 @@ class V2Sha256Hasher(BlockHasher):
                 append(key)
         if self.width == 8:
             return [k[:8] for k in out]
-        return out
-
-    def chain_raw(
-        self,
-        state: ChainState,
-        raw: bytes,
-        tokens_per_block: int,
-        *,
-        start: int = 0,
-        every: int = 0,
-    ) -> tuple[list[bytes], list[Any]]:
-        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
-        c = self._c
-        if c is None:
-            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
-        self._check_state(state)
-        out: tuple[list[bytes], list[Any]] = c.chain(
-            KIND_V2, raw, tokens_per_block, state.key, start, self.width, 0, None, None, every
-        )
         return out

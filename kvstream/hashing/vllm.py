@@ -78,6 +78,8 @@ __all__ = [
 DEFAULT_SEED: Final = "vllm-none-hash"
 _PARENT_HEAD: Final = b"\x83\x58\x20"  # array(3), then bytes(32)
 _NONE: Final = b"\xf6"
+#: The request scope (LoRA key, salt key) of a request with neither: no extra keys.
+_NO_SCOPE: Final = (None, None)
 #: Requests with at least this many tokens have their token arrays encoded by numpy at once.
 _VECTOR_MIN_TOKENS: Final = 512
 _DIGEST_LEN: Final = 32
@@ -343,14 +345,8 @@ class VllmHasherBase(BlockHasher):
         digests = self._digests(state, coerce_many(blocks), mm, embeds)
         return digests if self.width == 32 else [d[-8:] for d in digests]
 
-    def chain_raw(
-        self,
-        state: ChainState,
-        raw: bytes,
-        tokens_per_block: int,
-        *,
-        start: int = 0,
-        every: int = 0,
+    def _chain_raw(
+        self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int
     ) -> tuple[list[bytes], list[Any]]:
         """See :meth:`BlockHasher.chain_raw` (the chain keys are the block digests)."""
         self._check_state(state)
@@ -372,6 +368,7 @@ class VllmSha256CborHasher(VllmHasherBase):
     """
 
     algo = "vllm_sha256_cbor"
+    _c_kind = KIND_CBOR
 
     def __init__(
         self,
@@ -388,41 +385,19 @@ class VllmSha256CborHasher(VllmHasherBase):
         #: C (``native``: None = when built, False = never, True = required).
         self.native: bool = self._c is not None
 
-    def _tails(self, state: ChainState) -> tuple[bytes | None, bytes]:
-        """CBOR extra keys of the block after ``state`` (None: as the rest) and of the rest."""
+    def _tails(self, state: ChainState) -> tuple[bytes | None, bytes | None]:
+        """CBOR extra keys of the block after ``state`` and of the rest (None: ``f6``, no
+        keys; the first also None when it has the rest's)."""
         scope = state.scope
+        if scope == _NO_SCOPE:
+            return None, None
         rest = _cbor_keys(self._keys(scope, False, None, None))
         first = _cbor_keys(self._keys(scope, True, None, None)) if state.depth == 0 else None
         return first, rest
 
-    def chain_raw(
-        self,
-        state: ChainState,
-        raw: bytes,
-        tokens_per_block: int,
-        *,
-        start: int = 0,
-        every: int = 0,
-    ) -> tuple[list[bytes], list[Any]]:
-        """See :meth:`BlockHasher.chain_raw`; in C when :attr:`native`."""
-        c = self._c
-        if c is None:
-            return super().chain_raw(state, raw, tokens_per_block, start=start, every=every)
-        self._check_state(state)
-        first, rest = self._tails(state)
-        out: tuple[list[bytes], list[Any]] = c.chain(
-            KIND_CBOR,
-            raw,
-            tokens_per_block,
-            state.key,
-            start,
-            self.width,
-            32 - self.width,
-            first,
-            rest,
-            every,
-        )
-        return out
+    def _c_tails(self, state: ChainState) -> tuple[int, bytes | None, bytes | None]:
+        # the 64-bit form publishes the digest's last 8 bytes
+        return (32 - self.width, *self._tails(state))
 
     def hash_object(self, obj: Any) -> bytes:
         return hashlib.sha256(cbor.dumps(obj)).digest()

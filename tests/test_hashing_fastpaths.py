@@ -1,0 +1,136 @@
+"""The request-hashing fast paths against their references.
+
+- ``_chainnative.pack`` reads exact ints from their digits (a generic path for the rest): equal
+  to the ``struct`` packing on every digit-count boundary, and None for what it must refuse.
+- The vLLM CBOR chain encodes token arrays four ids at a time with SSE4.1 (a scalar loop
+  otherwise): on both, equal to the pure-Python reference for every block size, including
+  the ids where CBOR's head changes size.
+- ``chain_raw`` is one base method; the algorithms plug in their C chain kind, or their own
+  loop (``_chain_raw``, e.g. TensorRT-LLM V1's C extension), and the results stay equal to
+  the pure-Python path with checkpoints (``every``) and resumption (``start``).
+
+Skipped when the extension is not built (no C compiler) or KVSTREAM_NO_NATIVE is set.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstream._types import TokenIds
+from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, split_blocks
+from kvstream.hashing.trtllm import NATIVE_AVAILABLE, V1BlockKeyHasher
+from kvstream.hashing.vllm import VllmSha256CborHasher
+
+native = pytest.importorskip("kvstream.hashing._chainnative")
+if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
+    pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
+
+#: Where CBOR's head grows (24, 2**8, 2**16) and where CPython's digits do (2**30).
+EDGES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
+
+
+@pytest.fixture(params=["simd", "portable"])
+def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Run a test with the SIMD code (when the CPU has it) and with the portable C."""
+    before = native.has_sha_ni()
+    native.set_simd(request.param == "simd")
+    try:
+        yield request.param == "simd"
+    finally:
+        native.set_simd(before)
+
+
+class _Int(int):
+    pass
+
+
+def test_pack_digit_boundaries() -> None:
+    ids = [*EDGES, *(e - 1 for e in EDGES if e), *(e + 1 for e in EDGES if e < 2**32 - 1)]
+    want = struct.pack(f"<{len(ids)}I", *ids)
+    assert native.pack(ids) == want
+    assert native.pack(tuple(ids), True) == want[:-4]
+    # int subclasses and bools take the generic path, with the same values
+    assert native.pack([_Int(7), _Int(2**31), True, False]) == struct.pack("<4I", 7, 2**31, 1, 0)
+    for bad in (-1, -(2**30), -(2**31), 2**32, 2**33, 2**60, 2**64, -(2**64), 2**100):
+        assert native.pack([1, bad]) is None
+        assert native.pack([1, bad], True) is None  # the dropped id is validated too
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.one_of(st.sampled_from(EDGES), st.integers(0, 2**32 - 1)), max_size=64))
+def test_pack_equals_struct(ids: list[int]) -> None:
+    assert native.pack(ids) == struct.pack(f"<{len(ids)}I", *ids)
+
+
+def _cbor_pair() -> tuple[BlockHasher, BlockHasher]:
+    return VllmSha256CborHasher(native=True), VllmSha256CborHasher(native=False)
+
+
+@pytest.mark.parametrize("tpb", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33])
+def test_cbor_chain_on_head_boundaries(tpb: int, simd: bool) -> None:
+    """Every pair of size classes inside a four-id group, and every remainder length."""
+    ids = [a for a in EDGES for b in EDGES for a in (a, b)]
+    c, py = _cbor_pair()
+    raw = TokenIds(ids).raw
+    got, _ = c.chain_raw(c.root(), raw, tpb)
+    assert got == py.chain_bytes(split_blocks(ids, tpb))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(
+        st.one_of(st.sampled_from(EDGES), st.integers(0, 300), st.integers(0, 2**32 - 1)),
+        max_size=200,
+    ),
+    tpb=st.integers(1, 40),
+    on=st.booleans(),
+)
+def test_cbor_chain_equals_python(ids: list[int], tpb: int, on: bool) -> None:
+    c, py = _cbor_pair()
+    before = native.has_sha_ni()
+    native.set_simd(on)
+    try:
+        got, _ = c.chain_raw(c.root(cache_salt="s"), TokenIds(ids).raw, tpb)
+    finally:
+        native.set_simd(before)
+    assert got == py.chain_bytes(split_blocks(ids, tpb), cache_salt="s")
+
+
+def test_chain_raw_is_defined_once() -> None:
+    """The C chains plug into BlockHasher.chain_raw by kind; no hasher redefines it."""
+    for algo in available_hashers():
+        cls = type(get_hasher(algo))
+        owners = [k.__name__ for k in cls.__mro__ if "chain_raw" in vars(k)]
+        assert owners == ["BlockHasher"], (algo, owners)
+
+
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the v1_block_key C extension is not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=120),
+    tpb=st.integers(1, 20),
+    start=st.integers(0, 6),
+    every=st.integers(0, 4),
+    salt=st.sampled_from([None, "s"]),
+)
+def test_v1_chain_raw_native_equals_python(
+    ids: list[int], tpb: int, start: int, every: int, salt: str | None
+) -> None:
+    c, py = V1BlockKeyHasher(native=True), V1BlockKeyHasher(native=False)
+    raw = TokenIds(ids).raw
+    full, keys = c.chain_raw(c.root(cache_salt=salt), raw, tpb, every=every)
+    assert (full, keys) == py.chain_raw(py.root(cache_salt=salt), raw, tpb, every=every)
+    assert full == py.chain_bytes(split_blocks(ids, tpb), cache_salt=salt)
+    start = min(start, len(full))
+    if start:
+        state = py.root(cache_salt=salt)
+        for b in split_blocks(ids, tpb)[:start]:
+            _, state = py.extend(state, b)
+        got = c.chain_raw(state, raw, tpb, start=start, every=every)
+        assert got == py.chain_raw(state, raw, tpb, start=start, every=every)
+        assert got[0] == full[start:]
