@@ -5,6 +5,8 @@
 - The vLLM CBOR chain encodes token arrays four ids at a time with SSE4.1 (a scalar loop
   otherwise): on both, equal to the pure-Python reference for every block size, including
   the ids where CBOR's head changes size.
+- SGLang's page chain runs in C for u32 pages (its namespaced published hashes too): equal
+  to the pure-Python reference for every scope and event format.
 - ``chain_raw`` is one base method; the algorithms plug in their C chain kind, or their own
   loop (``_chain_raw``, e.g. TensorRT-LLM V1's C extension), and the results stay equal to
   the pure-Python path with checkpoints (``every``) and resumption (``start``).
@@ -22,7 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstream._types import TokenIds
+from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, split_blocks
+from kvstream.hashing.sglang import SglangSha256Hasher
 from kvstream.hashing.trtllm import NATIVE_AVAILABLE, V1BlockKeyHasher
 from kvstream.hashing.vllm import VllmSha256CborHasher
 
@@ -134,3 +138,70 @@ def test_v1_chain_raw_native_equals_python(
         got = c.chain_raw(state, raw, tpb, start=start, every=every)
         assert got == py.chain_raw(state, raw, tpb, start=start, every=every)
         assert got[0] == full[start:]
+
+
+sglang_scopes = st.sampled_from(
+    [{}, {"cache_salt": "tenant"}, {"extra_key": "e"}, {"lora_id": "ad", "cache_salt": "t"}]
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ids=st.lists(st.one_of(st.sampled_from(EDGES), st.integers(0, 2**32 - 1)), max_size=150),
+    tpb=st.integers(1, 40),
+    scope=sglang_scopes,
+    event_format=st.sampled_from(["default", "dynamo"]),
+    start_every=st.tuples(st.integers(0, 6), st.integers(0, 4)),
+    on=st.booleans(),
+)
+def test_sglang_native_equals_python(  # noqa: PLR0917
+    ids: list[int],
+    tpb: int,
+    scope: dict[str, str],
+    event_format: str,
+    start_every: tuple[int, int],
+    on: bool,
+) -> None:
+    c = SglangSha256Hasher(event_format=event_format, native=True)
+    py = SglangSha256Hasher(event_format=event_format, native=False)
+    assert c.native
+    assert not py.native
+    start, every = start_every
+    before = native.has_sha_ni()
+    native.set_simd(on)
+    try:
+        blocks = split_blocks(ids, tpb, include_partial=True)
+        want = py.chain_bytes(blocks, **scope)
+        assert c.chain_bytes(blocks, **scope) == want
+        assert c.chain_bytes([b.tolist() for b in blocks], **scope) == want
+        raw = TokenIds(ids).raw
+        full, keys = c.chain_raw(c.root(**scope), raw, tpb, every=every)
+        assert (full, keys) == py.chain_raw(py.root(**scope), raw, tpb, every=every)
+        assert full == want[: len(ids) // tpb]
+        start = min(start, len(full))
+        if start:
+            state = py.root(**scope)
+            for b in blocks[:start]:
+                _, state = py.extend(state, b)
+            got = c.chain_raw(state, raw, tpb, start=start, every=every)
+            assert got == py.chain_raw(state, raw, tpb, start=start, every=every)
+            assert got[0] == full[start:]
+    finally:
+        native.set_simd(before)
+
+
+def test_sglang_wide_pages_and_errors_on_the_native_hasher() -> None:
+    """Pages with ids >= 2**32 take the reference loop; errors read as the reference's."""
+    c, py = SglangSha256Hasher(native=True), SglangSha256Hasher(native=False)
+    blocks = [[1, 2], [2**40, 3], [4]]
+    assert c.chain_bytes(blocks) == py.chain_bytes(blocks)
+    for bad in ([[1], []], [[1], [-1]], [[1], ["x"]]):
+        with pytest.raises(HashingError) as want:
+            py.chain_bytes(bad)
+        with pytest.raises(HashingError) as got:
+            c.chain_bytes(bad)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(HashingError, match=r"blocks\[1\]: a block needs at least one token"):
+        c.chain_bytes([[1], []])
+    with pytest.raises(HashingError, match="parent must be 32 bytes"):
+        native.chain(native.KIND_V2, b"\0" * 8, 1, b"")

@@ -2,7 +2,8 @@
  * kvstream.hashing._chainnative: SHA-256 and BLAKE3 block-hash chains in C.
  *
  * The algorithms are defined (and implemented in pure Python, the reference) in
- * kvstream/hashing/trtllm.py (v2_sha256), vllm.py (vllm_sha256_cbor) and native.py (blake3).
+ * kvstream/hashing/trtllm.py (v2_sha256), vllm.py (vllm_sha256_cbor), native.py (blake3) and
+ * sglang.py (sglang_sha256_64).
  * This module hashes a whole request's chain in one call, so the per-block cost is the hash
  * compression itself instead of a Python-level hashlib call per block:
  *
@@ -10,6 +11,10 @@
  *   KIND_CBOR    key = SHA-256(83 58 20 || parent (32) || canonical CBOR array of the tokens
  *                              || tail)        tail: the block's CBOR extra keys (f6: None)
  *   KIND_BLAKE3  key = BLAKE3(parent (32) || each token as u32 little-endian)
+ *   KIND_SGLANG  key = SHA-256(parent (32) || each token as u32 little-endian), no parent
+ *                for a first block whose given parent is empty; published from
+ *                SHA-256(tail || key[0:8]) instead of the key when a tail (SGLang's
+ *                namespace seed) is given
  *
  * SHA-256 uses the x86 SHA extensions when the CPU has them (checked once with cpuid) and a
  * portable implementation otherwise; BLAKE3 (inputs of any length, chunk tree included)
@@ -55,6 +60,7 @@
 #define KIND_V2 0
 #define KIND_CBOR 1
 #define KIND_BLAKE3 2
+#define KIND_SGLANG 3
 #define KEY_LEN 32
 /* Release the GIL for flat requests with at least this many tokens. */
 #define NOGIL_MIN_TOKENS 2048
@@ -619,6 +625,10 @@ typedef struct {
     int kind;
     const unsigned char *first_tail, *tail;
     Py_ssize_t first_tail_len, tail_len;
+    /* KIND_SGLANG: the namespace seed (NULL: none), whether the first block has a parent */
+    const unsigned char *seed;
+    Py_ssize_t seed_len;
+    int has_parent;
 } chain_cfg;
 
 /* Worst-case message length of a block of n tokens (before SHA padding). */
@@ -630,11 +640,12 @@ msg_capacity(const chain_cfg *cfg, Py_ssize_t n)
     return 3 + KEY_LEN + 9 + 5 * (size_t)n + 8 + tail + 72;
 }
 
-/* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i. msg: scratch buffer of
- * msg_capacity(max block) bytes. */
+/* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i, and with a seed
+ * (KIND_SGLANG) the digest published for it to pubs + 32 * i. msg: scratch buffer of
+ * msg_capacity(max block) bytes; seeded: another of seed_len + 8 + 72 at pubmsg. */
 static void
 hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
-           unsigned char *keys, unsigned char *msg)
+           unsigned char *keys, unsigned char *msg, unsigned char *pubs, unsigned char *pubmsg)
 {
     Py_ssize_t b;
     const unsigned char *prev = parent;
@@ -658,6 +669,10 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             q += tail_len;
             len = (size_t)(q - msg);
         }
+        else if (b == 0 && !cfg->has_parent) {
+            memcpy(msg, t, 4 * (size_t)n);
+            len = 4 * (size_t)n;
+        }
         else {
             memcpy(msg, prev, KEY_LEN);
             memcpy(msg + KEY_LEN, t, 4 * (size_t)n);
@@ -667,6 +682,11 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             b3_hash(msg, len, key);
         else
             sha256_padded(msg, len, key);
+        if (cfg->seed != NULL) {
+            /* off the chain's critical path: overlaps the next block's compressions */
+            memcpy(pubmsg + cfg->seed_len, key, 8);
+            sha256_padded(pubmsg, (size_t)cfg->seed_len + 8, pubs + (size_t)KEY_LEN * b);
+        }
         prev = key;
     }
 }
@@ -701,7 +721,8 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_buffer *views = NULL;
     Py_ssize_t n_views = 0, nb = 0, max_n = 0, b;
     blk_t *blocks = NULL;
-    unsigned char *keys = NULL, *msg = NULL;
+    unsigned char *keys = NULL, *msg = NULL, *pubs = NULL, *pubmsg = NULL;
+    const unsigned char *pub_src = NULL;
     PyObject *published = NULL, *cps = NULL, *result = NULL;
     chain_cfg cfg;
     static const unsigned char NONE_TAIL[1] = {0xf6};
@@ -710,7 +731,7 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
                                      &block_tokens, &parent_obj, &start, &width, &offset,
                                      &first_tail_obj, &tail_obj, &every))
         return NULL;
-    if (kind != KIND_V2 && kind != KIND_CBOR && kind != KIND_BLAKE3) {
+    if (kind != KIND_V2 && kind != KIND_CBOR && kind != KIND_BLAKE3 && kind != KIND_SGLANG) {
         PyErr_Format(HashingError, "unknown chain kind %d", kind);
         return NULL;
     }
@@ -720,11 +741,14 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if (get_buffer(parent_obj, &parent, "parent") < 0)
         return NULL;
-    if (parent.len != KEY_LEN) {
+    if (parent.len != KEY_LEN && !(kind == KIND_SGLANG && parent.len == 0)) {
         PyErr_Format(HashingError, "parent must be %d bytes, got %zd", KEY_LEN, parent.len);
         goto done;
     }
     cfg.kind = kind;
+    cfg.has_parent = parent.len != 0;
+    cfg.seed = NULL;
+    cfg.seed_len = 0;
     cfg.first_tail = cfg.tail = NONE_TAIL;
     cfg.first_tail_len = cfg.tail_len = 1;
     if (tail_obj != Py_None) {
@@ -732,6 +756,10 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
             goto done;
         cfg.tail = cfg.first_tail = tail.buf;
         cfg.tail_len = cfg.first_tail_len = tail.len;
+        if (kind == KIND_SGLANG) {
+            cfg.seed = tail.buf;
+            cfg.seed_len = tail.len;
+        }
     }
     if (first_tail_obj != Py_None) {
         if (get_buffer(first_tail_obj, &ftail, "first_tail") < 0)
@@ -804,13 +832,24 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_NoMemory();
         goto done;
     }
+    pub_src = keys;
+    if (cfg.seed != NULL) {
+        pubs = PyMem_Malloc((size_t)KEY_LEN * (nb ? (size_t)nb : 1));
+        pubmsg = PyMem_Malloc((size_t)cfg.seed_len + 8 + 72);
+        if (pubs == NULL || pubmsg == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(pubmsg, cfg.seed, (size_t)cfg.seed_len);
+        pub_src = pubs;
+    }
     if (views == NULL && nb * block_tokens >= NOGIL_MIN_TOKENS) {
         Py_BEGIN_ALLOW_THREADS
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg);
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, pubs, pubmsg);
         Py_END_ALLOW_THREADS
     }
     else {
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg);
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, pubs, pubmsg);
     }
 
     published = PyList_New(nb);
@@ -818,7 +857,7 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     if (published == NULL || cps == NULL)
         goto done;
     for (b = 0; b < nb; b++) {
-        PyObject *pb = PyBytes_FromStringAndSize((const char *)keys + KEY_LEN * b + offset,
+        PyObject *pb = PyBytes_FromStringAndSize((const char *)pub_src + KEY_LEN * b + offset,
                                                  width);
         if (pb == NULL)
             goto done;
@@ -839,6 +878,8 @@ done:
     Py_XDECREF(cps);
     PyMem_Free(keys);
     PyMem_Free(msg);
+    PyMem_Free(pubs);
+    PyMem_Free(pubmsg);
     PyMem_Free(blocks);
     if (views != NULL) {
         for (b = 0; b < n_views; b++)
@@ -1198,8 +1239,9 @@ static PyMethodDef methods[] = {
 };
 
 PyDoc_STRVAR(module_doc,
-             "SHA-256 and BLAKE3 block-hash chains in C (v2_sha256, vllm_sha256_cbor, blake3); "
-             "see kvstream.hashing.trtllm, .vllm and .native for the pure-Python references.");
+             "SHA-256 and BLAKE3 block-hash chains in C (v2_sha256, vllm_sha256_cbor, blake3, "
+             "sglang_sha256_64); see kvstream.hashing.trtllm, .vllm, .native and .sglang for the "
+             "pure-Python references.");
 
 static struct PyModuleDef moduledef = {
     PyModuleDef_HEAD_INIT, "kvstream.hashing._chainnative", module_doc, -1, methods,
@@ -1235,7 +1277,8 @@ PyInit__chainnative(void)
         return NULL;
     if (PyModule_AddIntConstant(m, "KIND_V2", KIND_V2) < 0 ||
         PyModule_AddIntConstant(m, "KIND_CBOR", KIND_CBOR) < 0 ||
-        PyModule_AddIntConstant(m, "KIND_BLAKE3", KIND_BLAKE3) < 0) {
+        PyModule_AddIntConstant(m, "KIND_BLAKE3", KIND_BLAKE3) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_SGLANG", KIND_SGLANG) < 0) {
         Py_DECREF(m);
         return NULL;
     }

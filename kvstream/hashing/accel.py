@@ -2,12 +2,13 @@
 
 :mod:`kvstream.hashing._chainnative` (``_chainnative.c``, built by ``pip install`` when a C
 compiler is present) hashes a whole request's chain in one call for ``v2_sha256(_64)``
-(``u32`` encoding), ``vllm_sha256_cbor(_64)`` and ``blake3(_64)``: SHA-256 on the x86 SHA
-extensions when the CPU has them (portable C otherwise), BLAKE3's portable compression, vLLM's
-canonical CBOR token arrays built in C. The hashers in :mod:`.trtllm`, :mod:`.vllm` and
-:mod:`.native` use it by default and keep their pure-Python loops as the reference and the
-fallback (``native=False`` per hasher; ``KVSTREAM_NO_NATIVE=1`` before import for all). Values
-are identical either way (property-tested).
+(``u32`` encoding), ``vllm_sha256_cbor(_64)``, ``blake3(_64)`` and ``sglang_sha256_64``
+(``u32`` pages): SHA-256 on the x86 SHA extensions when the CPU has them (portable C
+otherwise), BLAKE3's compression on SSE4.1 registers (portable C otherwise), vLLM's canonical
+CBOR token arrays built in C (four ids per step with SSE4.1). The hashers in :mod:`.trtllm`,
+:mod:`.vllm`, :mod:`.native` and :mod:`.sglang` use it by default and keep their pure-Python
+loops as the reference and the fallback (``native=False`` per hasher; ``KVSTREAM_NO_NATIVE=1``
+before import for all). Values are identical either way (property-tested).
 
 Also here, with pure-Python fallbacks: :func:`pack_request` (a request's ids as u32 LE bytes),
 :func:`fingerprints` and :func:`same_prefix` (what the prefix cache of
@@ -33,6 +34,7 @@ else:
 __all__ = [
     "KIND_BLAKE3",
     "KIND_CBOR",
+    "KIND_SGLANG",
     "KIND_V2",
     "NATIVE_CHAINS",
     "fingerprints",
@@ -49,6 +51,7 @@ _native: Any = _chainnative  # typed Any: None when not built
 KIND_V2: Final = 0
 KIND_CBOR: Final = 1
 KIND_BLAKE3: Final = 2
+KIND_SGLANG: Final = 3
 
 
 def native_chains(native: bool | None, algo: str) -> Any:

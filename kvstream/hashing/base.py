@@ -313,25 +313,25 @@ class BlockHasher(ABC):
         extra ids).
 
         Runs in one C call when the hasher has a C chain (:attr:`_c`, of kind :attr:`_c_kind`,
-        the per-request bytes from :meth:`_c_tails`), else :meth:`_chain_raw`.
+        its arguments from :meth:`_c_args`), else :meth:`_chain_raw`.
         """
         c = self._c
         if c is None:
             return self._chain_raw(state, raw, tokens_per_block, start, every)
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
-        offset, first, tail = self._c_tails(state)
-        kind, key, width = self._c_kind, state.key, self.width
+        parent, offset, first, tail = self._c_args(state)
+        kind, width = self._c_kind, self.width
         out: tuple[list[bytes], list[Any]] = c.chain(
-            kind, raw, tokens_per_block, key, start, width, offset, first, tail, every
+            kind, raw, tokens_per_block, parent, start, width, offset, first, tail, every
         )
         return out
 
-    def _c_tails(self, state: ChainState) -> tuple[int, bytes | None, bytes | None]:
-        """Hook of the C chain (:meth:`chain_raw`): where the published bytes start in a
-        32-byte key, and the bytes the chain kind appends to the block after ``state`` and to
-        the blocks after it (None: the kind's default)."""
-        return 0, None, None
+    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
+        """Hook of the C chain (:meth:`chain_raw`): the parent key of the block after
+        ``state``, where the published bytes start in a 32-byte key, and the chain kind's
+        ``first_tail`` and ``tail`` (None: the kind's default; see ``_chainnative.chain``)."""
+        return state.key, 0, None, None
 
     def _chain_raw(
         self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int

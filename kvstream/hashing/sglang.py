@@ -47,6 +47,7 @@ import numpy as np
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
+from kvstream.hashing.accel import KIND_SGLANG, native_chains
 from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, check_str
 from kvstream.hashing.blocks import Where, coerce_tokens
 
@@ -102,6 +103,21 @@ def _wide_page(block: Any, where: Where) -> bytes:
     return _WIDE_TAG + words.tobytes()
 
 
+def _u32_pages(blocks: list[Any]) -> list[bytes] | None:
+    """Every page's u32 LE bytes, or None when one is not a sequence of u32 ids (a wide page,
+    or an error the reference loop reports)."""
+    pages: list[bytes] = []
+    for i, b in enumerate(blocks):
+        if type(b) is TokenIds:
+            pages.append(b._raw)
+            continue
+        try:
+            pages.append(coerce_tokens(b, i))
+        except HashingError:
+            return None
+    return pages
+
+
 def _page(block: Any, where: Where) -> bytes:
     """The bytes SGLang hashes for one page (after the parent digest)."""
     if type(block) is TokenIds:
@@ -116,7 +132,9 @@ def _page(block: Any, where: Where) -> bytes:
 class SglangSha256Hasher(BlockHasher):
     """``sglang_sha256_64``: SGLang's KV-event page hash (see the module docstring).
 
-    ``event_format`` is the publisher's ``format`` (``"default"`` or ``"dynamo"``).
+    ``event_format`` is the publisher's ``format`` (``"default"`` or ``"dynamo"``). ``native``
+    picks the whole-request C chain of ``u32`` pages (:mod:`kvstream.hashing.accel`): None
+    (default) when built, False never, True required.
     """
 
     name = "sglang_sha256_64"
@@ -126,13 +144,22 @@ class SglangSha256Hasher(BlockHasher):
         "SGLang hashes multimodal items through their pad token ids; pass the padded tokens, "
         "not mm_keys"
     )
+    _c_kind = KIND_SGLANG
 
-    def __init__(self, *, event_format: str = "default") -> None:
+    def __init__(self, *, event_format: str = "default", native: bool | None = None) -> None:
         if event_format not in EVENT_FORMATS:
             raise HashingError(
                 f"event_format must be one of {', '.join(EVENT_FORMATS)}; got {event_format!r}"
             )
         self.event_format: str = event_format
+        self._c: Any = native_chains(native, self.name)
+        #: Whether chains of u32 pages run in C.
+        self.native: bool = self._c is not None
+
+    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
+        # no parent (b""): an unsalted chain's first page; the tail is the namespace seed
+        key = state.key
+        return (b"" if key is None else key), 0, None, state.scope[0]
 
     def root(
         self,
@@ -199,6 +226,14 @@ class SglangSha256Hasher(BlockHasher):
     ) -> list[bytes]:
         parent: bytes | None = state.key
         seed = state.scope[0]
+        c = self._c
+        if c is not None:
+            pages = _u32_pages(blocks)
+            if pages is not None:
+                published: list[bytes] = c.chain(
+                    KIND_SGLANG, pages, 0, b"" if parent is None else parent, 0, 8, 0, None, seed
+                )[0]
+                return published
         sha = _sha256
         out: list[bytes] = []
         append = out.append

@@ -395,9 +395,9 @@ class VllmSha256CborHasher(VllmHasherBase):
         first = _cbor_keys(self._keys(scope, True, None, None)) if state.depth == 0 else None
         return first, rest
 
-    def _c_tails(self, state: ChainState) -> tuple[int, bytes | None, bytes | None]:
+    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
         # the 64-bit form publishes the digest's last 8 bytes
-        return (32 - self.width, *self._tails(state))
+        return (state.key, 32 - self.width, *self._tails(state))
 
     def hash_object(self, obj: Any) -> bytes:
         return hashlib.sha256(cbor.dumps(obj)).digest()
