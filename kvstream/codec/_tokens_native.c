@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <stdint.h>
 #include <string.h>
@@ -27,8 +28,14 @@
 static inline uint32_t
 load_u32le(const unsigned char *p)
 {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+#else
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
            ((uint32_t)p[3] << 24);
+#endif
 }
 
 static inline void
@@ -40,47 +47,65 @@ store_u32le(unsigned char *p, uint32_t v)
     p[3] = (unsigned char)(v >> 24);
 }
 
-static inline Py_ssize_t
-varint_len(uint32_t v)
-{
-    return 1 + (v >= 0x80u) + (v >= 0x4000u) + (v >= 0x200000u) + (v >= 0x10000000u);
-}
-
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define FAST_LE 1
 #else
 #define FAST_LE 0
 #endif
 
-/* `out` has 5 * n + 8 bytes: the fast path stores 8 bytes per id and advances by its length. */
+#define CHUNK 256
+
+/* The zig-zag of the wrapping 32-bit difference v - prev. */
+static inline uint32_t
+zigzag(uint32_t v, uint32_t prev)
+{
+    uint32_t d = v - prev;
+    return (d << 1) ^ (uint32_t)((int32_t)d >> 31);
+}
+
+/* `out` has 5 * n + 8 bytes: each varint is stored as 8 bytes and the pointer advances by its
+ * length. Two passes per chunk of CHUNK ids: the first (vectorised by the compiler: uint32
+ * lanes, no loop-carried state) spreads each value's 7-bit groups over the low 4 bytes with
+ * their continuation bits, its fifth byte and its length; the second only stores. */
 static Py_ssize_t
 encode_all(const unsigned char *in, Py_ssize_t n, int delta, unsigned char *out)
 {
     unsigned char *o = out;
+    uint32_t lo[CHUNK], hi[CHUNK], len[CHUNK], z[CHUNK];
     uint32_t prev = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t v = load_u32le(in + 4 * i);
+    for (Py_ssize_t s = 0; s < n; s += CHUNK) {
+        Py_ssize_t m = n - s < CHUNK ? n - s : CHUNK;
+        const unsigned char *p = in + 4 * s;
         if (delta) {
-            int32_t d = (int32_t)(v - prev);
-            prev = v;
-            v = ((uint32_t)d << 1) ^ (uint32_t)(d >> 31);
+            z[0] = zigzag(load_u32le(p), prev);
+            for (Py_ssize_t j = 1; j < m; j++)
+                z[j] = zigzag(load_u32le(p + 4 * j), load_u32le(p + 4 * j - 4));
+            prev = load_u32le(p + 4 * m - 4);
         }
+        else {
+            for (Py_ssize_t j = 0; j < m; j++)
+                z[j] = load_u32le(p + 4 * j);
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            uint32_t v = z[j];
+            uint32_t c1 = 0u - (uint32_t)(v >= 0x80u), c2 = 0u - (uint32_t)(v >= 0x4000u),
+                     c3 = 0u - (uint32_t)(v >= 0x200000u), c4 = 0u - (uint32_t)(v >= 0x10000000u);
+            lo[j] = (v & 0x7Fu) | ((v << 1) & 0x7F00u) | ((v << 2) & 0x7F0000u) |
+                    ((v << 3) & 0x7F000000u) | (c1 & 0x80u) | (c2 & 0x8000u) |
+                    (c3 & 0x800000u) | (c4 & 0x80000000u);
+            hi[j] = v >> 28;
+            len[j] = 1u - c1 - c2 - c3 - c4;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            uint64_t x = (uint64_t)lo[j] | ((uint64_t)hi[j] << 32);
 #if FAST_LE
-        /* Branch-free: spread the 7-bit groups over bytes, set the continuation bits. */
-        Py_ssize_t len = varint_len(v);
-        uint64_t x = (uint64_t)(v & 0x7Fu) | ((uint64_t)(v & 0x3F80u) << 1) |
-                     ((uint64_t)(v & 0x1FC000u) << 2) | ((uint64_t)(v & 0xFE00000u) << 3) |
-                     ((uint64_t)(v & 0xF0000000u) << 4);
-        x |= 0x80808080ull & ((1ull << (8 * (len - 1))) - 1);
-        memcpy(o, &x, 8);
-        o += len;
+            memcpy(o, &x, 8);
 #else
-        while (v >= 0x80) {
-            *o++ = (unsigned char)(v | 0x80);
-            v >>= 7;
-        }
-        *o++ = (unsigned char)v;
+            for (int k = 0; k < 5; k++)
+                o[k] = (unsigned char)(x >> (8 * k));
 #endif
+            o += len[j];
+        }
     }
     return o - out;
 }
@@ -132,16 +157,29 @@ varint_sizes(PyObject *self, PyObject *arg)
         return NULL;
     }
     const unsigned char *in = buf.buf;
-    Py_ssize_t n = buf.len / 4, plain = 0, delta = 0;
-    uint32_t prev = 0, max = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t v = load_u32le(in + 4 * i);
-        int32_t d = (int32_t)(v - prev);
-        prev = v;
-        if (v > max)
-            max = v;
-        plain += varint_len(v);
-        delta += varint_len(((uint32_t)d << 1) ^ (uint32_t)(d >> 31));
+    Py_ssize_t n = buf.len / 4, plain = n, delta = n;
+    uint32_t max = 0;
+    /* Per chunk (uint32 counters cannot overflow), loops the compiler vectorises. */
+    for (Py_ssize_t s = 0; s < n; s += 4096) {
+        Py_ssize_t e = n - s < 4096 ? n : s + 4096, i = s;
+        uint32_t p = 0, d = 0, m = 0;
+        for (Py_ssize_t j = s; j < e; j++) {
+            uint32_t v = load_u32le(in + 4 * j);
+            m = v > m ? v : m;
+            p += (v >= 0x80u) + (v >= 0x4000u) + (v >= 0x200000u) + (v >= 0x10000000u);
+        }
+        if (i == 0) {
+            uint32_t z = zigzag(load_u32le(in), 0);
+            d += (z >= 0x80u) + (z >= 0x4000u) + (z >= 0x200000u) + (z >= 0x10000000u);
+            i = 1;
+        }
+        for (; i < e; i++) {
+            uint32_t z = zigzag(load_u32le(in + 4 * i), load_u32le(in + 4 * i - 4));
+            d += (z >= 0x80u) + (z >= 0x4000u) + (z >= 0x200000u) + (z >= 0x10000000u);
+        }
+        plain += p;
+        delta += d;
+        max = m > max ? m : max;
     }
     PyBuffer_Release(&buf);
     return Py_BuildValue("(knn)", (unsigned long)max, plain, delta);
@@ -261,6 +299,257 @@ varint_decode(PyObject *self, PyObject *args)
     return res;
 }
 
+
+/* ------------------------------------------------------------------------------ bit planes */
+
+/* planes_encode(raw) -> (high_bits, low16, high_planes): tokens.pack_tokens in one pass. */
+static PyObject *
+planes_encode(PyObject *self, PyObject *arg)
+{
+    Py_buffer buf;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (buf.len % 4) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "token buffer length is not a multiple of 4");
+        return NULL;
+    }
+    const unsigned char *in = buf.buf;
+    Py_ssize_t n = buf.len / 4, plane_len = (n + 7) >> 3;
+    PyObject *low = PyBytes_FromStringAndSize(NULL, 2 * n);
+    if (low == NULL) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    unsigned char *lo = (unsigned char *)PyBytes_AS_STRING(low);
+    uint32_t high_or = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        lo[2 * i] = in[4 * i];
+        lo[2 * i + 1] = in[4 * i + 1];
+        high_or |= (uint32_t)in[4 * i + 2] | ((uint32_t)in[4 * i + 3] << 8);
+    }
+    int k = 0;
+    while (high_or >> k)
+        k++;
+    PyObject *high = PyBytes_FromStringAndSize(NULL, k * plane_len);
+    if (high == NULL) {
+        PyBuffer_Release(&buf);
+        Py_DECREF(low);
+        return NULL;
+    }
+    unsigned char *hp = (unsigned char *)PyBytes_AS_STRING(high);
+    for (int j = 0; j < k; j++) {
+        unsigned char *plane = hp + (Py_ssize_t)j * plane_len;
+        int shift = 16 + j;
+        for (Py_ssize_t g = 0; g < plane_len; g++) {
+            Py_ssize_t base = 8 * g, m = n - base < 8 ? n - base : 8;
+            unsigned int byte = 0;
+            for (Py_ssize_t b = 0; b < m; b++)
+                byte |= ((load_u32le(in + 4 * (base + b)) >> shift) & 1u) << b;
+            plane[g] = (unsigned char)byte;
+        }
+    }
+    PyBuffer_Release(&buf);
+    PyObject *res = Py_BuildValue("(iNN)", k, low, high);
+    return res;
+}
+
+/* ------------------------------------------------------------------------------ gathering */
+
+static PyObject *s_block_hash, *s_token_ids, *s_raw, *s_fields_set;
+
+/* Where gather_blocks reads a type's attributes: per block type, whether block_hash and
+ * token_ids come from the instance __dict__ (no class attribute can shadow them: pydantic
+ * keeps fields there and none in the class) and the offset of its __pydantic_fields_set__
+ * slot; per token type, the offset of its _raw slot. -1: use the generic lookup. Looked up
+ * once per type met in a call, not per block. */
+typedef struct {
+    PyTypeObject *blk_type, *tok_type;
+    int dict_fields;
+    Py_ssize_t fields_set_off, raw_off;
+} Layout;
+
+/* The offset of the object slot (a __slots__ member) `name` of `type`, or -1. */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, PyObject *name)
+{
+    PyObject *d = _PyType_Lookup(type, name);
+    if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type)
+        return -1;
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    return m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : -1;
+}
+
+/* The value of slot `off` of `obj` (a new reference), or of obj.name when off < 0. */
+static inline PyObject *
+slot(PyObject *obj, Py_ssize_t off, PyObject *name)
+{
+    if (off < 0)
+        return PyObject_GetAttr(obj, name);
+    PyObject *v = *(PyObject **)((char *)obj + off);
+    if (v == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, name);
+        return NULL;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+/* obj.name (a new reference), from the instance __dict__ when `from_dict`. */
+static inline PyObject *
+field(PyObject *obj, PyObject *name, int from_dict)
+{
+    if (from_dict) {
+        PyObject **dictptr = _PyObject_GetDictPtr(obj);
+        if (dictptr != NULL && *dictptr != NULL) {
+            PyObject *v = PyDict_GetItemWithError(*dictptr, name);
+            if (v != NULL) {
+                Py_INCREF(v);
+                return v;
+            }
+            if (PyErr_Occurred())
+                return NULL;
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+static void
+layout_block(Layout *lay, PyTypeObject *type)
+{
+    lay->blk_type = type;
+    lay->dict_fields = _PyType_Lookup(type, s_block_hash) == NULL &&
+                       _PyType_Lookup(type, s_token_ids) == NULL;
+    lay->fields_set_off = slot_offset(type, s_fields_set);
+}
+
+/* gather_blocks(block_tuples) -> (raw, hashes, counts, uniform, plain) or None.
+ *
+ * block_tuples: a list of tuples of StoredBlock (each stored event's blocks). raw: all
+ * token ids (TokenIds._raw) concatenated; hashes: per tuple, its block hashes concatenated;
+ * counts: per block, its token count; uniform: every block has the same count; plain: per
+ * tuple, whether every block's pydantic fields set is within {"block_hash", "token_ids"}.
+ * None when anything is not as expected (the caller's Python path then does the same work
+ * and raises what it raises). */
+static PyObject *
+gather_blocks(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg))
+        Py_RETURN_NONE;
+    Py_ssize_t events = PyList_GET_SIZE(arg), total = 0;
+    for (Py_ssize_t e = 0; e < events; e++) {
+        PyObject *t = PyList_GET_ITEM(arg, e);
+        if (!PyTuple_CheckExact(t))
+            Py_RETURN_NONE;
+        total += PyTuple_GET_SIZE(t);
+    }
+    PyObject **refs = PyMem_Calloc((size_t)(2 * total) + 1, sizeof(PyObject *));
+    if (refs == NULL)
+        return PyErr_NoMemory();
+    PyObject **hashes_of = refs, **raws_of = refs + total;
+    PyObject *res = NULL, *raw = NULL, *hashes = NULL, *counts = NULL, *plain = NULL;
+    Py_ssize_t raw_len = 0, b = 0, first = -1;
+    int uniform = 1, ok = 1;
+    Layout lay = {NULL, NULL, 0, -1, -1};
+    if ((hashes = PyList_New(events)) == NULL || (plain = PyList_New(events)) == NULL ||
+        (counts = PyList_New(total)) == NULL)
+        goto done;
+    for (Py_ssize_t e = 0; e < events && ok; e++) {
+        PyObject *t = PyList_GET_ITEM(arg, e);
+        Py_ssize_t n = PyTuple_GET_SIZE(t), hash_len = 0;
+        int is_plain = 1;
+        for (Py_ssize_t i = 0; i < n; i++, b++) {
+            PyObject *blk = PyTuple_GET_ITEM(t, i);
+            if (Py_TYPE(blk) != lay.blk_type)
+                layout_block(&lay, Py_TYPE(blk));
+            PyObject *h = field(blk, s_block_hash, lay.dict_fields);
+            if (h == NULL || !PyBytes_CheckExact(h)) {
+                Py_XDECREF(h);
+                ok = 0;
+                break;
+            }
+            hashes_of[b] = h;
+            hash_len += PyBytes_GET_SIZE(h);
+            PyObject *tok = field(blk, s_token_ids, lay.dict_fields);
+            if (tok != NULL && Py_TYPE(tok) != lay.tok_type) {
+                lay.tok_type = Py_TYPE(tok);
+                lay.raw_off = slot_offset(lay.tok_type, s_raw);
+            }
+            PyObject *r = tok == NULL ? NULL : slot(tok, lay.raw_off, s_raw);
+            Py_XDECREF(tok);
+            if (r == NULL || !PyBytes_CheckExact(r) || PyBytes_GET_SIZE(r) % 4) {
+                Py_XDECREF(r);
+                ok = 0;
+                break;
+            }
+            raws_of[b] = r;
+            Py_ssize_t c = PyBytes_GET_SIZE(r) / 4;
+            raw_len += 4 * c;
+            if (first < 0)
+                first = c;
+            else if (c != first)
+                uniform = 0;
+            PyObject *ci = PyLong_FromSsize_t(c);
+            if (ci == NULL)
+                goto done;
+            PyList_SET_ITEM(counts, b, ci);
+            if (is_plain) {
+                PyObject *fs = slot(blk, lay.fields_set_off, s_fields_set);
+                if (fs == NULL || !PyAnySet_Check(fs)) {
+                    Py_XDECREF(fs);
+                    ok = 0;
+                    break;
+                }
+                int a = PySet_Contains(fs, s_block_hash), z = PySet_Contains(fs, s_token_ids);
+                Py_ssize_t size = PySet_GET_SIZE(fs);
+                Py_DECREF(fs);
+                if (a < 0 || z < 0)
+                    goto done;
+                is_plain = a + z == size;
+            }
+        }
+        if (!ok)
+            break;
+        PyObject *joined = PyBytes_FromStringAndSize(NULL, hash_len);
+        if (joined == NULL)
+            goto done;
+        char *o = PyBytes_AS_STRING(joined);
+        for (Py_ssize_t i = b - n; i < b; i++) {
+            memcpy(o, PyBytes_AS_STRING(hashes_of[i]), PyBytes_GET_SIZE(hashes_of[i]));
+            o += PyBytes_GET_SIZE(hashes_of[i]);
+        }
+        PyList_SET_ITEM(hashes, e, joined);
+        PyObject *flag = is_plain ? Py_True : Py_False;
+        Py_INCREF(flag);
+        PyList_SET_ITEM(plain, e, flag);
+    }
+    if (!ok) {
+        PyErr_Clear();
+        res = Py_None;
+        Py_INCREF(res);
+        goto done;
+    }
+    if ((raw = PyBytes_FromStringAndSize(NULL, raw_len)) == NULL)
+        goto done;
+    char *o = PyBytes_AS_STRING(raw);
+    for (Py_ssize_t i = 0; i < total; i++) {
+        memcpy(o, PyBytes_AS_STRING(raws_of[i]), PyBytes_GET_SIZE(raws_of[i]));
+        o += PyBytes_GET_SIZE(raws_of[i]);
+    }
+    res = Py_BuildValue("(OOOOO)", raw, hashes, counts, uniform ? Py_True : Py_False, plain);
+done:
+    for (Py_ssize_t i = 0; i < 2 * total; i++)
+        Py_XDECREF(refs[i]);
+    PyMem_Free(refs);
+    Py_XDECREF(raw);
+    Py_XDECREF(hashes);
+    Py_XDECREF(counts);
+    Py_XDECREF(plain);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"varint_encode", varint_encode, METH_VARARGS,
      "varint_encode(raw, delta) -> bytes: uint32 LE ids as LEB128 varints (delta: zig-zag "
@@ -270,6 +559,10 @@ static PyMethodDef methods[] = {
     {"varint_decode", varint_decode, METH_VARARGS,
      "varint_decode(data, count, delta) -> bytes: exactly count canonical varints -> uint32 LE "
      "ids; ValueError otherwise."},
+    {"planes_encode", planes_encode, METH_O,
+     "planes_encode(raw) -> (high_bits, low16, high_planes): uint32 LE ids as bit planes."},
+    {"gather_blocks", gather_blocks, METH_O,
+     "gather_blocks(block_tuples) -> (raw, hashes, counts, uniform, plain) or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -288,5 +581,10 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC
 PyInit__tokens_native(void)
 {
+    if ((s_block_hash = PyUnicode_InternFromString("block_hash")) == NULL ||
+        (s_token_ids = PyUnicode_InternFromString("token_ids")) == NULL ||
+        (s_raw = PyUnicode_InternFromString("_raw")) == NULL ||
+        (s_fields_set = PyUnicode_InternFromString("__pydantic_fields_set__")) == NULL)
+        return NULL;
     return PyModule_Create(&moduledef);
 }

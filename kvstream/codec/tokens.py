@@ -122,6 +122,14 @@ def pack_tokens(raw: bytes) -> PackedTokens:
     """Pack little-endian uint32 ids (``len(raw) % 4 == 0``) into the bit-plane format."""
     if not raw:
         return _EMPTY
+    if _planes_encode is not None:
+        k, low, planes = _planes_encode(raw)
+        return PackedTokens(len(raw) >> 2, k, low, planes)
+    return _pack_tokens_np(raw)
+
+
+def _pack_tokens_np(raw: bytes) -> PackedTokens:
+    """numpy reference of :func:`pack_tokens` (and its fallback without the C extension)."""
     halves = np.frombuffer(raw, dtype="<u2")
     low = halves[0::2].tobytes()
     high = halves[1::2]
@@ -265,15 +273,16 @@ def _varint_sizes_np(raw: bytes) -> tuple[int, int, int]:
 
 
 _Encode = Callable[[bytes, bool], bytes]
+_Planes = Callable[[bytes], tuple[int, bytes, bytes]]
 _Decode = Callable[[bytes | memoryview, int, bool], bytes]
 _Sizes = Callable[[bytes], tuple[int, int, int]]
 
 
-def _native() -> tuple[_Encode, _Decode, _Sizes]:
+def _native() -> tuple[_Encode, _Decode, _Sizes, _Planes | None]:
     try:
         mod: Any = importlib.import_module("kvstream.codec._tokens_native")
     except ImportError:
-        return _varint_encode_np, _varint_decode_np, _varint_sizes_np
+        return _varint_encode_np, _varint_decode_np, _varint_sizes_np, None
 
     def decode(data: bytes | memoryview, count: int, delta: bool) -> bytes:
         try:
@@ -282,10 +291,10 @@ def _native() -> tuple[_Encode, _Decode, _Sizes]:
             raise DecodeError(f"tokens.packed: {exc}") from None
         return out
 
-    return mod.varint_encode, decode, mod.varint_sizes
+    return mod.varint_encode, decode, mod.varint_sizes, mod.planes_encode
 
 
-_varint_encode, _varint_decode, _varint_sizes_of = _native()
+_varint_encode, _varint_decode, _varint_sizes_of, _planes_encode = _native()
 #: Whether the C varint coder is in use (else numpy, same bytes).
 NATIVE: Final = _varint_encode is not _varint_encode_np
 
