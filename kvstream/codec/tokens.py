@@ -370,8 +370,10 @@ def encode_tokens(raw: bytes, encoding: str = "auto") -> EncodedTokens:
     at least 512 bytes (keeping that if smaller), and packs when the result saves at least 5%
     over bit planes. Otherwise the batch stays in bit planes, readable by v3 readers (ids
     spread evenly enough for planes to beat varints are incompressible, so ``auto`` does not
-    spend a zstd pass on them). The choice depends only on ``raw`` (deterministic).
-    Raises EncodeError for an unknown ``encoding``, or ``+zstd`` without cramjam.
+    spend a zstd pass on them). The choice and the bytes depend only on ``raw``
+    (deterministic): without cramjam, a batch that ``auto`` would compress raises EncodeError
+    instead of being written differently. Raises EncodeError for an unknown ``encoding``, or
+    ``+zstd`` without cramjam.
     """
     n = len(raw) >> 2
     if encoding == "planes" or not raw:
@@ -401,6 +403,14 @@ def encode_tokens(raw: bytes, encoding: str = "auto") -> EncodedTokens:
     data = _varint_encode(raw, transform == "DELTA_VARINT")
     compression = "NONE"
     if len(data) >= _ZSTD_MIN_BYTES:
+        if _cramjam() is None:
+            # Never a silent fallback: the bytes ``auto`` writes must not depend on what is
+            # installed (an environment without cramjam once wrote 25% larger Zipf batches).
+            raise EncodeError(
+                "token_encoding='auto' zstd-compresses this batch's ids, which needs the "
+                "cramjam package (a kvstream dependency): install it, or write "
+                "token_encoding='varint' or 'planes'"
+            )
         z = _zstd_compress(data)
         if z is not None and len(z) < len(data):
             data, compression = z, "ZSTD"
