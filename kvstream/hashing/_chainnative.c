@@ -905,6 +905,9 @@ PyDoc_STRVAR(pack_doc,
              "drop_last, which is validated all the same); None when an item is not an int in "
              "0..2**32-1.");
 
+/* How many items ahead pack() prefetches an int object. */
+#define PACK_PREFETCH 32
+
 /* store_le32 as one store where the host is little-endian */
 static inline void
 put_le32(unsigned char *p, uint32_t v)
@@ -971,6 +974,12 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
     for (i = 0; i < n; i++) {
         PyObject *item = items[i];
         unsigned long v;
+        /* the int objects are scattered over the heap and often cold: start fetching one
+         * a few dozen items ahead (the list's own array is prefetched by the hardware) */
+#if defined(__GNUC__) || defined(__clang__)
+        if (i + PACK_PREFETCH < n)
+            __builtin_prefetch(items[i + PACK_PREFETCH]);
+#endif
         if (Py_IS_TYPE(item, &PyLong_Type)) {
             /* exact ints read from their digits: PyLong_AsUnsignedLong costs more than the
              * rest of the loop; bool and other subclasses take the generic path below */
