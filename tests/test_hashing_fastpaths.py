@@ -5,6 +5,9 @@
 - The vLLM CBOR chain encodes token arrays four ids at a time with SSE4.1 (a scalar loop
   otherwise): on both, equal to the pure-Python reference for every block size, including
   the ids where CBOR's head changes size.
+- vLLM's default ``sha256`` (pickle) chain builds its pickle payloads in C: equal to Python's
+  pickle for every scope (one-character strs whose identity pickle memoizes included),
+  extra-key format and width, and pickle itself wherever the C chain does not apply.
 - SGLang's page chain runs in C for u32 pages (its namespaced published hashes too): equal
   to the pure-Python reference for every scope and event format.
 - ``chain_raw`` is one base method; the algorithms plug in their C chain kind, or their own
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +33,7 @@ from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, 
 from kvstream.hashing.sglang import SglangSha256Hasher
 from kvstream.hashing.trtllm import NATIVE_AVAILABLE, V1BlockKeyHasher
 from kvstream.hashing.vllm import VllmSha256CborHasher
+from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
 
 native = pytest.importorskip("kvstream.hashing._chainnative")
 if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
@@ -205,3 +210,82 @@ def test_sglang_wide_pages_and_errors_on_the_native_hasher() -> None:
         c.chain_bytes([[1], []])
     with pytest.raises(HashingError, match="parent must be 32 bytes"):
         native.chain(native.KIND_V2, b"\0" * 8, 1, b"")
+
+
+pickle_scopes = st.sampled_from(
+    [
+        {},
+        {"cache_salt": "tenant"},
+        {"lora_name": "ad"},
+        {"lora_name": "a", "cache_salt": "a"},  # one-character strs: shared objects, memo refs
+        {"lora_name": "ad", "cache_salt": "s-β"},
+    ]
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ids=st.lists(
+        st.one_of(st.sampled_from(EDGES), st.integers(0, 300), st.integers(0, 2**32 - 1)),
+        max_size=150,
+    ),
+    tpb=st.integers(1, 40),
+    scope=pickle_scopes,
+    width=st.sampled_from([32, 8]),
+    extra_keys=st.sampled_from(["tagged", "legacy"]),
+    start_every=st.tuples(st.integers(0, 6), st.integers(0, 4)),
+)
+def test_vllm_pickle_native_equals_python(  # noqa: PLR0917
+    ids: list[int],
+    tpb: int,
+    scope: dict[str, str],
+    width: int,
+    extra_keys: str,
+    start_every: tuple[int, int],
+) -> None:
+    params: dict[str, Any] = {"lora_paths": {"ad": "/p/ad", "a": "a"}, "extra_keys": extra_keys}
+    c = VllmSha256PickleHasher(width, native=True, **params)
+    py = VllmSha256PickleHasher(width, native=False, **params)
+    assert c.native
+    assert not py.native
+    start, every = start_every
+    blocks = split_blocks(ids, tpb, include_partial=True)
+    want = py.chain_bytes(blocks, **scope)
+    assert c.chain_bytes(blocks, **scope) == want
+    raw = TokenIds(ids).raw
+    full, keys = c.chain_raw(c.root(**scope), raw, tpb, every=every)
+    assert (full, keys) == py.chain_raw(py.root(**scope), raw, tpb, every=every)
+    assert full == want[: len(ids) // tpb]
+    start = min(start, len(full))
+    if start:
+        state = py.root(**scope)
+        for b in blocks[:start]:
+            _, state = py.extend(state, b)
+        got = c.chain_raw(state, raw, tpb, start=start, every=every)
+        assert got == py.chain_raw(state, raw, tpb, start=start, every=every)
+        assert got[0] == full[start:]
+
+
+def test_vllm_pickle_paths_the_c_chain_leaves_to_pickle() -> None:
+    """Multimodal keys, extra keys too long for the C tail, and blocks too large for one pickle
+    frame hash as Python's pickle does."""
+    long_path = "/p/" + "x" * 5000
+    params: dict[str, Any] = {"lora_paths": {"ad": long_path}}
+    c = VllmSha256PickleHasher(native=True, **params)
+    py = VllmSha256PickleHasher(native=False, **params)
+    ids = list(range(0, 2**32, 2**32 // 50))[:40]
+    blocks = split_blocks(ids, 8)
+    mm = [None, [("img", 3)], None, None, None]
+    assert c.chain_bytes(blocks, mm_keys=mm) == py.chain_bytes(blocks, mm_keys=mm)
+    assert c.chain_bytes(blocks, lora_name="ad") == py.chain_bytes(blocks, lora_name="ad")
+    raw = TokenIds(ids).raw
+    assert c.chain_raw(c.root(lora_name="ad"), raw, 8) == py.chain_raw(
+        py.root(lora_name="ad"), raw, 8
+    )
+    big = [2**32 - 1 - i for i in range(10_000)]  # 70 KB of LONG1: two pickle frames
+    assert c.chain_raw(c.root(), TokenIds(big).raw, 10_000) == py.chain_raw(
+        py.root(), TokenIds(big).raw, 10_000
+    )
+    assert c.chain_bytes([big]) == py.chain_bytes([big])
+    with pytest.raises(HashingError, match="KIND_PICKLE needs the tail"):
+        native.chain(native.KIND_PICKLE, b"\0" * 8, 1, bytes(32))

@@ -11,6 +11,12 @@
  *   KIND_CBOR    key = SHA-256(83 58 20 || parent (32) || canonical CBOR array of the tokens
  *                              || tail)        tail: the block's CBOR extra keys (f6: None)
  *   KIND_BLAKE3  key = BLAKE3(parent (32) || each token as u32 little-endian)
+ *   KIND_PICKLE  key = SHA-256(pickle protocol 5 of (parent, tuple(tokens), extra)), built as
+ *                80 05 95 <frame length, u64 LE> 43 20 parent (32) 94, the token tuple (28
+ *                items 74, or items 85/86/87 for 1-3 ids; each id K/M/J/LONG1 as pickle
+ *                writes ints) 94, then tail: the pickle bytes of the extra keys (memo from
+ *                2) and 87 94 2e (see vllm_pickle.py). The caller keeps the message
+ *                below 64 KiB, pickle's frame size (one frame).
  *   KIND_SGLANG  key = SHA-256(parent (32) || each token as u32 little-endian), no parent
  *                for a first block whose given parent is empty; published from
  *                SHA-256(tail || key[0:8]) instead of the key when a tail (SGLang's
@@ -61,6 +67,7 @@
 #define KIND_CBOR 1
 #define KIND_BLAKE3 2
 #define KIND_SGLANG 3
+#define KIND_PICKLE 4
 #define KEY_LEN 32
 /* Release the GIL for flat requests with at least this many tokens. */
 #define NOGIL_MIN_TOKENS 2048
@@ -616,6 +623,36 @@ cbor_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
 typedef unsigned char *(*cbor_tokens_fn)(unsigned char *q, const unsigned char *t, Py_ssize_t n);
 static cbor_tokens_fn cbor_tokens = cbor_tokens_scalar;
 
+/* The pickle opcodes of n u32 LE ids at q, as pickle writes ints: K + 1 byte (< 2**8),
+ * M + 2 (< 2**16), J + 4 (< 2**31, signed LE), else LONG1 8a 05 + 5 bytes (two's complement
+ * LE); returns the end. May write up to 8 bytes past the end. */
+static unsigned char *
+pickle_tokens(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        /* branchless, as the CBOR loop: opcode and argument as one 8-byte store */
+        uint32_t v;
+        uint64_t word;
+        unsigned k1, k2, k3;
+        memcpy(&v, t + 4 * i, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = __builtin_bswap32(v);
+#endif
+        k1 = v >= 0x100;
+        k2 = v >= 0x10000;
+        k3 = v >= 0x80000000u;
+        word = k3 ? (0x058aull | ((uint64_t)v << 16))
+                  : ((uint64_t)(k2 ? 'J' : k1 ? 'M' : 'K') | ((uint64_t)v << 8));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+        memcpy(q, &word, 8);
+        q += 2 + k1 + 2 * k2 + 2 * k3;
+    }
+    return q;
+}
+
 typedef struct {
     const unsigned char *tok;
     Py_ssize_t n; /* tokens */
@@ -637,7 +674,8 @@ msg_capacity(const chain_cfg *cfg, Py_ssize_t n)
 {
     size_t tail = (size_t)(cfg->tail_len > cfg->first_tail_len ? cfg->tail_len
                                                                  : cfg->first_tail_len);
-    return 3 + KEY_LEN + 9 + 5 * (size_t)n + 8 + tail + 72;
+    /* CBOR: <= 5 bytes per id; pickle: <= 7; both with 16 bytes of store slack */
+    return 3 + KEY_LEN + 9 + 7 * (size_t)n + 24 + tail + 72;
 }
 
 /* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i, and with a seed
@@ -668,6 +706,32 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             memcpy(q, tail, (size_t)tail_len);
             q += tail_len;
             len = (size_t)(q - msg);
+        }
+        else if (cfg->kind == KIND_PICKLE) {
+            static const unsigned char closers[4] = {0x74, 0x85, 0x86, 0x87};
+            const unsigned char *tail = b == 0 ? cfg->first_tail : cfg->tail;
+            Py_ssize_t tail_len = b == 0 ? cfg->first_tail_len : cfg->tail_len;
+            unsigned char *q = msg;
+            uint64_t frame;
+            q[0] = 0x80; /* PROTO 5 */
+            q[1] = 0x05;
+            q[2] = 0x95; /* FRAME, its length below */
+            q[11] = 0x43; /* SHORT_BINBYTES 32 */
+            q[12] = 0x20;
+            memcpy(q + 13, prev, KEY_LEN);
+            q[45] = 0x94; /* MEMOIZE */
+            q += 46;
+            if (n >= 4)
+                *q++ = 0x28; /* MARK */
+            q = pickle_tokens(q, t, n);
+            *q++ = closers[n >= 4 ? 0 : n]; /* TUPLE, or TUPLE1..3 */
+            *q++ = 0x94;
+            memcpy(q, tail, (size_t)tail_len);
+            q += tail_len;
+            len = (size_t)(q - msg);
+            frame = (uint64_t)len - 11;
+            for (int k = 0; k < 8; k++)
+                msg[3 + k] = (unsigned char)(frame >> (8 * k));
         }
         else if (b == 0 && !cfg->has_parent) {
             memcpy(msg, t, 4 * (size_t)n);
@@ -731,7 +795,7 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
                                      &block_tokens, &parent_obj, &start, &width, &offset,
                                      &first_tail_obj, &tail_obj, &every))
         return NULL;
-    if (kind != KIND_V2 && kind != KIND_CBOR && kind != KIND_BLAKE3 && kind != KIND_SGLANG) {
+    if (kind < KIND_V2 || kind > KIND_PICKLE) {
         PyErr_Format(HashingError, "unknown chain kind %d", kind);
         return NULL;
     }
@@ -743,6 +807,10 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     if (parent.len != KEY_LEN && !(kind == KIND_SGLANG && parent.len == 0)) {
         PyErr_Format(HashingError, "parent must be %d bytes, got %zd", KEY_LEN, parent.len);
+        goto done;
+    }
+    if (kind == KIND_PICKLE && tail_obj == Py_None) {
+        PyErr_SetString(HashingError, "KIND_PICKLE needs the tail (the pickled extra keys)");
         goto done;
     }
     cfg.kind = kind;
@@ -1287,7 +1355,8 @@ PyInit__chainnative(void)
     if (PyModule_AddIntConstant(m, "KIND_V2", KIND_V2) < 0 ||
         PyModule_AddIntConstant(m, "KIND_CBOR", KIND_CBOR) < 0 ||
         PyModule_AddIntConstant(m, "KIND_BLAKE3", KIND_BLAKE3) < 0 ||
-        PyModule_AddIntConstant(m, "KIND_SGLANG", KIND_SGLANG) < 0) {
+        PyModule_AddIntConstant(m, "KIND_SGLANG", KIND_SGLANG) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_PICKLE", KIND_PICKLE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,8 +1,8 @@
 """Type stub of the optional C extension ``kvstream.hashing._chainnative`` (``_chainnative.c``).
 
 Whole-request SHA-256/BLAKE3 block-hash chains (``v2_sha256``, ``vllm_sha256_cbor``,
-``blake3``, ``sglang_sha256_64``; see :mod:`kvstream.hashing.accel`, which wraps it). Bad
-inputs raise :class:`kvstream.errors.HashingError`.
+``vllm_sha256``, ``blake3``, ``sglang_sha256_64``; see :mod:`kvstream.hashing.accel`, which
+wraps it). Bad inputs raise :class:`kvstream.errors.HashingError`.
 """
 
 from collections.abc import Sequence
@@ -14,6 +14,7 @@ KIND_V2: Final[int]
 KIND_CBOR: Final[int]
 KIND_BLAKE3: Final[int]
 KIND_SGLANG: Final[int]
+KIND_PICKLE: Final[int]
 
 def chain(
     kind: int,

@@ -2,13 +2,14 @@
 
 :mod:`kvstream.hashing._chainnative` (``_chainnative.c``, built by ``pip install`` when a C
 compiler is present) hashes a whole request's chain in one call for ``v2_sha256(_64)``
-(``u32`` encoding), ``vllm_sha256_cbor(_64)``, ``blake3(_64)`` and ``sglang_sha256_64``
-(``u32`` pages): SHA-256 on the x86 SHA extensions when the CPU has them (portable C
-otherwise), BLAKE3's compression on SSE4.1 registers (portable C otherwise), vLLM's canonical
-CBOR token arrays built in C (four ids per step with SSE4.1). The hashers in :mod:`.trtllm`,
-:mod:`.vllm`, :mod:`.native` and :mod:`.sglang` use it by default and keep their pure-Python
-loops as the reference and the fallback (``native=False`` per hasher; ``KVSTREAM_NO_NATIVE=1``
-before import for all). Values are identical either way (property-tested).
+(``u32`` encoding), ``vllm_sha256_cbor(_64)``, ``vllm_sha256(_64)`` (its pickle bytes built
+in C), ``blake3(_64)`` and ``sglang_sha256_64`` (``u32`` pages): SHA-256 on the x86 SHA
+extensions when the CPU has them (portable C otherwise), BLAKE3's compression on SSE4.1
+registers (portable C otherwise), vLLM's canonical CBOR token arrays four ids per step with
+SSE4.1. The hashers in :mod:`.trtllm`, :mod:`.vllm`, :mod:`.vllm_pickle`, :mod:`.native` and
+:mod:`.sglang` use it by default and keep their pure-Python loops as the reference and the
+fallback (``native=False`` per hasher; ``KVSTREAM_NO_NATIVE=1`` before import for all). Values
+are identical either way (property-tested).
 
 Also here, with pure-Python fallbacks: :func:`pack_request` (a request's ids as u32 LE bytes),
 :func:`fingerprints` and :func:`same_prefix` (what the prefix cache of
@@ -34,6 +35,7 @@ else:
 __all__ = [
     "KIND_BLAKE3",
     "KIND_CBOR",
+    "KIND_PICKLE",
     "KIND_SGLANG",
     "KIND_V2",
     "NATIVE_CHAINS",
@@ -52,6 +54,7 @@ KIND_V2: Final = 0
 KIND_CBOR: Final = 1
 KIND_BLAKE3: Final = 2
 KIND_SGLANG: Final = 3
+KIND_PICKLE: Final = 4
 
 
 def native_chains(native: bool | None, algo: str) -> Any:

@@ -320,17 +320,23 @@ class BlockHasher(ABC):
             return self._chain_raw(state, raw, tokens_per_block, start, every)
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
-        parent, offset, first, tail = self._c_args(state)
+        args = self._c_args(state, tokens_per_block)
+        if args is None:
+            return self._chain_raw(state, raw, tokens_per_block, start, every)
+        parent, offset, first, tail = args
         kind, width = self._c_kind, self.width
         out: tuple[list[bytes], list[Any]] = c.chain(
             kind, raw, tokens_per_block, parent, start, width, offset, first, tail, every
         )
         return out
 
-    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
+    def _c_args(
+        self, state: ChainState, tokens_per_block: int
+    ) -> tuple[bytes, int, bytes | None, bytes | None] | None:
         """Hook of the C chain (:meth:`chain_raw`): the parent key of the block after
         ``state``, where the published bytes start in a 32-byte key, and the chain kind's
-        ``first_tail`` and ``tail`` (None: the kind's default; see ``_chainnative.chain``)."""
+        ``first_tail`` and ``tail`` (None: the kind's default; see ``_chainnative.chain``);
+        None when the C chain does not cover these blocks (then :meth:`_chain_raw`)."""
         return state.key, 0, None, None
 
     def _chain_raw(

@@ -156,7 +156,9 @@ class SglangSha256Hasher(BlockHasher):
         #: Whether chains of u32 pages run in C.
         self.native: bool = self._c is not None
 
-    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
+    def _c_args(
+        self, state: ChainState, tokens_per_block: int
+    ) -> tuple[bytes, int, bytes | None, bytes | None]:
         # no parent (b""): an unsalted chain's first page; the tail is the namespace seed
         key = state.key
         return (b"" if key is None else key), 0, None, state.scope[0]

@@ -395,7 +395,9 @@ class VllmSha256CborHasher(VllmHasherBase):
         first = _cbor_keys(self._keys(scope, True, None, None)) if state.depth == 0 else None
         return first, rest
 
-    def _c_args(self, state: ChainState) -> tuple[bytes, int, bytes | None, bytes | None]:
+    def _c_args(
+        self, state: ChainState, tokens_per_block: int
+    ) -> tuple[bytes, int, bytes | None, bytes | None]:
         # the 64-bit form publishes the digest's last 8 bytes
         return (state.key, 32 - self.width, *self._tails(state))
 

@@ -16,6 +16,15 @@ other string is placed in the payload as its own copy (CPython, like msgpack dec
 the empty and one-character Latin-1 strings). An in-process engine that reuses one str object
 for two multimodal items of the same block would pickle a memo reference instead.
 
+**In C.** A block's payload is ``PROTO 5``, one ``FRAME``, the parent as ``SHORT_BINBYTES``,
+the token tuple (each id as pickle writes ints: ``BININT1``/``BININT2``/``BININT``/``LONG1``)
+and the extra keys; only the extra keys hold objects whose identity matters, and their bytes
+are the same for every block of a request but the first (the salt). So the C chain
+(:mod:`kvstream.hashing.accel`, ``native=`` as for ``vllm_sha256_cbor``) builds the payloads
+itself, with the extra keys' bytes pickled here by :mod:`pickle` once per request; blocks
+with multimodal keys or prompt embeds, and payloads that would not fit one pickle frame
+(64 KiB), take the pickle path. Equal bytes either way (property-tested).
+
 Published: ``vllm_sha256`` the 32-byte digest; ``vllm_sha256_64`` its last 8 bytes, big-endian
 (what vLLM puts in events with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default).
 """
@@ -24,15 +33,44 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Mapping
 from typing import Any, Final
 
 from kvstream.errors import HashingError
-from kvstream.hashing.vllm import VllmHasherBase
+from kvstream.hashing.accel import KIND_PICKLE, native_chains
+from kvstream.hashing.base import ChainState, PerBlock
+from kvstream.hashing.vllm import DEFAULT_SEED, VllmHasherBase, _as_tuple
 
 __all__ = ["VllmSha256PickleHasher"]
 
 #: ``pickle.HIGHEST_PROTOCOL`` of every Python vLLM 0.29+ runs on (3.10-3.13).
 PICKLE_PROTOCOL: Final = 5
+#: The pickle of ``(parent, (0,), extra)`` up to the token tuple's MEMOIZE: PROTO 5, FRAME
+#: (length at [3:11]), SHORT_BINBYTES 32 + parent, MEMOIZE, BININT1 0, TUPLE1, MEMOIZE. What
+#: follows (the extra keys, memo from 2 whatever the tokens, then TUPLE3 MEMOIZE STOP) is the
+#: C chain's tail.
+_HEAD: Final = b"\x80\x05\x95"
+_AFTER_FRAME: Final = b"C\x20" + bytes(32) + b"\x94K\x00\x85\x94"
+_TAIL_AT: Final = 11 + len(_AFTER_FRAME)
+#: Blocks the C chain builds (one pickle frame: payloads below pickle's 64 KiB frame target;
+#: an id takes at most 7 bytes, the extra keys at most _MAX_TAIL).
+_MAX_C_TOKENS: Final = 8192
+_MAX_TAIL: Final = 4096
+
+
+def _pickle_tail(extra: tuple[Any, ...] | None) -> bytes | None:
+    """The bytes pickle writes after a block's token tuple for extra keys ``extra`` (None when
+    pickle frames it differently than the C chain assumes)."""
+    p = pickle.dumps((bytes(32), (0,), extra), protocol=PICKLE_PROTOCOL)
+    tail = p[_TAIL_AT:]
+    if (
+        p[:3] != _HEAD
+        or int.from_bytes(p[3:11], "little") != len(p) - 11
+        or p[11:_TAIL_AT] != _AFTER_FRAME
+        or len(tail) > _MAX_TAIL
+    ):
+        return None
+    return tail
 
 
 class VllmSha256PickleHasher(VllmHasherBase):
@@ -43,9 +81,60 @@ class VllmSha256PickleHasher(VllmHasherBase):
     """
 
     algo = "vllm_sha256"
+    _c_kind = KIND_PICKLE
+
+    def __init__(
+        self,
+        width: int = 32,
+        *,
+        seed: str = DEFAULT_SEED,
+        extra_keys: str = "tagged",
+        lora_paths: Mapping[str, str] | None = None,
+        native: bool | None = None,
+    ) -> None:
+        super().__init__(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+        self._c: Any = native_chains(native, self.name)
+        #: Whether chains of blocks without per-block keys (multimodal, prompt embeds) run in
+        #: C, the pickle bytes built there (``native``: None = when built, False = never,
+        #: True = required).
+        self.native: bool = self._c is not None
 
     def hash_object(self, obj: Any) -> bytes:
         return hashlib.sha256(pickle.dumps(obj, protocol=PICKLE_PROTOCOL)).digest()
+
+    def _tails(self, state: ChainState) -> tuple[bytes, bytes] | None:
+        """The C chain's tails (pickled extra keys) of the block after ``state`` and of the
+        rest; None when the C chain cannot build them."""
+        scope = state.scope
+        rest = _pickle_tail(_as_tuple(self._keys(scope, False, None, None)))
+        first = rest
+        if state.depth == 0 and scope[1] is not None:  # the salt: first block only
+            first = _pickle_tail(_as_tuple(self._keys(scope, True, None, None)))
+        if first is None or rest is None:
+            return None
+        return first, rest
+
+    def _c_args(
+        self, state: ChainState, tokens_per_block: int
+    ) -> tuple[bytes, int, bytes | None, bytes | None] | None:
+        tails = self._tails(state) if tokens_per_block <= _MAX_C_TOKENS else None
+        if tails is None:
+            return None
+        # the 64-bit form publishes the digest's last 8 bytes
+        return state.key, 32 - self.width, tails[0], tails[1]
+
+    def _digests(
+        self, state: ChainState, raws: list[bytes], mm: PerBlock, embeds: PerBlock
+    ) -> list[bytes]:
+        c = self._c
+        if c is not None and mm is None and embeds is None:
+            tails = self._tails(state)
+            if tails is not None and all(len(r) <= 4 * _MAX_C_TOKENS for r in raws):
+                digests: list[bytes] = c.chain(
+                    KIND_PICKLE, raws, 0, state.key, 0, 32, 0, tails[0], tails[1]
+                )[0]
+                return digests
+        return super()._digests(state, raws, mm, embeds)
 
     @staticmethod
     def _str(value: str) -> str:
