@@ -9,6 +9,8 @@ over the same per-block byte strings the algorithm hashes, precomputed:
 
 - ``v2_sha256*``: ``hashlib.sha256(parent_key || tokens_le)`` per block;
 - ``vllm_sha256_cbor*``: ``hashlib.sha256(canonical_cbor((parent, tokens, None)))`` per block;
+- ``vllm_sha256*``: ``hashlib.sha256(pickle.dumps((parent, tokens, None), protocol=5))``;
+- ``sglang_sha256_64``: ``hashlib.sha256(parent_digest || tokens_le)`` (no parent first);
 - ``blake3*``: ``blake3(parent_key || tokens_le)`` per block;
 - ``v1_block_key``: no byte-string primitive exists (a 64-bit integer mix); the baseline is
   ``hashlib.sha256(parent_8_bytes || tokens_le)`` per block, for scale only. It is reported
@@ -58,6 +60,7 @@ import cProfile
 import gc
 import hashlib
 import json
+import pickle
 import pstats
 import random
 import statistics
@@ -92,6 +95,8 @@ from kvstream.index import DomainKey, HashRequest, PrefixIndex, RequestHasher, W
 REQUEST_ALGOS = (
     "vllm_sha256_cbor_64",
     "vllm_sha256_cbor",
+    "vllm_sha256_64",
+    "sglang_sha256_64",
     "v2_sha256",
     "v2_sha256_64",
     "blake3",
@@ -133,6 +138,20 @@ def _messages(h: BlockHasher, blocks: list[TokenIds]) -> tuple[list[bytes], Call
         msgs = []
         for b in blocks:
             msgs.append(cbor_dumps((parent, tuple(b), None)))
+            parent = hashlib.sha256(msgs[-1]).digest()
+        return msgs, hashlib.sha256
+    if name.startswith("vllm_sha256"):  # pickle
+        parent = h.root().key
+        msgs = []
+        for b in blocks:
+            msgs.append(pickle.dumps((parent, tuple(b), None), protocol=5))
+            parent = hashlib.sha256(msgs[-1]).digest()
+        return msgs, hashlib.sha256
+    if name.startswith("sglang_sha256"):
+        parent = b""  # an unsalted chain's first page has no parent
+        msgs = []
+        for b in blocks:
+            msgs.append(parent + b.raw)
             parent = hashlib.sha256(msgs[-1]).digest()
         return msgs, hashlib.sha256
     keys = h.chain_bytes(blocks)

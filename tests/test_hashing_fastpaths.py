@@ -80,11 +80,17 @@ def _cbor_pair() -> tuple[BlockHasher, BlockHasher]:
     return VllmSha256CborHasher(native=True), VllmSha256CborHasher(native=False)
 
 
+def _pickle_pair() -> tuple[BlockHasher, BlockHasher]:
+    return VllmSha256PickleHasher(native=True), VllmSha256PickleHasher(native=False)
+
+
+@pytest.mark.parametrize("kind", ["cbor", "pickle"])
 @pytest.mark.parametrize("tpb", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33])
-def test_cbor_chain_on_head_boundaries(tpb: int, simd: bool) -> None:
-    """Every pair of size classes inside a four-id group, and every remainder length."""
+def test_token_encodings_on_size_boundaries(kind: str, tpb: int, simd: bool) -> None:
+    """Every pair of size classes (CBOR heads, pickle int opcodes) inside a four-id group, and
+    every remainder length."""
     ids = [a for a in EDGES for b in EDGES for a in (a, b)]
-    c, py = _cbor_pair()
+    c, py = _cbor_pair() if kind == "cbor" else _pickle_pair()
     raw = TokenIds(ids).raw
     got, _ = c.chain_raw(c.root(), raw, tpb)
     assert got == py.chain_bytes(split_blocks(ids, tpb))
@@ -234,6 +240,7 @@ pickle_scopes = st.sampled_from(
     width=st.sampled_from([32, 8]),
     extra_keys=st.sampled_from(["tagged", "legacy"]),
     start_every=st.tuples(st.integers(0, 6), st.integers(0, 4)),
+    on=st.booleans(),
 )
 def test_vllm_pickle_native_equals_python(  # noqa: PLR0917
     ids: list[int],
@@ -242,6 +249,7 @@ def test_vllm_pickle_native_equals_python(  # noqa: PLR0917
     width: int,
     extra_keys: str,
     start_every: tuple[int, int],
+    on: bool,
 ) -> None:
     params: dict[str, Any] = {"lora_paths": {"ad": "/p/ad", "a": "a"}, "extra_keys": extra_keys}
     c = VllmSha256PickleHasher(width, native=True, **params)
@@ -251,9 +259,14 @@ def test_vllm_pickle_native_equals_python(  # noqa: PLR0917
     start, every = start_every
     blocks = split_blocks(ids, tpb, include_partial=True)
     want = py.chain_bytes(blocks, **scope)
-    assert c.chain_bytes(blocks, **scope) == want
     raw = TokenIds(ids).raw
-    full, keys = c.chain_raw(c.root(**scope), raw, tpb, every=every)
+    before = native.has_sha_ni()
+    native.set_simd(on)
+    try:
+        assert c.chain_bytes(blocks, **scope) == want
+        full, keys = c.chain_raw(c.root(**scope), raw, tpb, every=every)
+    finally:
+        native.set_simd(before)
     assert (full, keys) == py.chain_raw(py.root(**scope), raw, tpb, every=every)
     assert full == want[: len(ids) // tpb]
     start = min(start, len(full))
@@ -289,3 +302,25 @@ def test_vllm_pickle_paths_the_c_chain_leaves_to_pickle() -> None:
     assert c.chain_bytes([big]) == py.chain_bytes([big])
     with pytest.raises(HashingError, match="KIND_PICKLE needs the tail"):
         native.chain(native.KIND_PICKLE, b"\0" * 8, 1, bytes(32))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=150),
+    tpb=st.integers(1, 20),
+    start=st.integers(0, 10),
+    every=st.integers(0, 4),
+    scope=st.sampled_from([{}, {"cache_salt": "t"}, {"lora_name": "ad"}]),
+)
+def test_dynamo_chain_raw_equals_folding_extend(
+    ids: list[int], tpb: int, start: int, every: int, scope: dict[str, str]
+) -> None:
+    """Dynamo's unchained hashes straight from the packed request equal BlockHasher's
+    reference (slice, fold ``extend``), and Dynamo's own definition (chain_bytes)."""
+    h = get_hasher("dynamo_xxh3_64")
+    root = h.root(**scope)
+    state = h.resume(root, None, start) if start else root
+    raw = TokenIds(ids).raw
+    got = h.chain_raw(state, raw, tpb, start=start, every=every)
+    assert got == BlockHasher._chain_raw(h, state, raw, tpb, start, every)
+    assert got[0] == h.chain_bytes(split_blocks(ids, tpb), **scope)[start:]

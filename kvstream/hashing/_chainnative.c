@@ -550,73 +550,92 @@ cbor_tokens_scalar(unsigned char *q, const unsigned char *t, Py_ssize_t n)
 }
 
 #ifdef HAVE_X86_SHA
-/* Per pair of tokens by size class (0: < 24, 1: < 2**8, 2: < 2**16, 3: larger; index c0 | c1
- * << 2): the pshufb pattern taking the pair's 8 LE bytes to their CBOR bytes, the head bytes
- * to OR in, and the CBOR length. Filled once at import. */
-static struct {
+/* Token encodings four ids per step (SSE4.1): each id's size class (0..3) by three unsigned
+ * compares, then each pair of ids by a table: the pshufb pattern taking the pair's 8 LE bytes
+ * to its encoded bytes, the constant bytes (opcodes, heads) to OR in, and the length. */
+typedef struct {
     unsigned char shuf[16], head[16];
     unsigned len;
-} CBOR_PAIR[16];
+} pair_entry;
+
+/* A class's layout: constant bytes (< 0x100) and source bytes SRC(b) of the id, end -1. */
+#define SRC(b) (0x100 + (b))
+static const short CBOR_LAYOUT[4][8] = {
+    {SRC(0), -1}, /* < 24: the value is its own head byte */
+    {0x18, SRC(0), -1},
+    {0x19, SRC(1), SRC(0), -1}, /* big-endian argument */
+    {0x1a, SRC(3), SRC(2), SRC(1), SRC(0), -1},
+};
+static const short PICKLE_LAYOUT[4][8] = {
+    {'K', SRC(0), -1}, /* BININT1 */
+    {'M', SRC(0), SRC(1), -1}, /* BININT2, little-endian */
+    {'J', SRC(0), SRC(1), SRC(2), SRC(3), -1}, /* BININT */
+    {0x8a, 0x05, SRC(0), SRC(1), SRC(2), SRC(3), 0x00, -1}, /* LONG1, 5 bytes */
+};
+static pair_entry CBOR_PAIR[16], PICKLE_PAIR[16];
 
 static void
-cbor_pair_table(void)
+fill_pairs(pair_entry *tab, const short layout[4][8])
 {
-    static const unsigned char heads[4] = {0x00, 0x18, 0x19, 0x1a};
-    static const unsigned extra[4] = {0, 1, 2, 4};
-    int idx, k;
+    int idx, k, j;
     for (idx = 0; idx < 16; idx++) {
         unsigned pos = 0;
-        memset(CBOR_PAIR[idx].shuf, 0x80, 16);
-        memset(CBOR_PAIR[idx].head, 0, 16);
+        memset(tab[idx].shuf, 0x80, 16);
+        memset(tab[idx].head, 0, 16);
         for (k = 0; k < 2; k++) {
-            unsigned cls = (idx >> (2 * k)) & 3, b;
-            if (cls == 0) { /* the value is its own head byte */
-                CBOR_PAIR[idx].shuf[pos++] = (unsigned char)(4 * k);
-                continue;
+            const short *l = layout[(idx >> (2 * k)) & 3];
+            /* pos stays below 15 (7 bytes per id at most); the mask tells the compiler so */
+            for (j = 0; l[j] >= 0; j++, pos++) {
+                if (l[j] >= 0x100)
+                    tab[idx].shuf[pos & 15] = (unsigned char)(4 * k + l[j] - 0x100);
+                else
+                    tab[idx].head[pos & 15] = (unsigned char)l[j];
             }
-            CBOR_PAIR[idx].head[pos++] = heads[cls];
-            /* big-endian: most significant byte first (pos stays below 11; the mask tells
-             * the compiler so) */
-            for (b = extra[cls]; b-- > 0;)
-                CBOR_PAIR[idx].shuf[pos++ & 15] = (unsigned char)(4 * k + b);
         }
-        CBOR_PAIR[idx].len = pos;
+        tab[idx].len = pos;
     }
 }
 
-/* cbor_tokens_scalar, four tokens per step: their size classes by SSE4.1 compares, then each
- * pair's bytes by one table-driven pshufb and a 16-byte store. */
+/* Encode ids t[0..n) (n a multiple of 4) at q with class thresholds t1 < t2 < t3; returns the
+ * end. Writes up to 16 bytes past it. */
 __attribute__((target("sse4.1,ssse3"))) static unsigned char *
-cbor_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+pairs_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n, const pair_entry *tab,
+            uint32_t t1, uint32_t t2, uint32_t t3)
 {
-    const __m128i l24 = _mm_set1_epi32(24), l256 = _mm_set1_epi32(256);
-    const __m128i l64k = _mm_set1_epi32(65536);
+    const __m128i l1 = _mm_set1_epi32((int)t1), l2 = _mm_set1_epi32((int)t2);
+    const __m128i l3 = _mm_set1_epi32((int)t3);
     const __m128i weights = _mm_set1_epi16(0x0401); /* bytes 1, 4: c0 + 4 * c1 per pair */
-    Py_ssize_t i = 0;
-    for (; i + 4 <= n; i += 4) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i += 4) {
         __m128i v = _mm_loadu_si128((const __m128i *)(t + 4 * i));
         /* -1 per threshold reached (unsigned: max(v, l) == v) */
-        __m128i c = _mm_add_epi32(
-            _mm_add_epi32(_mm_cmpeq_epi32(_mm_max_epu32(v, l24), v),
-                          _mm_cmpeq_epi32(_mm_max_epu32(v, l256), v)),
-            _mm_cmpeq_epi32(_mm_max_epu32(v, l64k), v));
+        __m128i c = _mm_add_epi32(_mm_add_epi32(_mm_cmpeq_epi32(_mm_max_epu32(v, l1), v),
+                                                _mm_cmpeq_epi32(_mm_max_epu32(v, l2), v)),
+                                  _mm_cmpeq_epi32(_mm_max_epu32(v, l3), v));
         __m128i cls = _mm_sub_epi32(_mm_setzero_si128(), c);
         __m128i bytes = _mm_packus_epi16(_mm_packs_epi32(cls, cls), cls);
         uint32_t idx = (uint32_t)_mm_cvtsi128_si32(_mm_maddubs_epi16(bytes, weights));
-        unsigned a = idx & 15, b = (idx >> 16) & 15;
+        const pair_entry *a = &tab[idx & 15], *b = &tab[(idx >> 16) & 15];
         _mm_storeu_si128((__m128i *)q,
-                         _mm_or_si128(_mm_shuffle_epi8(v, _mm_loadu_si128(
-                                                              (const __m128i *)CBOR_PAIR[a].shuf)),
-                                      _mm_loadu_si128((const __m128i *)CBOR_PAIR[a].head)));
-        q += CBOR_PAIR[a].len;
+                         _mm_or_si128(_mm_shuffle_epi8(v, _mm_loadu_si128((const __m128i *)a->shuf)),
+                                      _mm_loadu_si128((const __m128i *)a->head)));
+        q += a->len;
         _mm_storeu_si128((__m128i *)q,
                          _mm_or_si128(_mm_shuffle_epi8(_mm_srli_si128(v, 8),
-                                                       _mm_loadu_si128(
-                                                           (const __m128i *)CBOR_PAIR[b].shuf)),
-                                      _mm_loadu_si128((const __m128i *)CBOR_PAIR[b].head)));
-        q += CBOR_PAIR[b].len;
+                                                       _mm_loadu_si128((const __m128i *)b->shuf)),
+                                      _mm_loadu_si128((const __m128i *)b->head)));
+        q += b->len;
     }
-    return cbor_tokens_scalar(q, t + 4 * i, n - i);
+    return q;
+}
+
+/* cbor_tokens_scalar with the four-id steps */
+static unsigned char *
+cbor_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t n4 = n & ~(Py_ssize_t)3;
+    q = pairs_sse41(q, t, n4, CBOR_PAIR, 24, 0x100, 0x10000);
+    return cbor_tokens_scalar(q, t + 4 * n4, n - n4);
 }
 #endif
 
@@ -627,7 +646,7 @@ static cbor_tokens_fn cbor_tokens = cbor_tokens_scalar;
  * M + 2 (< 2**16), J + 4 (< 2**31, signed LE), else LONG1 8a 05 + 5 bytes (two's complement
  * LE); returns the end. May write up to 8 bytes past the end. */
 static unsigned char *
-pickle_tokens(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+pickle_tokens_scalar(unsigned char *q, const unsigned char *t, Py_ssize_t n)
 {
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
@@ -652,6 +671,19 @@ pickle_tokens(unsigned char *q, const unsigned char *t, Py_ssize_t n)
     }
     return q;
 }
+
+#ifdef HAVE_X86_SHA
+/* pickle_tokens_scalar with the four-id steps */
+static unsigned char *
+pickle_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
+{
+    Py_ssize_t n4 = n & ~(Py_ssize_t)3;
+    q = pairs_sse41(q, t, n4, PICKLE_PAIR, 0x100, 0x10000, 0x80000000u);
+    return pickle_tokens_scalar(q, t + 4 * n4, n - n4);
+}
+#endif
+
+static cbor_tokens_fn pickle_tokens = pickle_tokens_scalar;
 
 typedef struct {
     const unsigned char *tok;
@@ -1292,6 +1324,7 @@ cn_set_simd(PyObject *self, PyObject *arg)
     }
     b3_compress_impl = on && cpu_has_sse41() ? b3_compress_sse41 : b3_compress;
     cbor_tokens = on && cpu_has_sse41() ? cbor_tokens_sse41 : cbor_tokens_scalar;
+    pickle_tokens = on && cpu_has_sse41() ? pickle_tokens_sse41 : pickle_tokens_scalar;
 #else
     (void)on;
 #endif
@@ -1343,10 +1376,12 @@ PyInit__chainnative(void)
         sha256_blocks = sha256_blocks_shani;
         using_sha_ni = 1;
     }
-    cbor_pair_table();
+    fill_pairs(CBOR_PAIR, CBOR_LAYOUT);
+    fill_pairs(PICKLE_PAIR, PICKLE_LAYOUT);
     if (cpu_has_sse41()) {
         b3_compress_impl = b3_compress_sse41;
         cbor_tokens = cbor_tokens_sse41;
+        pickle_tokens = pickle_tokens_sse41;
     }
 #endif
     m = PyModule_Create(&moduledef);

@@ -51,6 +51,7 @@ _NAMESPACE_SEED: Final = 1
 _M64: Final = 2**64 - 1
 _HEX: Final = frozenset(string.hexdigits)
 _xxh3 = xxhash.xxh3_64_intdigest
+_xxh3_be = xxhash.xxh3_64_digest  # the 8 bytes big-endian, as ``_xxh3(...).to_bytes(8, "big")``
 _tuple_new = tuple.__new__
 
 
@@ -149,8 +150,22 @@ class DynamoXxh3Hasher(BlockHasher):
         seed = state.scope[0]
         raws = coerce_many(blocks)
         if mm is None:
-            return [_xxh3(raw, seed=seed).to_bytes(8, "big") for raw in raws]
+            return [_xxh3_be(raw, seed) for raw in raws]
         return [
             _xxh3(raw + _mm_suffix(m) if m else raw, seed=seed).to_bytes(8, "big")
             for raw, m in zip(raws, mm, strict=True)
         ]
+
+    def _chain_raw(
+        self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int
+    ) -> tuple[list[bytes], list[Any]]:
+        """See :meth:`BlockHasher.chain_raw`: each block hashed straight from a view of ``raw``
+        (blocks do not chain, so the chain keys are all None)."""
+        self._check_state(state)
+        step = 4 * tokens_per_block
+        end = len(raw) // step * step
+        seed = state.scope[0]
+        view = memoryview(raw)
+        out = [_xxh3_be(view[i : i + step], seed) for i in range(start * step, end, step)]
+        n_keys = 0 if every <= 0 else end // step // every - start // every
+        return out, [None] * n_keys
