@@ -73,6 +73,12 @@ def _pickle_tail(extra: tuple[Any, ...] | None) -> bytes | None:
     return tail
 
 
+#: The request scope (LoRA key, salt key) of a request with neither, and its tails (no extra
+#: keys: NONE, TUPLE3, MEMOIZE, STOP).
+_NO_SCOPE: Final = (None, None)
+_PLAIN_TAILS: Final = (b"N\x87\x94.", b"N\x87\x94.")
+
+
 class VllmSha256PickleHasher(VllmHasherBase):
     """vLLM's default ``sha256`` prefix hash (``width`` 32) or its published u64 form (8).
 
@@ -106,6 +112,8 @@ class VllmSha256PickleHasher(VllmHasherBase):
         """The C chain's tails (pickled extra keys) of the block after ``state`` and of the
         rest; None when the C chain cannot build them."""
         scope = state.scope
+        if scope == _NO_SCOPE:
+            return _PLAIN_TAILS
         rest = _pickle_tail(_as_tuple(self._keys(scope, False, None, None)))
         first = rest
         if state.depth == 0 and scope[1] is not None:  # the salt: first block only
