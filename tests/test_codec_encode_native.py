@@ -36,20 +36,31 @@ def test_gather_blocks_equals_the_python_path(batch: EventBatch) -> None:
 
 
 def test_gather_blocks_sees_attributes_and_uneven_sizes() -> None:
-    plain = StoredBlock(block_hash=b"\x01" * 8, token_ids=TokenIds([1, 2]))
-    level = StoredBlock(block_hash=b"\x02" * 8, token_ids=TokenIds([3]), cache_level=1)
-    default_set = StoredBlock(block_hash=b"\x03" * 8, token_ids=TokenIds([4, 5]), priority=35)
-    tuples = [(plain, plain), (plain, level), (default_set,)]
+    def block(h: int, n: int, **kw: Any) -> StoredBlock:
+        return StoredBlock(block_hash=bytes([h]) * 8, token_ids=TokenIds(range(n)), **kw)
+
+    plain = block(1, 2)
+    level = block(2, 1, cache_level=1)
+    default_set = block(3, 2, priority=35)
+    tuples = [
+        (plain, plain),
+        (plain, level),  # only the last block differs: block_size 2, last_block_size 1
+        (default_set,),
+        (block(4, 1), block(4, 3), block(4, 1)),  # a middle block differs: block_sizes
+    ]
     got = native.gather_blocks(tuples)
     assert got == encoder._gather_py(tuples)
-    raw, hashes, counts, uniform, flags = got
-    assert raw == TokenIds([1, 2, 1, 2, 1, 2, 3, 4, 5]).raw
-    assert hashes == [b"\x01" * 16, b"\x01" * 8 + b"\x02" * 8, b"\x03" * 8]
-    assert (counts, uniform) == ([2, 2, 2, 1, 2], False)
+    raw, heads, flags = got
+    assert raw == TokenIds([0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1, 2, 0]).raw
+    # block_count, hashes' length, hashes, block_size, last_block_size, block_sizes
+    assert heads[0] == b"\x04\x20" + b"\x01" * 16 + b"\x04\x04\x00"
+    assert heads[1] == b"\x04\x20" + b"\x01" * 8 + b"\x02" * 8 + b"\x04\x02\x00"
+    assert heads[2] == b"\x02\x10" + b"\x03" * 8 + b"\x04\x04\x00"
+    assert heads[3] == b"\x06\x30" + b"\x04" * 24 + b"\x00\x00\x02" + b"\x06\x02\x06\x02\x00"
     # An explicitly set attribute makes the event take the per-attribute path, even at its
     # default value (the encoder then writes the same bytes).
-    assert flags == [True, False, False]
-    assert native.gather_blocks([]) == (b"", [], [], True, [])
+    assert flags == [True, False, False, True]
+    assert native.gather_blocks([]) == (b"", [], [])
 
 
 class _OddTokens:
@@ -64,6 +75,7 @@ class _OddTokens:
         ((),),  # not a list
         [[]],  # a list, not a tuple
         [(object(),)],  # no block_hash
+        [()],  # an event without blocks (not a valid Stored)
     ],
 )
 def test_gather_blocks_declines_what_it_does_not_expect(tuples: Any) -> None:

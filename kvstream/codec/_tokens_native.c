@@ -124,23 +124,25 @@ varint_encode(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_ssize_t n = buf.len / 4;
-    unsigned char *tmp = PyMem_RawMalloc((size_t)(5 * n) + 8);
-    if (tmp == NULL) {
+    /* Written in place, then shrunk: no second buffer and no copy of the result. */
+    PyObject *res = PyBytes_FromStringAndSize(NULL, 5 * n + 8);
+    if (res == NULL) {
         PyBuffer_Release(&buf);
-        return PyErr_NoMemory();
+        return NULL;
     }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(res);
     Py_ssize_t len;
     if (n >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        len = encode_all(buf.buf, n, delta, tmp);
+        len = encode_all(buf.buf, n, delta, out);
         Py_END_ALLOW_THREADS
     }
     else {
-        len = encode_all(buf.buf, n, delta, tmp);
+        len = encode_all(buf.buf, n, delta, out);
     }
     PyBuffer_Release(&buf);
-    PyObject *res = PyBytes_FromStringAndSize((const char *)tmp, len);
-    PyMem_RawFree(tmp);
+    if (_PyBytes_Resize(&res, len) < 0)
+        return NULL;
     return res;
 }
 
@@ -424,14 +426,29 @@ layout_block(Layout *lay, PyTypeObject *type)
     lay->fields_set_off = slot_offset(type, s_fields_set);
 }
 
-/* gather_blocks(block_tuples) -> (raw, hashes, counts, uniform, plain) or None.
+/* Append the Avro long `v` (>= 0: zig-zag 2v) at o; returns the new end. */
+static inline char *
+put_long(char *o, Py_ssize_t v)
+{
+    uint64_t z = (uint64_t)v << 1;
+    while (z >= 0x80) {
+        *o++ = (char)(z | 0x80);
+        z >>= 7;
+    }
+    *o++ = (char)z;
+    return o;
+}
+
+/* gather_blocks(block_tuples) -> (raw, heads, plain) or None.
  *
- * block_tuples: a list of tuples of StoredBlock (each stored event's blocks). raw: all
- * token ids (TokenIds._raw) concatenated; hashes: per tuple, its block hashes concatenated;
- * counts: per block, its token count; uniform: every block has the same count; plain: per
- * tuple, whether every block's pydantic fields set is within {"block_hash", "token_ids"}.
- * None when anything is not as expected (the caller's Python path then does the same work
- * and raises what it raises). */
+ * block_tuples: a list of tuples of StoredBlock (each stored event's blocks). raw: all token
+ * ids (TokenIds._raw) concatenated. heads: per tuple, the StoredData fields from block_count
+ * to block_sizes as Avro binary: block_count, block_hashes (the hashes joined, length-prefixed),
+ * then block_size, last_block_size and a null block_sizes when every block but the last has
+ * the first one's token count, else 0, 0 and the counts as an array. plain: per tuple, whether
+ * every block's pydantic fields set is within {"block_hash", "token_ids"} (then every other
+ * block attribute is its default). None when anything is not as expected (the caller's Python
+ * path, encoder._gather_py, then does the same work and raises what it raises). */
 static PyObject *
 gather_blocks(PyObject *self, PyObject *arg)
 {
@@ -446,20 +463,27 @@ gather_blocks(PyObject *self, PyObject *arg)
         total += PyTuple_GET_SIZE(t);
     }
     PyObject **refs = PyMem_Calloc((size_t)(2 * total) + 1, sizeof(PyObject *));
-    if (refs == NULL)
+    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * ((size_t)total + 1));
+    if (refs == NULL || counts == NULL) {
+        PyMem_Free(refs);
+        PyMem_Free(counts);
         return PyErr_NoMemory();
+    }
     PyObject **hashes_of = refs, **raws_of = refs + total;
-    PyObject *res = NULL, *raw = NULL, *hashes = NULL, *counts = NULL, *plain = NULL;
-    Py_ssize_t raw_len = 0, b = 0, first = -1;
-    int uniform = 1, ok = 1;
+    PyObject *res = NULL, *raw = NULL, *heads = NULL, *plain = NULL;
+    Py_ssize_t raw_len = 0, b = 0;
+    int ok = 1;
     Layout lay = {NULL, NULL, 0, -1, -1};
-    if ((hashes = PyList_New(events)) == NULL || (plain = PyList_New(events)) == NULL ||
-        (counts = PyList_New(total)) == NULL)
+    if ((heads = PyList_New(events)) == NULL || (plain = PyList_New(events)) == NULL)
         goto done;
     for (Py_ssize_t e = 0; e < events && ok; e++) {
         PyObject *t = PyList_GET_ITEM(arg, e);
         Py_ssize_t n = PyTuple_GET_SIZE(t), hash_len = 0;
         int is_plain = 1;
+        if (n == 0) { /* not a valid Stored: the Python path reports it */
+            ok = 0;
+            break;
+        }
         for (Py_ssize_t i = 0; i < n; i++, b++) {
             PyObject *blk = PyTuple_GET_ITEM(t, i);
             if (Py_TYPE(blk) != lay.blk_type)
@@ -485,16 +509,8 @@ gather_blocks(PyObject *self, PyObject *arg)
                 break;
             }
             raws_of[b] = r;
-            Py_ssize_t c = PyBytes_GET_SIZE(r) / 4;
-            raw_len += 4 * c;
-            if (first < 0)
-                first = c;
-            else if (c != first)
-                uniform = 0;
-            PyObject *ci = PyLong_FromSsize_t(c);
-            if (ci == NULL)
-                goto done;
-            PyList_SET_ITEM(counts, b, ci);
+            counts[b] = PyBytes_GET_SIZE(r) / 4;
+            raw_len += PyBytes_GET_SIZE(r);
             if (is_plain) {
                 PyObject *fs = slot(blk, lay.fields_set_off, s_fields_set);
                 if (fs == NULL || !PyAnySet_Check(fs)) {
@@ -502,25 +518,49 @@ gather_blocks(PyObject *self, PyObject *arg)
                     ok = 0;
                     break;
                 }
-                int a = PySet_Contains(fs, s_block_hash), z = PySet_Contains(fs, s_token_ids);
+                int x = PySet_Contains(fs, s_block_hash), y = PySet_Contains(fs, s_token_ids);
                 Py_ssize_t size = PySet_GET_SIZE(fs);
                 Py_DECREF(fs);
-                if (a < 0 || z < 0)
+                if (x < 0 || y < 0)
                     goto done;
-                is_plain = a + z == size;
+                is_plain = x + y == size;
             }
         }
         if (!ok)
             break;
-        PyObject *joined = PyBytes_FromStringAndSize(NULL, hash_len);
-        if (joined == NULL)
+        const Py_ssize_t *c = counts + b - n;
+        int regular = 1; /* every block but the last has the first one's count */
+        for (Py_ssize_t i = 1; i < n - 1 && regular; i++)
+            regular = c[i] == c[0];
+        /* longs take at most 10 bytes: count, hash length, two sizes, array (n + 2 longs) */
+        Py_ssize_t cap = hash_len + 10 * (n + 8);
+        PyObject *head = PyBytes_FromStringAndSize(NULL, cap);
+        if (head == NULL)
             goto done;
-        char *o = PyBytes_AS_STRING(joined);
+        char *start = PyBytes_AS_STRING(head), *o = start;
+        o = put_long(o, n);
+        o = put_long(o, hash_len);
         for (Py_ssize_t i = b - n; i < b; i++) {
             memcpy(o, PyBytes_AS_STRING(hashes_of[i]), PyBytes_GET_SIZE(hashes_of[i]));
             o += PyBytes_GET_SIZE(hashes_of[i]);
         }
-        PyList_SET_ITEM(hashes, e, joined);
+        if (regular) {
+            o = put_long(o, c[0]);
+            o = put_long(o, c[n - 1]);
+            *o++ = 0; /* block_sizes: null */
+        }
+        else {
+            *o++ = 0;
+            *o++ = 0;
+            *o++ = 2; /* block_sizes: union branch 1, an array of n longs */
+            o = put_long(o, n);
+            for (Py_ssize_t i = 0; i < n; i++)
+                o = put_long(o, c[i]);
+            *o++ = 0;
+        }
+        if (_PyBytes_Resize(&head, o - start) < 0)
+            goto done;
+        PyList_SET_ITEM(heads, e, head);
         PyObject *flag = is_plain ? Py_True : Py_False;
         Py_INCREF(flag);
         PyList_SET_ITEM(plain, e, flag);
@@ -538,14 +578,14 @@ gather_blocks(PyObject *self, PyObject *arg)
         memcpy(o, PyBytes_AS_STRING(raws_of[i]), PyBytes_GET_SIZE(raws_of[i]));
         o += PyBytes_GET_SIZE(raws_of[i]);
     }
-    res = Py_BuildValue("(OOOOO)", raw, hashes, counts, uniform ? Py_True : Py_False, plain);
+    res = PyTuple_Pack(3, raw, heads, plain);
 done:
     for (Py_ssize_t i = 0; i < 2 * total; i++)
         Py_XDECREF(refs[i]);
     PyMem_Free(refs);
+    PyMem_Free(counts);
     Py_XDECREF(raw);
-    Py_XDECREF(hashes);
-    Py_XDECREF(counts);
+    Py_XDECREF(heads);
     Py_XDECREF(plain);
     return res;
 }
@@ -562,7 +602,8 @@ static PyMethodDef methods[] = {
     {"planes_encode", planes_encode, METH_O,
      "planes_encode(raw) -> (high_bits, low16, high_planes): uint32 LE ids as bit planes."},
     {"gather_blocks", gather_blocks, METH_O,
-     "gather_blocks(block_tuples) -> (raw, hashes, counts, uniform, plain) or None."},
+     "gather_blocks(block_tuples) -> (raw, heads, plain) or None: a batch's stored blocks "
+     "for the encoder (see kvstream.codec.encoder._gather_py)."},
     {NULL, NULL, 0, NULL},
 };
 

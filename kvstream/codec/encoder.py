@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from itertools import chain
 from operator import attrgetter
 from typing import Any, Final
 
@@ -272,26 +271,35 @@ def _block_attrs(blocks: tuple[StoredBlock, ...], version: int, out: list[bytes]
     out.append(_array(key_items))
 
 
-_Gathered = tuple[bytes, list[bytes], list[int], bool, list[bool]]
+_Gathered = tuple[bytes, list[bytes], list[bool]]
 _Gather = Callable[[list[tuple[StoredBlock, ...]]], _Gathered | None]
 
 
+def _size_fields(sizes: list[int]) -> bytes:
+    """block_size, last_block_size, block_sizes of blocks of ``sizes`` tokens."""
+    first = sizes[0]
+    last = sizes[-1]
+    same = sizes.count(first)
+    if same == len(sizes) or (same == len(sizes) - 1 and last != first):
+        return _LONG[first] + _LONG[last] + _NULL
+    # block_size 0, last_block_size 0, block_sizes branch 1 + the array
+    return b"\x00\x00\x02" + _array([_LONG[s] for s in sizes])
+
+
 def _gather_py(block_tuples: list[tuple[StoredBlock, ...]]) -> _Gathered:
-    """The reference of the C ``gather_blocks``: (all token ids, per event its hashes joined,
-    per block its token count, whether all counts are equal, per event whether every block has
-    only ``block_hash``/``token_ids`` set)."""
-    blocks = list(chain.from_iterable(block_tuples))
-    raws = list(map(_BLOCK_RAW, blocks))
-    counts = [len(r) >> 2 for r in raws]
-    hashes = [b"".join(map(_BLOCK_HASH, t)) for t in block_tuples]
+    """The reference of the C ``gather_blocks``: (all token ids joined; per event its
+    ``block_count``, ``block_hashes`` and the three size fields, encoded; per event whether
+    every block has only ``block_hash``/``token_ids`` set, so all other attributes default)."""
+    raws: list[bytes] = []
+    heads: list[bytes] = []
+    for blocks in block_tuples:
+        event_raws = list(map(_BLOCK_RAW, blocks))
+        raws += event_raws
+        hashes = b"".join(map(_BLOCK_HASH, blocks))
+        sizes = [len(r) >> 2 for r in event_raws]
+        heads.append(_LONG[len(blocks)] + _LONG[len(hashes)] + hashes + _size_fields(sizes))
     plain = [all(map(_BASIC_FIELDS.issuperset, map(_FIELDS_SET, t))) for t in block_tuples]
-    return (
-        b"".join(raws),
-        hashes,
-        counts,
-        not counts or counts.count(counts[0]) == len(counts),
-        plain,
-    )
+    return b"".join(raws), heads, plain
 
 
 def _native_gather() -> _Gather | None:
@@ -310,59 +318,28 @@ class _Blocks:
     """The batch's stored blocks, read in one pass (in C when built): the per-attribute reads
     of 1,000 pydantic blocks were a third of the encoding time."""
 
-    __slots__ = ("counts", "cursor", "event", "hashes", "plain", "raw", "uniform")
+    __slots__ = ("event", "heads", "plain", "raw")
     raw: bytes
-    hashes: list[bytes]
-    counts: list[int]
-    uniform: bool
+    heads: list[bytes]
     plain: list[bool]
 
     def __init__(self, block_tuples: list[tuple[StoredBlock, ...]]) -> None:
         got = _GATHER(block_tuples) if _GATHER is not None else None
         if got is None:  # no C, or something the C loop does not expect: the reference path
             got = _gather_py(block_tuples)
-        self.raw, self.hashes, self.counts, self.uniform, self.plain = got
-        self.cursor = 0
+        self.raw, self.heads, self.plain = got
         self.event = 0
 
 
 def _stored(data: Stored, version: int, cols: _Blocks, out: list[bytes]) -> None:
     blocks, parent = _STORED_FIELDS(data)
-    n = len(blocks)
-    start = cols.cursor
-    end = cols.cursor = start + n
     event = cols.event
     cols.event = event + 1
-    hashes = cols.hashes[event]
-    if cols.uniform:
-        size = _LONG[cols.counts[start]]
-        size_fields = size + size + _NULL
-    else:
-        sizes = cols.counts[start:end]
-        first = sizes[0]
-        last = sizes[-1]
-        same = sizes.count(first)
-        if same == n or (same == n - 1 and last != first):
-            size_fields = _LONG[first] + _LONG[last] + _NULL
-        else:  # block_size 0, last_block_size 0, block_sizes branch 1 + the array
-            size_fields = b"\x00\x00\x02" + _array([_LONG[s] for s in sizes])
+    parent_field = _NULL if parent is None else _BRANCH1 + _LONG[len(parent)] + parent
     if cols.plain[event]:
-        out += (
-            _NULL if parent is None else _BRANCH1 + _LONG[len(parent)] + parent,
-            _LONG[n],
-            _LONG[len(hashes)],
-            hashes,
-            size_fields,
-            _DEFAULT_STORED_TAIL[version],
-        )
+        out += (parent_field, cols.heads[event], _DEFAULT_STORED_TAIL[version])
         return
-    out += (
-        _NULL if parent is None else _BRANCH1 + _LONG[len(parent)] + parent,
-        _LONG[n],
-        _LONG[len(hashes)],
-        hashes,
-        size_fields,
-    )
+    out += (parent_field, cols.heads[event])
     _block_attrs(blocks, version, out)
     out.append(_FRAMES[version]["stored"][1])
 
