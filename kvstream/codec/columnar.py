@@ -18,24 +18,39 @@ included. Token ids are unpacked once per batch by :func:`kvstream.codec.tokens.
 Readers: :func:`decode_columns_message` (single-object or Confluent bytes, any known writer
 version) and :class:`ColumnarContainerReader` (object container files, the same framing,
 torn-tail and skipped-event handling as :class:`~kvstream.codec.container.ContainerReader`).
+
+Native fast path: records written with the shipped schema v3 or v4 (and read with it) are
+decoded by the optional C extension ``kvstream.codec._columns_native`` straight from the Avro
+bytes into the columns, hash slices and token ids included. It only accepts: for any record it
+is not sure about (malformed, truncated, unusual, breaking a rule) it answers None and the
+record is decoded here, by fastavro and :func:`record_columns`, the reference, which raises
+the DecodeError or returns the result. Both paths give identical columns (property-tested on
+valid, mutated and torn input). ``KVSTREAM_NO_NATIVE=1`` before import, or a missing
+extension, leaves only the reference (:data:`NATIVE` says which).
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
-
-import fastavro
 
 from kvstream._types import ALLOWED_UNKNOWN_WIDTHS, BLOCK_HASH_WIDTHS, PRIORITY_MAX
 from kvstream.codec.container import ContainerReader
 from kvstream.codec.decoder import read_record
 from kvstream.codec.framing import split_confluent, split_single_object
 from kvstream.codec.records import SkippedEvent, record_to_batch
-from kvstream.codec.schemas import SchemaInfo, SchemaRegistry
-from kvstream.codec.tokens import STORED_KINDS, stored_kind, tokens_from_record
+from kvstream.codec.schemas import RELEASED, SchemaInfo, SchemaRegistry
+from kvstream.codec.tokens import (
+    MAX_HIGH_BITS,
+    STORED_KINDS,
+    _zstd_decompress,
+    stored_kind,
+    tokens_from_record,
+)
 from kvstream.errors import DecodeError, UnknownSchemaError
 from kvstream.events.model import (
     DEFAULT_HASH_ALGO,
@@ -53,6 +68,7 @@ __all__ = [
     "CREATED",
     "KIND_NAMES",
     "LOST",
+    "NATIVE",
     "REMOVED",
     "STORED",
     "UPDATED",
@@ -93,6 +109,25 @@ _I64_MAX: Final = 2**63 - 1
 _MAX_HASH: Final = 64
 
 
+def _load_native() -> Any:
+    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        mod: Any = importlib.import_module("kvstream.codec._columns_native")
+    except ImportError:
+        return None
+    attention = (None, AttentionKind.FULL.value, AttentionKind.SLIDING_WINDOW.value)
+    mod.configure(dict(BLOCK_HASH_WIDTHS), tuple(ALLOWED_UNKNOWN_WIDTHS), PRIORITY_MAX, attention)
+    return mod
+
+
+_native: Any = _load_native()
+#: Whether the C decoder of schema v3/v4 records is in use (else fastavro for every record).
+NATIVE: Final = _native is not None
+#: The writer fingerprints whose records the C decoder reads: the shipped v3 and v4 layouts.
+_NATIVE_LAYOUTS: Final = {bytes.fromhex(RELEASED[v].fingerprint): v for v in (3, 4)}
+
+
 class ColumnBatch:
     """One decoded batch as columns (one entry per event that was not skipped).
 
@@ -116,6 +151,7 @@ class ColumnBatch:
 
     __slots__ = (
         "_batch",
+        "_body",
         "_record",
         "attention_dp_rank",
         "event_ids",
@@ -143,6 +179,7 @@ class ColumnBatch:
         tokens: bytes,
         record: Mapping[str, Any] | None = None,
         batch: EventBatch | None = None,
+        body: tuple[bytes | memoryview, int, int, SchemaInfo] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.attention_dp_rank = attention_dp_rank
@@ -160,6 +197,8 @@ class ColumnBatch:
         self.has_blocks = False
         self._record = record
         self._batch = batch
+        #: (buffer, start, end, writer) of the record when the C decoder read it
+        self._body = body
 
     def __len__(self) -> int:
         """Events."""
@@ -168,9 +207,13 @@ class ColumnBatch:
     def to_batch(self) -> EventBatch:
         """The batch as the validated event model (built once, from the decoded record)."""
         if self._batch is None:
-            if self._record is None:  # pragma: no cover - every constructor sets one
+            record = self._record
+            if record is None and self._body is not None:
+                buf, start, end, writer = self._body
+                record = read_record(bytes(buf[start:end]), writer, writer)
+            if record is None:  # pragma: no cover - every constructor sets one
                 raise DecodeError("a column batch without its record or model")
-            self._batch = record_to_batch(self._record, self.schema_version)[0]
+            self._batch = record_to_batch(record, self.schema_version)[0]
         return self._batch
 
     @property
@@ -587,8 +630,55 @@ def _record_columns(
 # ---------------------------------------------------------------------------- readers
 
 
+def _native_ok(writer: SchemaInfo) -> bool:
+    """Whether the C decoder reads ``writer``'s records (read with ``writer`` itself)."""
+    return _native is not None and _NATIVE_LAYOUTS.get(writer.fingerprint) == writer.version
+
+
+def _native_columns(
+    buf: bytes | memoryview, offset: int, writer: SchemaInfo
+) -> tuple[ColumnBatch, tuple[SkippedEvent, ...], int] | None:
+    """The C decoder's columns of the record at ``buf[offset:]``, its skipped events and where
+    it ends; None when the reference must decode it (see the module doc)."""
+    got = _native.decode(buf, offset, writer.version)
+    if got is None:
+        return None
+    end, inst, rank, inc, ts, tokens, ids, kinds, algos, gids, windows, payloads, skipped = got
+    if type(tokens) is tuple:  # zstd-compressed packed ids, decompressed as tokens.py does
+        code, count, packed = tokens
+        # the most bytes `count` ids can take in this encoding (tokens.decode_packed's bound)
+        most = 2 * count + MAX_HIGH_BITS * ((count + 7) >> 3) if code == 2 else 5 * count
+        try:
+            data = _zstd_decompress(packed, most)
+        except DecodeError:
+            return None
+        tokens = _native.packed_ids(code, data, count)
+        if tokens is None:
+            return None
+    out = ColumnBatch(
+        inst,
+        attention_dp_rank=rank,
+        incarnation=inc,
+        ts_ns=ts,
+        schema_version=writer.version,
+        tokens=tokens,
+        body=(buf, offset, end, writer),
+    )
+    out.event_ids = ids
+    out.kinds = kinds
+    out.hash_algos = algos
+    out.group_ids = gids
+    out.window_sizes = windows
+    out.payloads = payloads
+    return out, tuple(SkippedEvent(*s) for s in skipped) if skipped else (), end
+
+
 def decode_columns_body(body: bytes, writer: SchemaInfo, reader: SchemaInfo) -> ColumnarResult:
     """Decode a schemaless body written with ``writer`` (resolved into ``reader``)."""
+    if reader is writer and _native_ok(writer):
+        got = _native_columns(body, 0, writer)
+        if got is not None and got[2] == len(body):
+            return ColumnarResult(got[0], writer.version, got[1])
     record = read_record(body, writer, reader)
     cols, skipped = record_columns(record, writer.version)
     return ColumnarResult(cols, writer.version, skipped)
@@ -636,34 +726,38 @@ class ColumnarContainerReader(ContainerReader):
     objects instead of model batches: the same framing, torn-tail, ``skipped`` and position
     attributes; only the records are turned into columns."""
 
-    def _decode_records(self, payload: bytes, count: int) -> list[ColumnBatch]:  # type: ignore[override]
-        writer = self.writer_schema
-        assert writer is not None
+    def _record_reader(self) -> Any:
         # a shipped version is read with its own schema (see decode_columns_message); a later
         # one this reader does not ship is resolved into the current schema
+        writer = self.writer_schema
+        assert writer is not None
         shipped = writer.version in self._registry.versions() and (
             self._registry.get(writer.version).fingerprint == writer.fingerprint
         )
-        reader = None if shipped or writer is self._reader_schema else self._reader_schema.parsed
-        fo = io.BytesIO(payload)
-        read = fastavro.schemaless_reader
-        parsed = writer.parsed
+        return None if shipped or writer is self._reader_schema else self._reader_schema.parsed
+
+    def _decode_records(self, payload: bytes, count: int) -> list[ColumnBatch]:  # type: ignore[override]
+        writer = self.writer_schema
+        assert writer is not None
+        reader = self._record_reader()
+        native = reader is None and _native_ok(writer)
+        fo: io.BytesIO | None = None
+        pos = 0
         out = []
         for i in range(count):
-            try:
-                record = read(fo, parsed, reader)
-            except Exception as exc:  # fastavro raises many unrelated types on bad input
-                raise DecodeError(
-                    f"record {i} of the block is not a valid schema v{writer.version} record "
-                    f"({type(exc).__name__}: {exc or 'unexpected end of data'})"
-                ) from exc
-            if not isinstance(record, dict):  # pragma: no cover - a record schema
-                raise DecodeError(f"record {i} of the block is not a record")
-            cols, skipped = record_columns(record, writer.version)
+            got = _native_columns(payload, pos, writer) if native else None
+            if got is not None:
+                cols, skipped, pos = got
+            else:  # the reference decodes this record, from where it starts
+                if fo is None:
+                    fo = io.BytesIO(payload)
+                fo.seek(pos)
+                record = self._read_record(fo, i, reader)
+                pos = fo.tell()
+                cols, skipped = record_columns(record, writer.version)
             self.skipped.extend(skipped)
             out.append(cols)
-        if fo.tell() != len(payload):
-            raise DecodeError(f"{len(payload) - fo.tell()} bytes left over after {count} records")
+        self._check_consumed(pos, payload, count)
         return out
 
     def __next__(self) -> ColumnBatch:  # type: ignore[override]

@@ -340,27 +340,42 @@ class ContainerReader(Iterator[EventBatch]):
         self.ignored_bytes = max(0, end - good_end)
         self.close()
 
+    def _record_reader(self) -> Any:
+        """The parsed schema fastavro resolves this file's records into (None: the writer's)."""
+        return None if self.writer_schema is self._reader_schema else self._reader_schema.parsed
+
+    def _read_record(self, fo: io.BytesIO, i: int, reader: Any) -> dict[str, Any]:
+        """Record ``i`` of a block, read from ``fo`` with the writer schema (resolved into
+        ``reader``). Raises DecodeError naming the record."""
+        writer = self.writer_schema
+        assert writer is not None
+        try:
+            record = fastavro.schemaless_reader(fo, writer.parsed, reader)
+        except Exception as exc:  # fastavro raises many unrelated types on bad input
+            raise DecodeError(
+                f"record {i} of the block is not a valid schema v{writer.version} record "
+                f"({type(exc).__name__}: {exc or 'unexpected end of data'})"
+            ) from exc
+        if not isinstance(record, dict):  # pragma: no cover - a record schema
+            raise DecodeError(f"record {i} of the block is not a record")
+        return record
+
+    @staticmethod
+    def _check_consumed(end: int, payload: bytes, count: int) -> None:
+        if end != len(payload):
+            raise DecodeError(f"{len(payload) - end} bytes left over after {count} records")
+
     def _decode_records(self, payload: bytes, count: int) -> list[EventBatch]:
         assert self.writer_schema is not None
-        writer = self.writer_schema
-        reader = None if writer is self._reader_schema else self._reader_schema.parsed
+        version = self.writer_schema.version
+        reader = self._record_reader()
         fo = io.BytesIO(payload)
         out = []
         for i in range(count):
-            try:
-                record = fastavro.schemaless_reader(fo, writer.parsed, reader)
-            except Exception as exc:  # fastavro raises many unrelated types on bad input
-                raise DecodeError(
-                    f"record {i} of the block is not a valid schema v{writer.version} record "
-                    f"({type(exc).__name__}: {exc or 'unexpected end of data'})"
-                ) from exc
-            if not isinstance(record, dict):  # pragma: no cover - a record schema
-                raise DecodeError(f"record {i} of the block is not a record")
-            batch, skipped = record_to_batch(record, writer.version)
+            batch, skipped = record_to_batch(self._read_record(fo, i, reader), version)
             self.skipped.extend(skipped)
             out.append(batch)
-        if fo.tell() != len(payload):
-            raise DecodeError(f"{len(payload) - fo.tell()} bytes left over after {count} records")
+        self._check_consumed(fo.tell(), payload, count)
         return out
 
     def _read_block(self) -> list[EventBatch] | None:
