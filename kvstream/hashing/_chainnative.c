@@ -2,8 +2,8 @@
  * kvstream.hashing._chainnative: SHA-256 and BLAKE3 block-hash chains in C.
  *
  * The algorithms are defined (and implemented in pure Python, the reference) in
- * kvstream/hashing/trtllm.py (v2_sha256), vllm.py (vllm_sha256_cbor), native.py (blake3) and
- * sglang.py (sglang_sha256_64).
+ * kvstream/hashing/trtllm.py (v2_sha256), vllm.py (vllm_sha256_cbor), vllm_pickle.py
+ * (vllm_sha256), native.py (blake3) and sglang.py (sglang_sha256_64).
  * This module hashes a whole request's chain in one call, so the per-block cost is the hash
  * compression itself instead of a Python-level hashlib call per block:
  *
@@ -24,7 +24,8 @@
  *
  * SHA-256 uses the x86 SHA extensions when the CPU has them (checked once with cpuid) and a
  * portable implementation otherwise; BLAKE3 (inputs of any length, chunk tree included)
- * compresses on SSE4.1 registers when available, with the portable reference otherwise.
+ * compresses on SSE4.1 registers when available, with the portable reference otherwise; the
+ * CBOR and pickle token encodings take four ids per step with SSE4.1 (scalar otherwise).
  *
  * Entry points:
  *
@@ -33,13 +34,15 @@
  *       tokens: one buffer of u32 LE ids cut into blocks of block_tokens ids (only full blocks
  *       from block index ``start`` on are hashed), or a list/tuple of per-block buffers (then
  *       block_tokens and start are ignored). parent: the 32-byte key before the first hashed
- *       block. published[i] = key[offset:offset + width]. first_tail (KIND_CBOR) replaces
- *       tail for the first hashed block (the caller passes it only at chain depth 0). keys
+ *       block (KIND_SGLANG: or empty, none). published[i] = key[offset:offset + width].
+ *       tail: KIND_CBOR/KIND_PICKLE's per-block tail (required for KIND_PICKLE),
+ *       KIND_SGLANG's namespace seed. first_tail (KIND_CBOR, KIND_PICKLE) replaces tail for
+ *       the first hashed block (the caller passes it only at chain depth 0). keys
  *       holds the full 32-byte key after every block whose absolute index i has
  *       (i + 1) % every == 0 (every > 0).
  *   pack(tokens, drop_last=False) -> bytes | None
  *       a list/tuple of ints as u32 LE bytes; None when an item is not an int in 0..2**32-1
- *       (the caller then takes its validating path).
+ *       (the caller then takes its validating path). Exact ints are read from their digits.
  *   fingerprints(raw, stride) -> list[int]
  *       a 64-bit fingerprint of raw[:k * stride] for k = 1 .. len(raw) // stride (not a
  *       cryptographic hash: a candidate filter whose hits the caller verifies).
