@@ -214,3 +214,93 @@ def test_router_with_the_caches_hashes_equals_hashing_the_tokens() -> None:
     assert hits > 10  # the matches compared were not all empty
     with pytest.raises(ConfigError, match="block_hashes"):
         index.match([1, 2, 3, 4, 5], block_hashes=[])
+
+
+# ------------------------------------------------------------ prompts, cache structures
+
+
+def reference_prompt(toks: Any, row: Any) -> bytes:
+    """A hash-id row's prompt as the docstring defines it: its ids' blocks concatenated,
+    cut to ``input_length``."""
+    raw = b"".join(toks.block(h, row.block_tokens).raw for h in row.hash_ids)
+    return raw[: 4 * row.input_length]
+
+
+@pytest.mark.parametrize("trace", ["conversation", "synthetic"])
+def test_prompts_equal_their_blocks_concatenated(trace: str) -> None:
+    from kvstream.workloads import MooncakeTokens, load_trace
+
+    toks = MooncakeTokens(seed=3)
+    for row in load_trace(trace, limit=400):
+        assert toks.prompt(row).raw == reference_prompt(toks, row)
+
+
+def test_prompts_cut_anywhere_equal_their_blocks_concatenated() -> None:
+    from dataclasses import replace
+
+    from kvstream.workloads import MooncakeTokens, TraceRow
+
+    toks = MooncakeTokens(seed=1, vocab_size=1000)
+    rng = random.Random(5)
+    for bt in (4, 5, 16, 512):
+        for _ in range(40):
+            ids = tuple(rng.randrange(10**6) for _ in range(rng.randrange(1, 6)))
+            row = TraceRow(0, 0.0, 1, 0, ids, block_tokens=bt)
+            # every cut: inside the last block's body, inside its stamp, whole blocks
+            for n in {len(ids) * bt, len(ids) * bt - 1, (len(ids) - 1) * bt + 1, 1}:
+                r = replace(row, input_length=n)
+                assert toks.prompt(r).raw == reference_prompt(toks, r)
+    with pytest.raises(ValueError, match="too large"):
+        toks.prompt(TraceRow(0, 0.0, 4, 0, (1000**3,), block_tokens=4))
+
+
+def test_free_queue_bulk_operations_equal_one_at_a_time() -> None:
+    from kvstream.cache.block import Block
+    from kvstream.cache.free_queue import FreeQueue
+
+    rng = random.Random(7)
+    blocks = [Block(i) for i in range(40)]
+    a, b = FreeQueue(), FreeQueue()
+    twins = {id(x): Block(x.block_id) for x in blocks}
+    members: list[Block] = []
+    for _ in range(200):
+        if rng.random() < 0.5:
+            new = [x for x in blocks if x not in members][: rng.randrange(0, 5)]
+            a.extend(new)
+            for x in new:
+                b.append(twins[id(x)])
+            members += new
+        else:
+            k = rng.randrange(0, len(members) + 1)
+            got = a.popleft_many(k)
+            assert [x.block_id for x in got] == [b.popleft().block_id for _ in range(k)]
+            members = members[k:]
+        assert [x.block_id for x in a] == [x.block_id for x in b] == [x.block_id for x in members]
+        assert len(a) == len(b)
+    with pytest.raises(IndexError):
+        a.popleft_many(len(a) + 1)
+
+
+def test_transport_keeps_every_batch_with_a_short_sink_log() -> None:
+    """The memory sink keeps only max_lag + 256 batches; a burst of publishes longer than
+    that is applied before any batch could be evicted unread."""
+    from kvstream.cli.replay_transport import Transport
+
+    async def go() -> tuple[int, int, int]:
+        index = PrefixIndex()
+        t = Transport("memory", index)
+        await t.start()
+        m = small_manager()
+        await t.publish(m.flush_events())
+        for i in range(2 * t.retained):
+            m.add_request(f"r{i}", [i, i + 1, i + 2, i + 3, 7])
+            m.free_request(f"r{i}")
+            await t.publish(m.flush_events())
+        await t.sync(0)
+        await t.aclose()
+        src = t.consumer.source
+        return t.published, t.consumer.batches, src.stats.missed
+
+    published, applied, missed = asyncio.run(go())
+    assert published == applied > 512
+    assert missed == 0

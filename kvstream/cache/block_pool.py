@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvstream.cache.block import Block
 from kvstream.cache.errors import CacheInvariantError
@@ -125,9 +125,8 @@ class BlockPool:
             self._created = start + new
         evict = n - take - new
         if evict:
-            popleft, remove = self.lru.popleft, self.tree.remove
-            evicted = [popleft() for _ in range(evict)]
-            hashes = [remove(b) for b in evicted]
+            evicted = self.lru.popleft_many(evict)
+            hashes = self.tree.remove_many(evicted)
             self.evictions += evict
             out += evicted
             rec = self._recorder
@@ -157,6 +156,34 @@ class BlockPool:
         if block.ref_cnt == 0:
             self.lru.remove(block)
         block.ref_cnt += 1
+
+    def touch_many(self, blocks: Iterable[Block | None]) -> None:
+        """:meth:`touch` each block of ``blocks`` that is not None."""
+        remove = self.lru.remove
+        for block in blocks:
+            if block is not None:
+                if not block.ref_cnt:
+                    remove(block)
+                block.ref_cnt += 1
+
+    def release_many(self, blocks: Iterable[Block | None]) -> None:
+        """:meth:`release` each block of ``blocks`` that is not None, in order."""
+        stack = self._stack
+        freed: list[Block] = []
+        for block in blocks:
+            if block is None:
+                continue
+            ref = block.ref_cnt - 1
+            if ref < 0:
+                self.lru.extend(freed)
+                raise CacheInvariantError(f"{block!r} released more often than taken")
+            block.ref_cnt = ref
+            if not ref:
+                if block.block_hash is None:
+                    stack.append(block)
+                else:
+                    freed.append(block)
+        self.lru.extend(freed)
 
     def release(self, block: Block) -> None:
         """Drop one reference; at zero the block becomes free (cached blocks join the LRU

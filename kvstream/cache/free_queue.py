@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from kvstream.cache.block import Block
 from kvstream.cache.errors import CacheInvariantError
@@ -56,6 +56,47 @@ class FreeQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self._len -= 1
+
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """:meth:`append` each of ``blocks`` in order (none may be a member)."""
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        n = 0
+        for block in blocks:
+            if block.prev_free is not None:
+                # keep the queue consistent up to here before raising
+                last.next_free = tail
+                tail.prev_free = last
+                self._len += n
+                raise CacheInvariantError(f"{block!r} is already in the free queue")
+            block.prev_free = last
+            last.next_free = block
+            last = block
+            n += 1
+        last.next_free = tail
+        tail.prev_free = last
+        self._len += n
+
+    def popleft_many(self, n: int) -> list[Block]:
+        """Remove and return the ``n`` least recent members, least recent first; IndexError
+        (nothing removed) when there are fewer."""
+        if n > self._len:
+            raise IndexError(f"pop {n} from a free queue of {self._len}")
+        out: list[Block] = []
+        append = out.append
+        node = self._head.next_free
+        for _ in range(n):
+            assert node is not None
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            append(node)
+            node = nxt
+        assert node is not None
+        self._head.next_free = node
+        node.prev_free = self._head
+        self._len -= n
+        return out
 
     def popleft(self) -> Block:
         """Remove and return the least recent member; IndexError when empty."""

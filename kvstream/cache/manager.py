@@ -170,6 +170,7 @@ class KVCacheManager:
         self._reusable_tokens = 0
         self._hit_blocks = [0] * len(self._pools)
         self._queried_blocks = [0] * len(self._pools)
+        self._plain_root: ChainState | None = None  # the root without LoRA or salt
         self._announce_created()
 
     def _announce_created(self) -> None:
@@ -451,11 +452,9 @@ class KVCacheManager:
         nb = -(-n // tpb)
         for gid, plan in enumerate(plans):
             pool = self._pools[gid]
-            for b in plan.hits:
-                if b is not None:
-                    pool.touch(b)
-            for b in plan.pins.values():
-                pool.touch(b)
+            pool.touch_many(plan.hits)
+            if plan.pins:
+                pool.touch_many(plan.pins.values())
             slots = {}
             if tiers is not None:  # out of the host tier before an eviction can reuse them
                 slots = {i: tiers.take_host(gid, h) for i, h, lv in plan.onboard if lv == HOST}
@@ -671,6 +670,9 @@ class KVCacheManager:
             pool = self._pools[gid]
             pins = gs.pins
             blocks = gs.blocks
+            if not pins:
+                pool.release_many(reversed(blocks[gs.released :]))
+                continue
             for i in range(len(blocks) - 1, gs.released - 1, -1):
                 b = blocks[i]
                 if b is not None:
@@ -714,10 +716,17 @@ class KVCacheManager:
         return set() if self._tiers is None else self._tiers.disk_hashes(gid)
 
     def close(self) -> None:
-        """Finish pending tier copies and close the disk store (idempotent). The manager
-        must not be used afterwards."""
+        """Finish pending tier copies, close the disk store and drop the block metadata
+        (idempotent; no event is recorded). The manager must not be used afterwards.
+
+        Dropping the metadata unlinks the LRU queue's doubly linked blocks, so a closed
+        manager is freed by reference counting alone instead of waiting for a full pass of
+        the cyclic garbage collector (which walks every block of every pool)."""
         if self._tiers is not None:
             self._tiers.close()
+        self._requests.clear()
+        for pool in self._pools:
+            pool.clear()
 
     def __enter__(self) -> KVCacheManager:
         return self
@@ -1142,6 +1151,13 @@ class KVCacheManager:
     def _root(
         self, lora_id: int | None, lora_name: str | None, cache_salt: str | None
     ) -> ChainState:
+        if lora_id is None and lora_name is None and cache_salt is None:
+            # every request without a scope starts here: computed once (a root is a pure
+            # function of the hasher and the scope, and ChainState is immutable)
+            root = self._plain_root
+            if root is None:
+                root = self._plain_root = self._hasher.root()
+            return root
         return self._hasher.root(lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name)
 
     def _hash_blocks(
@@ -1212,14 +1228,16 @@ class KVCacheManager:
         tiers = self._tiers
         skipped: list[int] = []  # positions that get no stored event
         promoted: dict[int, int] = {}  # position -> the lower level it came up from
-        for i in range(lo, hi):
-            h = hashes[i]
-            if h in by_hash:
-                skipped.append(i)
-                continue
-            block = self._held(table, i, gid)
-            commit(block, h, hashes[i - 1] if i else None)
-            if tiers is not None:
+        if tiers is None:
+            skipped = by_hash.insert_run(table, hashes, lo, hi)
+        else:
+            for i in range(lo, hi):
+                h = hashes[i]
+                if h in by_hash:
+                    skipped.append(i)
+                    continue
+                block = self._held(table, i, gid)
+                commit(block, h, hashes[i - 1] if i else None)
                 if tiers.write_through:
                     tiers.queue_persist(gid, block, h)
                 level = tiers.claim(gid, h)

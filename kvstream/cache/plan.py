@@ -66,9 +66,23 @@ def plan_prompt(
     full-attention group a later position whose hash is committed on the GPU is pinned.
     """
     tpb = tokens_per_block
-    get = pool.tree.get
     plan = Plan()
-    found = [get(h) for h in hashes]
+    found = pool.tree.lookup(hashes)
+    cap = (n - 1) // tpb if limit is None else limit
+    if lower is None and window is None:
+        # full attention, GPU only (the common case, kept cheap): the leading cached blocks
+        # up to the cap are hits, any later cached block is pinned
+        k = 0
+        stop = min(cap, len(found))
+        while k < stop and found[k] is not None:
+            k += 1
+        plan.k = k
+        plan.hits = found[:k]
+        rest = found[k:]
+        if rest.count(None) != len(rest):
+            plan.pins = {i: b for i, b in enumerate(rest, k) if b is not None}
+        plan.cost = _prompt_cost(plan, -(-n // tpb))
+        return plan
     levels = [0] * len(hashes)
     if lower is not None:
         for i, b in enumerate(found):
@@ -77,7 +91,6 @@ def plan_prompt(
                 if not levels[i] and window is None:
                     break  # full attention: nothing after the first miss is reusable
     cached = [b is not None or lv > 0 for b, lv in zip(found, levels, strict=True)]
-    cap = (n - 1) // tpb if limit is None else limit
     plan.k = k = reuse_boundary(cached, window, tpb, cap)
     plan.first = first = first_needed_block(k * tpb, window, tpb)
     plan.hits = hits = found[first:k]
@@ -122,13 +135,14 @@ def plan_import(
 
 
 def _prompt_cost(plan: Plan, num_blocks: int) -> int:
-    return (
-        num_blocks
-        - max(plan.k, plan.first)
-        + len(plan.onboard)
-        + sum(1 for b in plan.hits if b is not None and b.ref_cnt == 0)
-        + sum(1 for b in plan.pins.values() if b.ref_cnt == 0)
-    )
+    cost = num_blocks - max(plan.k, plan.first) + len(plan.onboard)
+    for b in plan.hits:
+        if b is not None and not b.ref_cnt:
+            cost += 1
+    for b in plan.pins.values():
+        if not b.ref_cnt:
+            cost += 1
+    return cost
 
 
 def plan_append(

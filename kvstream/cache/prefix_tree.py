@@ -12,7 +12,7 @@ their descendants, so ancestors may be evicted first; the tree is then an unlink
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvstream.cache.block import Block
 from kvstream.cache.errors import CacheInvariantError
@@ -39,6 +39,42 @@ class PrefixTree:
     def get(self, block_hash: bytes) -> Block | None:
         """The committed block with this hash, or None."""
         return self._by_hash.get(block_hash)
+
+    def lookup(self, hashes: Iterable[bytes]) -> list[Block | None]:
+        """The committed block of each hash (None where there is none), in order."""
+        return list(map(self._by_hash.get, hashes))
+
+    def insert_run(
+        self, table: Sequence[Block | None], hashes: Sequence[bytes], lo: int, hi: int
+    ) -> list[int]:
+        """Commit position ``i``'s block ``table[i]`` under ``hashes[i]`` for each ``i`` in
+        ``[lo, hi)``, in order, as :meth:`insert` would (the parent of position ``i`` is
+        ``hashes[i - 1]``); a position whose hash is committed already is skipped. Returns
+        the skipped positions. A position without a block raises CacheInvariantError."""
+        by_hash = self._by_hash
+        linked = self.linked
+        skipped: list[int] = []
+        for i in range(lo, hi):
+            h = hashes[i]
+            if h in by_hash:
+                skipped.append(i)
+                continue
+            block = table[i]
+            if block is None:
+                raise CacheInvariantError(f"position {i} has no block to commit")
+            if block.block_hash is not None:
+                raise CacheInvariantError(f"{block!r} is already committed")
+            if linked and i:
+                parent = by_hash.get(hashes[i - 1])
+                if parent is None:
+                    raise CacheInvariantError(
+                        f"parent {hashes[i - 1].hex()} of {h.hex()} is not committed"
+                    )
+                block.parent = parent
+                parent.num_children += 1
+            block.block_hash = h
+            by_hash[h] = block
+        return skipped
 
     def hashes(self) -> Iterator[bytes]:
         """Every committed hash (do not mutate the tree while iterating)."""
@@ -87,6 +123,25 @@ class PrefixTree:
         block.block_hash = None
         del self._by_hash[h]
         return h
+
+    def remove_many(self, blocks: Iterable[Block]) -> list[bytes]:
+        """:meth:`remove` each of ``blocks`` in order; returns their hashes. On a violation
+        (CacheInvariantError) the blocks before the bad one stay removed."""
+        by_hash = self._by_hash
+        out: list[bytes] = []
+        for block in blocks:
+            h = block.block_hash
+            if h is None or by_hash.get(h) is not block or block.num_children:
+                self.remove(block)  # raises, naming the reason
+                continue  # not reached
+            parent = block.parent
+            if parent is not None:
+                parent.num_children -= 1
+                block.parent = None
+            block.block_hash = None
+            del by_hash[h]
+            out.append(h)
+        return out
 
     def clear(self) -> None:
         """Uncommit every block."""

@@ -270,7 +270,7 @@ class _Replay:
                 seed=opts.seed,
             ),
         )
-        self.transport = Transport(opts.sink, self.index)
+        self.transport = Transport(opts.sink, self.index, max_lag=opts.max_lag_batches)
         self.result = ReplayResult(
             options=opts, trace_file=_trace_file(opts.trace), policy=opts.router
         )
@@ -312,6 +312,7 @@ class _Replay:
         result.malformed = transport.consumer.source.stats.malformed
         for ws, m in zip(result.workers, self.managers, strict=True):
             ws.evictions = m.stats().groups[0].evictions
+            m.close()  # frees its blocks without a cyclic collection
         if self.router.config.policy is RoutingPolicy.KV:
             result.router_signals = self.router.signals
         if len(self.served) + result.unservable != len(rows):

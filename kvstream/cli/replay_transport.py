@@ -20,16 +20,26 @@ class Transport:
     ``sink`` is ``memory`` or ``kafka://HOST:PORT/TOPIC``. :meth:`publish` hands a batch to
     the pipeline (RuntimeError when it refuses one), :meth:`sync` applies delivered batches
     until the index is at most ``lag`` batches behind.
+
+    The memory sink retains only the last :attr:`retained` batches (``max_lag`` + 256): once
+    the index has applied a batch nothing needs it, and a log holding every batch of a
+    replay keeps millions of event objects alive for the garbage collector to walk. So that
+    no batch is ever evicted unread, :meth:`publish` first brings a backlog of ``max_lag`` +
+    128 batches back to ``max_lag`` (128 publishes between two routing decisions: never seen
+    in the shipped traces; with ``max_lag=0`` it changes nothing anyway, as routing catches
+    up first).
     """
 
-    def __init__(self, sink: str, index: PrefixIndex) -> None:
+    def __init__(self, sink: str, index: PrefixIndex, *, max_lag: int = 0) -> None:
         self.index = index
         self.published = 0
+        self.max_lag = max_lag
+        self.retained = max_lag + 256
         self.sink: Sink
         self.consumer: IndexConsumer
         self.memory = sink == "memory"
         if self.memory:
-            self.sink = create_sink(f"memory?max_batches={1 << 16}")
+            self.sink = create_sink(f"memory?max_batches={self.retained}")
             source = MemorySource(cast(Any, self.sink), from_start=False)
             self.consumer = IndexConsumer(source, index)
         else:
@@ -52,6 +62,8 @@ class Transport:
         """Hand ``batch`` (None: nothing) to the pipeline."""
         if batch is None:
             return
+        if self.memory and self.published - self.consumer.batches >= self.max_lag + 128:
+            await self.sync(self.max_lag)  # see the class docstring
         if not await self.pipe.put(batch):
             raise RuntimeError("the pipeline refused a batch (sink down?)")
         self.published += 1

@@ -52,6 +52,7 @@ POOL_TOKENS: Final = 1 << 20
 _STAMP: Final = 3  # tokens that spell the id at the head of its block
 _MIX: Final = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads ids over the pool
 _PACK: Final = struct.Struct("<3I").pack
+_MASK: Final = 0xFFFFFFFFFFFFFFFF
 
 
 class MooncakeTokens:
@@ -80,7 +81,7 @@ class MooncakeTokens:
     def _parts(self, hash_id: int, block_tokens: int) -> tuple[bytes, memoryview]:
         body = block_tokens - _STAMP
         span = POOL_TOKENS - body
-        off = (((hash_id ^ self.seed) * _MIX) & 0xFFFFFFFFFFFFFFFF) % span
+        off = (((hash_id ^ self.seed) * _MIX) & _MASK) % span
         return self._stamp(hash_id), self._view[4 * off : 4 * (off + body)]
 
     def block(self, hash_id: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> TokenIds:
@@ -100,11 +101,34 @@ class MooncakeTokens:
         if bt <= _STAMP:
             raw = b"".join(self.block(h, bt).raw for h in row.hash_ids)
             return TokenIds.from_bytes(raw[: 4 * row.input_length])
+        # _stamp and _parts inlined (a trace has ~300k blocks), and the prompt cut to
+        # input_length before the join, so its bytes are copied once
+        body = bt - _STAMP
+        nbody = 4 * body
+        span = POOL_TOKENS - body
+        seed = self.seed
+        v = self.vocab_size
+        vv = v * v
+        view = self._view
+        pack = _PACK
         parts: list[bytes | memoryview] = []
+        append = parts.append
         for h in row.hash_ids:
-            parts += self._parts(h, bt)
-        raw = b"".join(parts)
-        return TokenIds.from_bytes(raw[: 4 * row.input_length])
+            if h >= vv * v:
+                raise ValueError(f"hash id {h} is too large for vocab_size {v}")
+            off = 4 * ((((h ^ seed) * _MIX) & _MASK) % span)
+            append(pack(h % v, h // v % v, h // vv))
+            append(view[off : off + nbody])
+        excess = 4 * (len(row.hash_ids) * bt - row.input_length)
+        while excess > 0 and parts:
+            last = parts[-1]
+            if len(last) <= excess:
+                excess -= len(last)
+                parts.pop()
+            else:
+                parts[-1] = last[: len(last) - excess]
+                excess = 0
+        return TokenIds.from_bytes(b"".join(parts))
 
     def output(self, row: TraceRow) -> TokenIds:
         """``output_length`` generated tokens for the row (a function of its index)."""
@@ -112,7 +136,7 @@ class MooncakeTokens:
         if n >= POOL_TOKENS:
             key = b"mooncake-out\x00%d\x00%d" % (self.seed, row.index)
             return pseudo_tokens(key, n, self.vocab_size)
-        off = ((row.index * _MIX) & 0xFFFFFFFFFFFFFFFF) % (POOL_TOKENS - n + 1)
+        off = ((row.index * _MIX) & _MASK) % (POOL_TOKENS - n + 1)
         return TokenIds.from_bytes(self._view[4 * off : 4 * (off + n)])
 
 
