@@ -1,20 +1,28 @@
 /*
- * kvstream.codec._tokens_native: the VARINT and DELTA_VARINT token encodings of schema v4 in C.
+ * kvstream.codec._tokens_native: the token encodings of schema v4 and the encoder's block
+ * gathering in C.
  *
- * kvstream/codec/tokens.py holds the numpy reference (same bytes, property-tested equal):
+ * kvstream/codec/tokens.py holds the numpy references and kvstream/codec/encoder.py the
+ * Python one of gather_blocks (same results, property-tested equal):
  *
  *   varint_encode(raw, delta) -> bytes
  *       raw: little-endian uint32 ids (a buffer, length a multiple of 4). Each value (the id,
  *       or with delta the zig-zag of the wrapping 32-bit difference to the previous id, the
  *       first against 0) as an unsigned LEB128 varint of 1..5 bytes.
  *   varint_sizes(raw) -> (max_id, varint_bytes, delta_varint_bytes)
- *       what the two encodings of `raw` would take, and the largest id, in one pass.
+ *       what the two encodings of `raw` would take, and the largest id.
  *   varint_decode(data, count, delta) -> bytes
  *       exactly `count` canonical varints filling `data` -> little-endian uint32 ids.
  *       Raises ValueError naming the problem: too few/many bytes, a varint over 5 bytes or
  *       32 bits, a redundant trailing zero group.
+ *   planes_encode(raw) -> (high_bits, low16, high_planes)
+ *       the bit-plane layout of every schema version (tokens.pack_tokens).
+ *   gather_blocks(block_tuples) -> (raw, heads, plain) or None
+ *       a batch's stored blocks read in one pass (encoder._gather_py; see below).
  *
- * Both release the GIL on large inputs.
+ * The varint coders release the GIL on large inputs. Their loops are written so that the
+ * compiler vectorises them at -O2/-O3 without target flags (uint32 lanes, no loop-carried
+ * state): the size estimate and the first pass of the encoder.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -403,13 +411,16 @@ static inline PyObject *
 field(PyObject *obj, PyObject *name, int from_dict)
 {
     if (from_dict) {
-        PyObject **dictptr = _PyObject_GetDictPtr(obj);
-        if (dictptr != NULL && *dictptr != NULL) {
-            PyObject *v = PyDict_GetItemWithError(*dictptr, name);
-            if (v != NULL) {
-                Py_INCREF(v);
+        PyObject *dict = PyObject_GenericGetDict(obj, NULL);
+        if (dict == NULL) {
+            PyErr_Clear(); /* no __dict__: the generic lookup says what is wrong */
+        }
+        else {
+            PyObject *v = PyDict_GetItemWithError(dict, name);
+            Py_XINCREF(v);
+            Py_DECREF(dict);
+            if (v != NULL)
                 return v;
-            }
             if (PyErr_Occurred())
                 return NULL;
         }
