@@ -12,7 +12,9 @@ cache salt). Two ways to drive it, always giving the same values:
 An algorithm implements :meth:`BlockHasher.root` and :meth:`BlockHasher.extend`; the base class
 validates a chain call's per-block arguments (rejecting the inputs the algorithm declares it
 does not hash) and folds ``extend`` over the blocks. An algorithm with a faster whole-request
-loop overrides only :meth:`BlockHasher._chain`, which receives the validated arguments.
+loop overrides only :meth:`BlockHasher._chain`, which receives the validated arguments; for
+packed requests (:meth:`BlockHasher.chain_raw`) it names its C chain (``_c``, ``_c_kind``,
+``_c_args``) or overrides :meth:`BlockHasher._chain_raw`.
 """
 
 from __future__ import annotations
