@@ -139,25 +139,23 @@ varint_encode(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_ssize_t n = buf.len / 4;
-    /* Written in place, then shrunk: no second buffer and no copy of the result. */
-    PyObject *res = PyBytes_FromStringAndSize(NULL, 5 * n + 8);
-    if (res == NULL) {
+    unsigned char *tmp = PyMem_RawMalloc((size_t)(5 * n) + 8);
+    if (tmp == NULL) {
         PyBuffer_Release(&buf);
-        return NULL;
+        return PyErr_NoMemory();
     }
-    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(res);
     Py_ssize_t len;
     if (n >= NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        len = encode_all(buf.buf, n, delta, out);
+        len = encode_all(buf.buf, n, delta, tmp);
         Py_END_ALLOW_THREADS
     }
     else {
-        len = encode_all(buf.buf, n, delta, out);
+        len = encode_all(buf.buf, n, delta, tmp);
     }
     PyBuffer_Release(&buf);
-    if (_PyBytes_Resize(&res, len) < 0)
-        return NULL;
+    PyObject *res = PyBytes_FromStringAndSize((const char *)tmp, len);
+    PyMem_RawFree(tmp);
     return res;
 }
 
