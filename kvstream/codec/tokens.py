@@ -14,9 +14,10 @@ A batch's token ids (unsigned 32-bit, all stored events concatenated) travel one
 :func:`encode_tokens` picks per batch (``"auto"``: the smallest, see :func:`encode_tokens`);
 :func:`tokens_from_record` is the one place a decoded ``TokenPack`` record becomes ids, and
 :func:`stored_kind` says which stored kind a batch's events must have. The schema ``doc`` of
-``TokenPack`` states the formats for non-Python consumers. Varint coding uses the optional C
-accelerator ``kvstream.codec._tokens_native`` when built (numpy otherwise, same bytes) and zstd
-the ``cramjam`` package (imported on first use).
+``TokenPack`` states the formats for non-Python consumers. Varint coding and bit-plane packing
+use the optional C accelerator ``kvstream.codec._tokens_native`` when built (numpy otherwise,
+same bytes) and zstd the ``cramjam`` package (a dependency, imported on first use; ``auto``
+refuses to write a batch it would compress without it rather than write other bytes).
 """
 
 from __future__ import annotations
