@@ -713,74 +713,126 @@ msg_capacity(const chain_cfg *cfg, Py_ssize_t n)
     return 3 + KEY_LEN + 9 + 7 * (size_t)n + 24 + tail + 72;
 }
 
+#define NO_PARENT ((size_t)-1)
+
+/* Block b's message at m, but for its parent key (written by the caller at *poff; NO_PARENT:
+ * none); returns its length. first: whether b is the first hashed block. */
+static size_t
+build_msg(const chain_cfg *cfg, const blk_t *blk, int first, unsigned char *m, size_t *poff)
+{
+    const unsigned char *t = blk->tok;
+    const Py_ssize_t n = blk->n;
+    const unsigned char *tail = first ? cfg->first_tail : cfg->tail;
+    const Py_ssize_t tail_len = first ? cfg->first_tail_len : cfg->tail_len;
+    unsigned char *q = m;
+    if (cfg->kind == KIND_CBOR) {
+        q[0] = 0x83;
+        q[1] = 0x58;
+        q[2] = 0x20;
+        *poff = 3;
+        q += 3 + KEY_LEN;
+        q += cbor_head(q, 4, (uint32_t)n);
+        q = cbor_tokens(q, t, n);
+        memcpy(q, tail, (size_t)tail_len);
+        return (size_t)(q + tail_len - m);
+    }
+    if (cfg->kind == KIND_PICKLE) {
+        static const unsigned char closers[4] = {0x74, 0x85, 0x86, 0x87};
+        uint64_t frame;
+        size_t len;
+        int k;
+        q[0] = 0x80; /* PROTO 5 */
+        q[1] = 0x05;
+        q[2] = 0x95; /* FRAME, its length below */
+        q[11] = 0x43; /* SHORT_BINBYTES 32 */
+        q[12] = 0x20;
+        *poff = 13;
+        q[45] = 0x94; /* MEMOIZE */
+        q += 46;
+        if (n >= 4)
+            *q++ = 0x28; /* MARK */
+        q = pickle_tokens(q, t, n);
+        *q++ = closers[n >= 4 ? 0 : n]; /* TUPLE, or TUPLE1..3 */
+        *q++ = 0x94;
+        memcpy(q, tail, (size_t)tail_len);
+        len = (size_t)(q + tail_len - m);
+        frame = (uint64_t)len - 11;
+        for (k = 0; k < 8; k++)
+            m[3 + k] = (unsigned char)(frame >> (8 * k));
+        return len;
+    }
+    if (first && !cfg->has_parent) { /* KIND_SGLANG's unsalted first page */
+        *poff = NO_PARENT;
+        memcpy(m, t, 4 * (size_t)n);
+        return 4 * (size_t)n;
+    }
+    *poff = 0;
+    memcpy(m + KEY_LEN, t, 4 * (size_t)n);
+    return KEY_LEN + 4 * (size_t)n;
+}
+
+/* SHA-256 padding of the len-byte message at m (room for 72 more bytes); returns the padded
+ * length, a multiple of 64. */
+static size_t
+sha_pad(unsigned char *m, size_t len)
+{
+    size_t total = (len + 9 + 63) & ~(size_t)63;
+    uint64_t bits = (uint64_t)len * 8;
+    int i;
+    m[len] = 0x80;
+    memset(m + len + 1, 0, total - len - 9);
+    for (i = 0; i < 8; i++)
+        m[total - 1 - i] = (unsigned char)(bits >> (8 * i));
+    return total;
+}
+
 /* Hash blocks[0..nb) chained from parent; key i goes to keys + 32 * i, and with a seed
- * (KIND_SGLANG) the digest published for it to pubs + 32 * i. msg: scratch buffer of
- * msg_capacity(max block) bytes; seeded: another of seed_len + 8 + 72 at pubmsg. */
+ * (KIND_SGLANG) the digest published for it to pubs + 32 * i. msg: two scratch buffers of
+ * msg_capacity(max block) bytes each, cap apart; seeded: another of seed_len + 8 + 72 at
+ * pubmsg. */
 static void
 hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
-           unsigned char *keys, unsigned char *msg, unsigned char *pubs, unsigned char *pubmsg)
+           unsigned char *keys, unsigned char *msg, size_t cap, unsigned char *pubs,
+           unsigned char *pubmsg)
 {
     Py_ssize_t b;
     const unsigned char *prev = parent;
+    unsigned char *buf[2];
+    size_t len[2], poff[2];
+    int i;
+
+    if (nb == 0)
+        return;
+    buf[0] = msg;
+    buf[1] = msg + cap;
+    len[0] = build_msg(cfg, &blocks[0], 1, buf[0], &poff[0]);
     for (b = 0; b < nb; b++) {
-        const unsigned char *t = blocks[b].tok;
-        const Py_ssize_t n = blocks[b].n;
+        const int c = (int)(b & 1);
+        unsigned char *m = buf[c];
         unsigned char *key = keys + (size_t)KEY_LEN * b;
-        size_t len;
-        if (cfg->kind == KIND_CBOR) {
-            const unsigned char *tail = b == 0 ? cfg->first_tail : cfg->tail;
-            Py_ssize_t tail_len = b == 0 ? cfg->first_tail_len : cfg->tail_len;
-            unsigned char *q = msg;
-            q[0] = 0x83;
-            q[1] = 0x58;
-            q[2] = 0x20;
-            memcpy(q + 3, prev, KEY_LEN);
-            q += 3 + KEY_LEN;
-            q += cbor_head(q, 4, (uint32_t)n);
-            q = cbor_tokens(q, t, n);
-            memcpy(q, tail, (size_t)tail_len);
-            q += tail_len;
-            len = (size_t)(q - msg);
-        }
-        else if (cfg->kind == KIND_PICKLE) {
-            static const unsigned char closers[4] = {0x74, 0x85, 0x86, 0x87};
-            const unsigned char *tail = b == 0 ? cfg->first_tail : cfg->tail;
-            Py_ssize_t tail_len = b == 0 ? cfg->first_tail_len : cfg->tail_len;
-            unsigned char *q = msg;
-            uint64_t frame;
-            q[0] = 0x80; /* PROTO 5 */
-            q[1] = 0x05;
-            q[2] = 0x95; /* FRAME, its length below */
-            q[11] = 0x43; /* SHORT_BINBYTES 32 */
-            q[12] = 0x20;
-            memcpy(q + 13, prev, KEY_LEN);
-            q[45] = 0x94; /* MEMOIZE */
-            q += 46;
-            if (n >= 4)
-                *q++ = 0x28; /* MARK */
-            q = pickle_tokens(q, t, n);
-            *q++ = closers[n >= 4 ? 0 : n]; /* TUPLE, or TUPLE1..3 */
-            *q++ = 0x94;
-            memcpy(q, tail, (size_t)tail_len);
-            q += tail_len;
-            len = (size_t)(q - msg);
-            frame = (uint64_t)len - 11;
-            for (int k = 0; k < 8; k++)
-                msg[3 + k] = (unsigned char)(frame >> (8 * k));
-        }
-        else if (b == 0 && !cfg->has_parent) {
-            memcpy(msg, t, 4 * (size_t)n);
-            len = 4 * (size_t)n;
+        if (cfg->kind == KIND_BLAKE3) {
+            memcpy(m + poff[c], prev, KEY_LEN);
+            b3_hash(m, len[c], key);
+            if (b + 1 < nb)
+                len[!c] = build_msg(cfg, &blocks[b + 1], 0, buf[!c], &poff[!c]);
         }
         else {
-            memcpy(msg, prev, KEY_LEN);
-            memcpy(msg + KEY_LEN, t, 4 * (size_t)n);
-            len = KEY_LEN + 4 * (size_t)n;
+            /* The chain is latency-bound (each compression waits for the previous one):
+             * the next block's message, which does not depend on this key, is built while
+             * this message's first compression is in flight. */
+            uint32_t st[8];
+            const size_t total = sha_pad(m, len[c]);
+            if (poff[c] != NO_PARENT)
+                memcpy(m + poff[c], prev, KEY_LEN);
+            memcpy(st, SHA_IV, sizeof st);
+            sha256_blocks(st, m, 1);
+            if (b + 1 < nb)
+                len[!c] = build_msg(cfg, &blocks[b + 1], 0, buf[!c], &poff[!c]);
+            if (total > 64)
+                sha256_blocks(st, m + 64, total / 64 - 1);
+            for (i = 0; i < 8; i++)
+                store_be32(key + 4 * i, st[i]);
         }
-        if (cfg->kind == KIND_BLAKE3)
-            b3_hash(msg, len, key);
-        else
-            sha256_padded(msg, len, key);
         if (cfg->seed != NULL) {
             /* off the chain's critical path: overlaps the next block's compressions */
             memcpy(pubmsg + cfg->seed_len, key, 8);
@@ -819,6 +871,7 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_buffer parent = {0}, ftail = {0}, tail = {0}, flat = {0};
     Py_buffer *views = NULL;
     Py_ssize_t n_views = 0, nb = 0, max_n = 0, b;
+    size_t cap;
     blk_t *blocks = NULL;
     unsigned char *keys = NULL, *msg = NULL, *pubs = NULL, *pubmsg = NULL;
     const unsigned char *pub_src = NULL;
@@ -930,7 +983,8 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     }
 
     keys = PyMem_Malloc((size_t)KEY_LEN * (nb ? (size_t)nb : 1));
-    msg = PyMem_Malloc(msg_capacity(&cfg, max_n));
+    cap = msg_capacity(&cfg, max_n);
+    msg = PyMem_Malloc(2 * cap);
     if (keys == NULL || msg == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -948,11 +1002,11 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if (views == NULL && nb * block_tokens >= NOGIL_MIN_TOKENS) {
         Py_BEGIN_ALLOW_THREADS
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, pubs, pubmsg);
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg);
         Py_END_ALLOW_THREADS
     }
     else {
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, pubs, pubmsg);
+        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg);
     }
 
     published = PyList_New(nb);
