@@ -799,6 +799,7 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
     const unsigned char *prev = parent;
     unsigned char *buf[2];
     size_t len[2], poff[2];
+    uint32_t st[8]; /* SHA-256 state; after a block, its key's words */
     int i;
 
     if (nb == 0)
@@ -820,10 +821,14 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             /* The chain is latency-bound (each compression waits for the previous one):
              * the next block's message, which does not depend on this key, is built while
              * this message's first compression is in flight. */
-            uint32_t st[8];
             const size_t total = sha_pad(m, len[c]);
-            if (poff[c] != NO_PARENT)
-                memcpy(m + poff[c], prev, KEY_LEN);
+            if (poff[c] != NO_PARENT) {
+                if (b == 0)
+                    memcpy(m + poff[c], prev, KEY_LEN);
+                else /* from the state words, not the key bytes just stored (no reload) */
+                    for (i = 0; i < 8; i++)
+                        store_be32(m + poff[c] + 4 * i, st[i]);
+            }
             memcpy(st, SHA_IV, sizeof st);
             sha256_blocks(st, m, 1);
             if (b + 1 < nb)
