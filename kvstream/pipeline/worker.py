@@ -11,7 +11,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from kvstream.errors import PermanentSinkError
 from kvstream.events.deferred import AnyBatch, DeferredBatch
@@ -25,6 +26,7 @@ from .retry import Backoff
 __all__ = ["SinkWorker"]
 
 log = logging.getLogger("kvstream.pipeline")
+T = TypeVar("T")
 
 
 class SinkWorker:
@@ -212,7 +214,7 @@ class SinkWorker:
             if not self._started:
                 await asyncio.wait_for(sink.start(), timeout)
                 self._started = True
-            result = await asyncio.wait_for(sink.export(batches), timeout)
+            result = await _within(sink.export(batches), timeout)
         except asyncio.TimeoutError:
             return ExportResult.retry(f"export did not finish within {timeout:.3g}s")
         except asyncio.CancelledError:
@@ -224,6 +226,20 @@ class SinkWorker:
                 f"{type(sink).__name__}.export returned {result!r}, not an ExportResult"
             )
         return result
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``await coro``, cancelled after ``timeout_s`` (asyncio.TimeoutError), as
+    ``asyncio.wait_for`` does. From Python 3.11 the coroutine runs in the calling task
+    (``asyncio.timeout``) instead of a task of its own, so an export that completes
+    without waiting (the memory sink's) costs no extra trip through the event loop."""
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(coro, timeout_s)
+    async with _TIMEOUT(timeout_s):
+        return await coro
+
+
+_TIMEOUT: Any = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
 def _materialized(batches: Sequence[AnyBatch]) -> Sequence[EventBatch]:
