@@ -472,6 +472,48 @@ def test_packed_ids_edge_cases(code: int, data: bytes, count: int) -> None:
     assert columnar._native.packed_ids(code, data, count) == want
 
 
+def test_bit_planes_are_unpacked_on_first_access_and_only_from_bytes() -> None:
+    batch = EventBatch.model_validate(
+        {
+            "source": {"instance_id": "w"},
+            "ts_ns": 1,
+            "events": [
+                {
+                    "event_id": 0,
+                    "window_size": 1,
+                    "data": {
+                        "type": "stored",
+                        "parent_hash": None,
+                        "blocks": [{"block_hash": b"\x01" * 8, "token_ids": [1, 70000, 3]}],
+                    },
+                }
+            ],
+        }
+    )
+    data = AvroCodec(token_encoding="planes").encode(batch)
+    want = b"".join(i.to_bytes(4, "little") for i in (1, 70000, 3))
+    lazy = decode_columns_message(data, REGISTRY).columns
+    assert (lazy._tokens, lazy._planes is None) == (None, False)
+    assert lazy.tokens == want
+    assert (lazy._tokens, lazy._planes) == (want, None)
+    eager = decode_columns_message(bytearray(data), REGISTRY).columns  # framing copies: bytes
+    assert eager.tokens == want
+    body = bytearray(data[10:])
+    got = columnar._native_columns(body, 0, REGISTRY.get(4))  # a mutable buffer: unpacked now
+    assert got is not None
+    assert got[0]._tokens == want
+    planes_ids = columnar._native.planes_ids
+    with pytest.raises(ValueError, match="outside"):
+        planes_ids(b"\x00" * 6, 3, 1, 1, 6)
+    with pytest.raises(ValueError, match="outside"):
+        planes_ids(b"\x00" * 6, -1, 0, 0, 0)
+    with pytest.raises(ValueError, match="invalid"):
+        planes_ids(b"\x00" * 6 + b"\xf0", 3, 1, 0, 6)
+    assert planes_ids(b"\x01\x00" * 3 + b"\x02", 3, 1, 0, 6) == b"".join(
+        i.to_bytes(4, "little") for i in (1, 65537, 1)
+    )
+
+
 # ------------------------------------------------------------------------------ stored fields
 
 _STORED_VALUES: dict[str, list[Any]] = {

@@ -22,7 +22,11 @@
  *       event_ids, kinds, hash_algos, group_ids, window_sizes, payloads, skipped). `tokens` is
  *       the ids as little-endian uint32 bytes, or (encoding code, count, packed bytes) when
  *       they are zstd-compressed (the caller decompresses, then calls packed_ids). `skipped`
- *       lists (event_id, kind symbol, reason) of the events left out.
+ *       lists (event_id, kind symbol, reason) of the events left out. When `buf` is a bytes
+ *       object, valid bit planes are not unpacked: `tokens` is then (count, high_bits,
+ *       low16 offset, planes offset) in `buf`, for planes_ids.
+ *   planes_ids(buf, count, high_bits, low_off, planes_off) -> bytes
+ *       The ids of bit planes in buf (bounds and padding checked again; ValueError).
  *   packed_ids(encoding, data, count) -> bytes | None
  *       The ids of uncompressed packed token data (encoding 2 BIT_PLANES, 3 VARINT,
  *       4 DELTA_VARINT), or None when they are not exactly `count` valid ids.
@@ -254,10 +258,10 @@ store_u32le(uint8_t *p, uint32_t v)
     p[3] = (uint8_t)(v >> 24);
 }
 
-/* bit planes -> ids (tokens.unpack_tokens' rules); out has 4 * count bytes */
+/* whether bit-plane fields are valid (tokens.unpack_tokens' rules) */
 static int
-planes_decode(int64_t count, int64_t high_bits, const uint8_t *low, Py_ssize_t low_len,
-              const uint8_t *planes, Py_ssize_t planes_len, uint8_t *out)
+planes_check(int64_t count, int64_t high_bits, Py_ssize_t low_len, const uint8_t *planes,
+             Py_ssize_t planes_len)
 {
     if (count < 0 || high_bits < 0 || high_bits > 16)
         return BAIL;
@@ -272,6 +276,16 @@ planes_decode(int64_t count, int64_t high_bits, const uint8_t *low, Py_ssize_t l
             if (planes[(j + 1) * plane_len - 1] >> pad)
                 return BAIL;
     }
+    return OK;
+}
+
+/* valid bit planes (planes_check) -> ids; out has 4 * count bytes */
+static void
+planes_fill(int64_t count, int64_t high_bits, const uint8_t *low, const uint8_t *planes,
+            uint8_t *out)
+{
+    Py_ssize_t plane_len = (Py_ssize_t)((count + 7) >> 3);
+    int pad = (int)(count & 7);
     for (int64_t i = 0; i < count; i++)
         store_u32le(out + 4 * i, (uint32_t)low[2 * i] | ((uint32_t)low[2 * i + 1] << 8));
     for (int64_t j = 0; j < high_bits; j++) {
@@ -287,6 +301,15 @@ planes_decode(int64_t count, int64_t high_bits, const uint8_t *low, Py_ssize_t l
             }
         }
     }
+}
+
+static int
+planes_decode(int64_t count, int64_t high_bits, const uint8_t *low, Py_ssize_t low_len,
+              const uint8_t *planes, Py_ssize_t planes_len, uint8_t *out)
+{
+    if (planes_check(count, high_bits, low_len, planes, planes_len))
+        return BAIL;
+    planes_fill(count, high_bits, low, planes, out);
     return OK;
 }
 
@@ -895,7 +918,7 @@ event_payload(Cols *c, Ev *e, int code, PyObject *algo, int64_t *pos, int64_t n_
 }
 
 static PyObject *
-decode_record(Rd *r, int version, Ev *e, Py_ssize_t base_off, const uint8_t *base)
+decode_record(Rd *r, int version, Ev *e, const uint8_t *base, int lazy)
 {
     PyObject *inst = NULL, *rank = NULL, *tokens = NULL, *result = NULL;
     Cols c = {0};
@@ -941,14 +964,20 @@ decode_record(Rd *r, int version, Ev *e, Py_ssize_t base_off, const uint8_t *bas
     if (!is_packed) {
         if (comp != 1 || packed_count != 0 || packed_len != 0)
             goto bail;
-        if (count < 0 || (low_len & 1) || (int64_t)(low_len >> 1) != count)
+        if (planes_check(count, high_bits, low_len, planes, planes_len))
             goto bail;
-        tokens = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * count));
-        if (tokens == NULL)
-            goto error;
-        if (planes_decode(count, high_bits, low, low_len, planes, planes_len,
-                          (uint8_t *)PyBytes_AS_STRING(tokens)))
-            goto bail;
+        if (lazy) { /* valid: unpacked by planes_ids when the ids are asked for */
+            tokens = Py_BuildValue("(LLnn)", (long long)count, (long long)high_bits,
+                                   (Py_ssize_t)(low - base), (Py_ssize_t)(planes - base));
+            if (tokens == NULL)
+                goto error;
+        }
+        else {
+            tokens = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * count));
+            if (tokens == NULL)
+                goto error;
+            planes_fill(count, high_bits, low, planes, (uint8_t *)PyBytes_AS_STRING(tokens));
+        }
         n_tokens = count;
     }
     else {
@@ -956,7 +985,21 @@ decode_record(Rd *r, int version, Ev *e, Py_ssize_t base_off, const uint8_t *bas
             packed_count < 0)
             goto bail;
         n_tokens = packed_count;
-        if (comp == 1) {
+        int small = packed_count <= (int64_t)packed_len; /* no overflow below */
+        Py_ssize_t plane_len = small ? (Py_ssize_t)((packed_count + 7) >> 3) : 0;
+        Py_ssize_t extra = small ? packed_len - (Py_ssize_t)(2 * packed_count) : -1;
+        if (lazy && enc == 2 && comp == 1 && extra >= 0 &&
+            (!extra || (plane_len && extra % plane_len == 0)) &&
+            !planes_check(packed_count, plane_len ? extra / plane_len : 0,
+                          (Py_ssize_t)(2 * packed_count), packed + 2 * packed_count, extra)) {
+            tokens = Py_BuildValue("(LLnn)", (long long)packed_count,
+                                   (long long)(plane_len ? extra / plane_len : 0),
+                                   (Py_ssize_t)(packed - base),
+                                   (Py_ssize_t)(packed + 2 * packed_count - base));
+            if (tokens == NULL)
+                goto error;
+        }
+        else if (comp == 1) {
             if ((rc = packed_decode(enc, packed, packed_len, packed_count, &tokens)))
                 goto fail;
         }
@@ -1033,7 +1076,7 @@ decode_record(Rd *r, int version, Ev *e, Py_ssize_t base_off, const uint8_t *bas
         goto fail_more;
     if (pos != n_tokens)
         goto bail;
-    result = Py_BuildValue("(nNNLLNNNNNNNN)", base_off + (Py_ssize_t)(r->p - base), inst, rank,
+    result = Py_BuildValue("(nNNLLNNNNNNNN)", (Py_ssize_t)(r->p - base), inst, rank,
                            (long long)inc, (long long)ts, tokens, c.ids, c.kinds, c.algos,
                            c.gids, c.windows, c.payloads, c.skipped);
     return result;
@@ -1077,9 +1120,12 @@ static PyObject *
 py_decode(PyObject *self, PyObject *args)
 {
     Py_buffer view;
+    PyObject *obj;
     Py_ssize_t offset;
     int version;
-    if (!PyArg_ParseTuple(args, "y*ni:decode", &view, &offset, &version))
+    if (!PyArg_ParseTuple(args, "Oni:decode", &obj, &offset, &version))
+        return NULL;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE))
         return NULL;
     PyObject *out = NULL;
     if (g_widths == NULL) {
@@ -1096,7 +1142,8 @@ py_decode(PyObject *self, PyObject *args)
         Rd r = {base + offset, base + view.len};
         Ev e;
         memset(&e, 0, sizeof e);
-        out = decode_record(&r, version, &e, 0, base);
+        /* bit planes are unpacked later only from an immutable buffer */
+        out = decode_record(&r, version, &e, base, PyBytes_CheckExact(obj));
         PyMem_Free(e.caps.v);
         PyMem_Free(e.sizes.v);
         PyMem_Free(e.levels.v);
@@ -1121,6 +1168,38 @@ py_packed_ids(PyObject *self, PyObject *args)
         return NULL;
     if (rc == BAIL)
         Py_RETURN_NONE;
+    return out;
+}
+
+static PyObject *
+py_planes_ids(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    long long count, high_bits;
+    Py_ssize_t low_off, planes_off;
+    if (!PyArg_ParseTuple(args, "y*LLnn:planes_ids", &view, &count, &high_bits, &low_off,
+                          &planes_off))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t len = view.len;
+    if (count < 0 || high_bits < 0 || high_bits > 16 || count > len || low_off < 0 ||
+        planes_off < 0 || low_off > len - 2 * count ||
+        planes_off > len - high_bits * ((count + 7) >> 3)) {
+        PyErr_SetString(PyExc_ValueError, "bit planes outside the buffer");
+    }
+    else {
+        const uint8_t *base = (const uint8_t *)view.buf;
+        Py_ssize_t planes_len = (Py_ssize_t)(high_bits * ((count + 7) >> 3));
+        if (planes_check(count, high_bits, (Py_ssize_t)(2 * count), base + planes_off,
+                         planes_len)) {
+            PyErr_SetString(PyExc_ValueError, "invalid bit planes");
+        }
+        else if ((out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(4 * count))) != NULL) {
+            planes_fill(count, high_bits, base + low_off, base + planes_off,
+                        (uint8_t *)PyBytes_AS_STRING(out));
+        }
+    }
+    PyBuffer_Release(&view);
     return out;
 }
 
@@ -1162,6 +1241,8 @@ static PyMethodDef methods[] = {
      "configure(widths, unknown_widths, priority_max, attention): the model's rules."},
     {"decode", py_decode, METH_VARARGS,
      "decode(buf, offset, version) -> columns tuple, or None: use the reference decoder."},
+    {"planes_ids", py_planes_ids, METH_VARARGS,
+     "planes_ids(buf, count, high_bits, low_off, planes_off) -> uint32 LE ids of bit planes."},
     {"packed_ids", py_packed_ids, METH_VARARGS,
      "packed_ids(encoding, data, count) -> uint32 LE ids, or None when invalid."},
     {NULL, NULL, 0, NULL},

@@ -146,13 +146,16 @@ class ColumnBatch:
     ======== ================================================================================
 
     ``tokens`` holds every stored block's token ids in order (u32 little-endian), as the
-    token pack had them. :meth:`to_batch` builds the validated :class:`EventBatch` (cached).
+    token pack had them (bit planes the C decoder validated are unpacked on first access).
+    :meth:`to_batch` builds the validated :class:`EventBatch` (cached).
     """
 
     __slots__ = (
         "_batch",
         "_body",
+        "_planes",
         "_record",
+        "_tokens",
         "attention_dp_rank",
         "event_ids",
         "group_ids",
@@ -163,7 +166,6 @@ class ColumnBatch:
         "kinds",
         "payloads",
         "schema_version",
-        "tokens",
         "ts_ns",
         "window_sizes",
     )
@@ -176,17 +178,21 @@ class ColumnBatch:
         incarnation: int,
         ts_ns: int,
         schema_version: int,
-        tokens: bytes,
+        tokens: bytes | None,
         record: Mapping[str, Any] | None = None,
         batch: EventBatch | None = None,
         body: tuple[bytes | memoryview, int, int, SchemaInfo] | None = None,
+        planes: tuple[Any, ...] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.attention_dp_rank = attention_dp_rank
         self.incarnation = incarnation
         self.ts_ns = ts_ns
         self.schema_version = schema_version
-        self.tokens = tokens
+        self._tokens = tokens
+        #: (unpack function, buffer, count, high_bits, low16 offset, planes offset) of valid
+        #: bit planes not unpacked yet (``tokens`` is None then)
+        self._planes = planes
         self.event_ids: list[int] = []
         self.kinds: list[int] = []
         self.hash_algos: list[str] = []
@@ -199,6 +205,21 @@ class ColumnBatch:
         self._batch = batch
         #: (buffer, start, end, writer) of the record when the C decoder read it
         self._body = body
+
+    @property
+    def tokens(self) -> bytes:
+        """Every stored block's token ids, in order, as little-endian uint32 bytes."""
+        if self._tokens is None:
+            assert self._planes is not None
+            unpack, *args = self._planes
+            self._tokens = unpack(*args)
+            self._planes = None
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: bytes) -> None:
+        self._tokens = value
+        self._planes = None
 
     def __len__(self) -> int:
         """Events."""
@@ -644,7 +665,11 @@ def _native_columns(
     if got is None:
         return None
     end, inst, rank, inc, ts, tokens, ids, kinds, algos, gids, windows, payloads, skipped = got
-    if type(tokens) is tuple:  # zstd-compressed packed ids, decompressed as tokens.py does
+    planes = None
+    if type(tokens) is tuple and len(tokens) == 4:  # valid bit planes, unpacked on demand
+        planes = (_native.planes_ids, buf, *tokens)
+        tokens = None
+    elif type(tokens) is tuple:  # zstd-compressed packed ids, decompressed as tokens.py does
         code, count, packed = tokens
         # the most bytes `count` ids can take in this encoding (tokens.decode_packed's bound)
         most = 2 * count + MAX_HIGH_BITS * ((count + 7) >> 3) if code == 2 else 5 * count
@@ -663,6 +688,7 @@ def _native_columns(
         schema_version=writer.version,
         tokens=tokens,
         body=(buf, offset, end, writer),
+        planes=planes,
     )
     out.event_ids = ids
     out.kinds = kinds
