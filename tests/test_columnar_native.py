@@ -499,7 +499,7 @@ def test_bit_planes_are_unpacked_on_first_access_and_only_from_bytes() -> None:
     eager = decode_columns_message(bytearray(data), REGISTRY).columns  # framing copies: bytes
     assert eager.tokens == want
     body = bytearray(data[10:])
-    got = columnar._native_columns(body, 0, REGISTRY.get(4))  # a mutable buffer: unpacked now
+    got = columnar._native_columns(memoryview(body), 0, REGISTRY.get(4))  # mutable: unpacked now
     assert got is not None
     assert got[0]._tokens == want
     planes_ids = columnar._native.planes_ids
