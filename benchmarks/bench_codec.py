@@ -9,6 +9,9 @@ Formats, each encoding the same information:
 (a) kvstream ``AvroCodec`` (single-object encoding, schema v4, token ids packed per batch:
     ``token_encoding="auto"``) from ``EventBatch`` models; decode back to validated models
     (and, for reference, the fastavro stage alone). Schema v3 (bit-plane tokens) for reference.
+    Decode to columns (``decode_columns_message``, what consumers use, token ids unpacked to
+    bytes) by the C decoder (``kvstream.codec._columns_native``) and by the pure-Python
+    reference it falls back to (fastavro + ``record_columns``), in the same rounds.
 (b) fastavro ``schemaless_writer`` of pre-built plain dicts in a naive row-wise layout (one
     record per block, ``array<long>`` of token ids), decode to dicts.
 (c) msgspec msgpack of vLLM >= 0.24 events (``KVEventBatch`` array-like ``[ts, events, rank]``,
@@ -55,9 +58,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstream._types import TokenIds
-from kvstream.codec import AvroCodec
+from kvstream.codec import AvroCodec, columnar, schema_registry
+from kvstream.codec.columnar import decode_columns_message
 from kvstream.codec.decoder import read_record
 from kvstream.codec.framing import split_single_object
+from kvstream.codec.schemas import SchemaRegistry
 from kvstream.codec.tokens import TOKEN_ENCODINGS, encode_tokens, tokens_from_record
 from kvstream.events.model import (
     EventBatch,
@@ -351,6 +356,17 @@ def _same(a: EventBatch, b: EventBatch) -> bool:
     return a.model_copy(update={"schema_version": b.schema_version}) == b
 
 
+def decode_columns(data: bytes, registry: SchemaRegistry, native: bool) -> bytes:
+    """Columns of one message (C decoder or the reference), token ids unpacked."""
+    saved = columnar._native
+    if not native:
+        columnar._native = None
+    try:
+        return decode_columns_message(data, registry).columns.tokens
+    finally:
+        columnar._native = saved
+
+
 def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
     codec = AvroCodec(4)
     codec_v3 = AvroCodec(3)
@@ -366,6 +382,9 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
         raise SystemExit("msgspec round trip failed")
     writer = codec.schema
     body = split_single_object(data_kv)[1]
+    registry = schema_registry()
+    if decode_columns(data_kv, registry, True) != decode_columns(data_kv, registry, False):
+        raise SystemExit("the C column decoder and the reference disagree")
     enc = best_time(
         {
             "kvstream": lambda: codec.encode(w.batch),
@@ -381,6 +400,8 @@ def run(w: Workload, rounds: int, number: int) -> dict[str, dict[str, float]]:
             "kvstream": lambda: codec.decode(data_kv),
             "kvstream_v3": lambda: codec.decode(data_v3),
             "kvstream_records": lambda: read_record(body, writer, writer),
+            "columns_c": lambda: decode_columns(data_kv, registry, True),
+            "columns_ref": lambda: decode_columns(data_kv, registry, False),
             "fastavro": lambda: naive_decode(data_naive),
             "msgspec": lambda: dec_msgspec.decode(data_ms),
         },
@@ -415,6 +436,11 @@ def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float, f
         f"{'  kvstream decode, fastavro stage':34s} {'':16s} "
         f"{b / r['decode']['kvstream_records']:16,.0f}"
     )
+    for label, key in (
+        ("  columns, C decoder", "columns_c"),
+        ("  columns, reference", "columns_ref"),
+    ):
+        print(f"{label:34s} {'':16s} {b / r['decode'][key]:16,.0f}")
     enc_ratio = r["encode"]["msgspec"] / r["encode"]["kvstream"]
     size_ratio = r["size"]["kvstream"] / r["size"]["msgspec"]
     target = SIZE_TARGET[w.name]
@@ -422,6 +448,11 @@ def report(w: Workload, r: dict[str, dict[str, float]]) -> tuple[float, float, f
         f"kvstream v4/msgspec: encode speed {enc_ratio:.2f}x (target >= 1.00), "
         f"bytes {size_ratio:.2f}x (target <= {target:.2f}), "
         f"decode speed {r['decode']['msgspec'] / r['decode']['kvstream']:.2f}x"
+    )
+    print(
+        f"kvstream v4 columns/msgspec: decode speed, C decoder "
+        f"{r['decode']['msgspec'] / r['decode']['columns_c']:.2f}x, reference "
+        f"{r['decode']['msgspec'] / r['decode']['columns_ref']:.2f}x"
     )
     print(
         f"kvstream v3/msgspec: encode speed "
