@@ -10,9 +10,6 @@
   extra-key format and width, and pickle itself wherever the C chain does not apply.
 - SGLang's page chain runs in C for u32 pages (its namespaced published hashes too): equal
   to the pure-Python reference for every scope and event format.
-- ``chain_raw`` is one base method; the algorithms plug in their C chain kind, or their own
-  loop (``_chain_raw``, e.g. TensorRT-LLM V1's C extension), and the results stay equal to
-  the pure-Python path with checkpoints (``every``) and resumption (``start``).
 
 Skipped when the extension is not built (no C compiler) or KVSTREAM_NO_NATIVE is set.
 """
@@ -29,9 +26,8 @@ from hypothesis import strategies as st
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing import BlockHasher, accel, available_hashers, get_hasher, split_blocks
+from kvstream.hashing import BlockHasher, accel, split_blocks
 from kvstream.hashing.sglang import SglangSha256Hasher
-from kvstream.hashing.trtllm import NATIVE_AVAILABLE, V1BlockKeyHasher
 from kvstream.hashing.vllm import VllmSha256CborHasher
 from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
 
@@ -114,41 +110,6 @@ def test_cbor_chain_equals_python(ids: list[int], tpb: int, on: bool) -> None:
     finally:
         native.set_simd(before)
     assert got == py.chain_bytes(split_blocks(ids, tpb), cache_salt="s")
-
-
-def test_chain_raw_is_defined_once() -> None:
-    """The C chains plug into BlockHasher.chain_raw by kind; no hasher redefines it."""
-    for algo in available_hashers():
-        cls = type(get_hasher(algo))
-        owners = [k.__name__ for k in cls.__mro__ if "chain_raw" in vars(k)]
-        assert owners == ["BlockHasher"], (algo, owners)
-
-
-@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="the v1_block_key C extension is not built")
-@settings(max_examples=60, deadline=None)
-@given(
-    ids=st.lists(st.integers(0, 2**32 - 1), max_size=120),
-    tpb=st.integers(1, 20),
-    start=st.integers(0, 6),
-    every=st.integers(0, 4),
-    salt=st.sampled_from([None, "s"]),
-)
-def test_v1_chain_raw_native_equals_python(
-    ids: list[int], tpb: int, start: int, every: int, salt: str | None
-) -> None:
-    c, py = V1BlockKeyHasher(native=True), V1BlockKeyHasher(native=False)
-    raw = TokenIds(ids).raw
-    full, keys = c.chain_raw(c.root(cache_salt=salt), raw, tpb, every=every)
-    assert (full, keys) == py.chain_raw(py.root(cache_salt=salt), raw, tpb, every=every)
-    assert full == py.chain_bytes(split_blocks(ids, tpb), cache_salt=salt)
-    start = min(start, len(full))
-    if start:
-        state = py.root(cache_salt=salt)
-        for b in split_blocks(ids, tpb)[:start]:
-            _, state = py.extend(state, b)
-        got = c.chain_raw(state, raw, tpb, start=start, every=every)
-        assert got == py.chain_raw(state, raw, tpb, start=start, every=every)
-        assert got[0] == full[start:]
 
 
 sglang_scopes = st.sampled_from(
@@ -302,25 +263,3 @@ def test_vllm_pickle_paths_the_c_chain_leaves_to_pickle() -> None:
     assert c.chain_bytes([big]) == py.chain_bytes([big])
     with pytest.raises(HashingError, match="KIND_PICKLE needs the tail"):
         native.chain(native.KIND_PICKLE, b"\0" * 8, 1, bytes(32))
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    ids=st.lists(st.integers(0, 2**32 - 1), max_size=150),
-    tpb=st.integers(1, 20),
-    start=st.integers(0, 10),
-    every=st.integers(0, 4),
-    scope=st.sampled_from([{}, {"cache_salt": "t"}, {"lora_name": "ad"}]),
-)
-def test_dynamo_chain_raw_equals_folding_extend(
-    ids: list[int], tpb: int, start: int, every: int, scope: dict[str, str]
-) -> None:
-    """Dynamo's unchained hashes straight from the packed request equal BlockHasher's
-    reference (slice, fold ``extend``), and Dynamo's own definition (chain_bytes)."""
-    h = get_hasher("dynamo_xxh3_64")
-    root = h.root(**scope)
-    state = h.resume(root, None, start) if start else root
-    raw = TokenIds(ids).raw
-    got = h.chain_raw(state, raw, tpb, start=start, every=every)
-    assert got == BlockHasher._chain_raw(h, state, raw, tpb, start, every)
-    assert got[0] == h.chain_bytes(split_blocks(ids, tpb), **scope)[start:]
