@@ -41,7 +41,12 @@ from typing import Any, Final, cast
 from kvstream._types import ALLOWED_UNKNOWN_WIDTHS, BLOCK_HASH_WIDTHS, PRIORITY_MAX
 from kvstream.codec.container import ContainerReader
 from kvstream.codec.decoder import read_record
-from kvstream.codec.framing import split_confluent, split_single_object
+from kvstream.codec.framing import (
+    SINGLE_OBJECT_HEADER_LEN,
+    SINGLE_OBJECT_MAGIC,
+    split_confluent,
+    split_single_object,
+)
 from kvstream.codec.records import SkippedEvent, record_to_batch
 from kvstream.codec.schemas import RELEASED, SchemaInfo, SchemaRegistry
 from kvstream.codec.tokens import (
@@ -710,6 +715,19 @@ def decode_columns_body(body: bytes, writer: SchemaInfo, reader: SchemaInfo) -> 
     return ColumnarResult(cols, writer.version, skipped)
 
 
+def _single_object_native(data: bytes, registry: SchemaRegistry) -> ColumnarResult | None:
+    try:
+        writer = registry.by_fingerprint(data[2:SINGLE_OBJECT_HEADER_LEN])
+    except UnknownSchemaError:
+        return None
+    if not _native_ok(writer):
+        return None
+    got = _native_columns(data, SINGLE_OBJECT_HEADER_LEN, writer)
+    if got is None or got[2] != len(data):
+        return None
+    return ColumnarResult(got[0], writer.version, got[1])
+
+
 def decode_columns_message(
     data: bytes | bytearray | memoryview,
     registry: SchemaRegistry,
@@ -724,6 +742,16 @@ def decode_columns_message(
     # A shipped writer version is read with its own schema: the columns take the current
     # schema's defaults for fields it lacks, so fastavro's (slower) resolution is only needed
     # to behave like an older reader (``reader_version``).
+    if (
+        _native is not None
+        and reader_version is None
+        and type(data) is bytes
+        and data[:2] == SINGLE_OBJECT_MAGIC
+    ):
+        # the C decoder reads the body in place (no copy); anything else takes the path below
+        got = _single_object_native(data, registry)
+        if got is not None:
+            return got
     reader = None if reader_version is None else registry.get(reader_version)
     if bytes(data[:1]) == b"\x00":
         sid, body = split_confluent(data)
