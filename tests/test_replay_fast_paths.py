@@ -304,3 +304,66 @@ def test_transport_keeps_every_batch_with_a_short_sink_log() -> None:
     published, applied, missed = asyncio.run(go())
     assert published == applied > 512
     assert missed == 0
+
+
+@pytest.mark.parametrize(("policy", "weight"), [("kv", None), ("kv", 2.0), ("least-loaded", None)])
+def test_router_pick_equals_the_reference_order(policy: str, weight: float | None) -> None:
+    """route() picks in one pass what the reference picks with min() over (cost, active
+    blocks, active requests, rotation), with ties among equal workers."""
+    from kvstream.index import RouterConfig, WorkerKey
+
+    rng = random.Random(policy)
+    keys = [WorkerKey(f"w{i}") for i in range(5)]
+    index = PrefixIndex()
+    cfg = small_manager().config
+    mgrs = [KVCacheManager(cfg, source=SourceId(instance_id=k.instance_id)) for k in keys]
+    router = Router(
+        index,
+        keys,
+        RouterConfig(
+            policy=policy, overlap_weight=weight, hash_algo="blake3_64", tokens_per_block=4
+        ),
+    )
+    stems = [[rng.randrange(9) for _ in range(12)] for _ in range(3)]
+    ties = matched = 0
+    for i in range(300):
+        for m in mgrs:
+            batch = m.flush_events()
+            if batch is not None:
+                index.apply(batch)
+        prompt = [*rng.choice(stems)[: rng.randrange(1, 13)], rng.randrange(9)]
+        turn = router._turn
+        d = router.route(prompt)
+        n = len(keys)
+        s = d.scores
+        if policy == "kv":
+            w = d.affinity_weight
+            assert w is not None
+            for sc in s:
+                load = sc.pending_prefill_blocks if weight is None else sc.active_blocks
+                assert sc.cost == w * sc.prefill_blocks + load
+            want = min(
+                range(n),
+                key=lambda j: (s[j].cost, s[j].active_blocks, s[j].active_requests, (j - turn) % n),
+            )
+        else:
+            want = min(
+                range(n), key=lambda j: (s[j].active_blocks, s[j].active_requests, (j - turn) % n)
+            )
+        assert d.worker == keys[want]
+        ties += sum(1 for sc in s if sc.cost == s[want].cost) > 1
+        matched += any(sc.match.matched_blocks for sc in s)
+        m = mgrs[want]
+        if rng.random() < 0.3 or m.stats().running_requests > 3:
+            for rid in m.request_ids():
+                m.free_request(rid)
+                router.load.finish(rid)
+        try:
+            m.add_request(f"r{i}", prompt)
+        except Exception:
+            continue
+        router.load.start(f"r{i}", d.worker, -(-len(prompt) // 4), prefill_blocks=rng.randrange(3))
+        if rng.random() < 0.5:
+            router.load.prefilled(f"r{i}")
+    assert ties > 20  # tie-breaking was exercised
+    assert matched > 20 or policy == "least-loaded"  # and the prefix terms

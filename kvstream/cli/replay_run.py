@@ -329,9 +329,12 @@ class _Replay:
         next_sample = start
         lag = opts.max_lag_batches
         router, transport = self.router, self.transport
+        consumer = transport.consumer
+        heap = self.heap
         for i, row in enumerate(rows):
             now = row.timestamp_ms / 1000.0
-            await self._advance(now)
+            if heap and heap[0][0] <= now:  # (the checks spare a coroutine per call)
+                await self._advance(now)
             self.now = max(self.now, now)
             if every and now >= next_sample:
                 self._sample(now)
@@ -340,8 +343,10 @@ class _Replay:
             if nblocks > cap:
                 result.unservable += 1
             else:
-                await self._publish_dirty()
-                await transport.sync(lag)
+                if self.dirty:
+                    await self._publish_dirty()
+                if not transport.memory or transport.published != consumer.batches:
+                    await transport.sync(lag)  # (a memory sink has nothing else to apply)
                 prompt = self.tokens.prompt(row)
                 # hashed once: the router matches the cache's own hashes (tokens[:-1])
                 hashed = self.managers[0].hash_prompt(prompt)
@@ -357,7 +362,7 @@ class _Replay:
                     w,
                     now,
                     nblocks,
-                    decision.predicted_blocks,
+                    0 if chosen is None else chosen.match.usable_blocks,  # predicted_blocks
                     hashed=hashed,
                 )
                 router.load.start(

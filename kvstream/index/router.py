@@ -288,7 +288,9 @@ class Router:
         configured ``hash_algo`` and ``tokens_per_block`` are then required; see
         :meth:`PrefixIndex.match`), so the request is not hashed again."""
         cfg = self.config
-        policy = RoutingPolicy(cfg.policy)
+        policy = cfg.policy
+        if type(policy) is not RoutingPolicy:
+            policy = RoutingPolicy(policy)
         workers = self.workers
         if not workers:
             raise ConfigError("no workers to route to (the index has seen no events yet)")
@@ -296,56 +298,56 @@ class Router:
         turn = self._turn
         self._turn += 1
         self.decisions += 1
-        explain = cfg.explain or policy is RoutingPolicy.KV
+        kv = policy is RoutingPolicy.KV
+        explain = cfg.explain or kv
         result = self.match(tokens, request, block_hashes=block_hashes) if explain else None
         n_tokens = result.num_tokens if result is not None else _len(tokens)
         load = self.load
-        adaptive = policy is RoutingPolicy.KV and cfg.overlap_weight is None
-        pending = [load.pending_prefill_blocks(w) for w in workers]
+        adaptive = kv and cfg.overlap_weight is None
+        pending = list(map(load.pending_prefill_blocks, workers))
+        blocks = list(map(load.active_blocks, workers))
+        requests = list(map(load.active_requests, workers))
         if adaptive:
             busy = sum(1 for p in pending if p > 0) / n
             self._utilisation += (busy - self._utilisation) / UTILISATION_HORIZON
-        weight = self.affinity_weight if policy is RoutingPolicy.KV else None
+        weight = self.affinity_weight if kv else None
+        factor = (weight or 0.0) if adaptive else (cfg.overlap_weight or 0.0)
+        base = pending if adaptive else blocks
+        matches = (
+            result.matches
+            if result is not None
+            else [WorkerMatch(w, 0, 0.0, 0, None, None, False) for w in workers]
+        )
+        default_tpb = cfg.tokens_per_block or 1
         scores: list[WorkerScore] = []
-        for i, w in enumerate(workers):
-            m = (
-                result.matches[i]
-                if result is not None
-                else WorkerMatch(w, 0, 0.0, 0, None, None, False)
-            )
-            blocks = load.active_blocks(w)
-            tpb = m.tokens_per_block or cfg.tokens_per_block or 1
+        costs: list[float] = []
+        for i, m in enumerate(matches):
+            tpb = m.tokens_per_block or default_tpb
             prefill = max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb
-            if adaptive:
-                cost = (weight or 0.0) * prefill + pending[i]
-            else:
-                cost = (cfg.overlap_weight or 0.0) * prefill + blocks
-            scores.append(
-                WorkerScore(m, load.active_requests(w), blocks, prefill, cost, pending[i])
-            )
-
-        def rotation(i: int) -> int:
-            return (i - turn) % n
+            cost = factor * prefill + base[i]
+            costs.append(cost)
+            scores.append(WorkerScore(m, requests[i], blocks[i], prefill, cost, pending[i]))
 
         if policy is RoutingPolicy.ROUND_ROBIN:
             pick = turn % n
         elif policy is RoutingPolicy.RANDOM:
             pick = self._rng.randrange(n)
-        elif policy is RoutingPolicy.LEAST_LOADED:
-            pick = min(
-                range(n),
-                key=lambda i: (scores[i].active_blocks, scores[i].active_requests, rotation(i)),
-            )
         else:
-            pick = min(
-                range(n),
-                key=lambda i: (
-                    scores[i].cost,
-                    scores[i].active_blocks,
-                    scores[i].active_requests,
-                    rotation(i),
-                ),
-            )
+            # the lowest (cost,) active blocks, active requests; ties to the first worker in
+            # rotation order, which starts at worker `turn mod n`
+            start = turn % n
+            pick = start
+            if kv:
+                best: tuple[float, ...] = (costs[start], blocks[start], requests[start])
+            else:
+                best = (blocks[start], requests[start])
+            for j in range(1, n):
+                i = start + j
+                if i >= n:
+                    i -= n
+                key = (costs[i], blocks[i], requests[i]) if kv else (blocks[i], requests[i])
+                if key < best:
+                    best, pick = key, i
         if adaptive:
             chosen = scores[pick]
             keep = 1.0 - 1.0 / REUSE_HORIZON
