@@ -28,6 +28,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
+from functools import lru_cache
 from types import TracebackType
 from typing import IO, Any, Final
 
@@ -232,6 +233,13 @@ def _writer_schema(meta: dict[str, bytes], registry: SchemaRegistry) -> SchemaIn
     raw = meta.get("avro.schema")
     if raw is None:
         raise DecodeError("container header has no avro.schema")
+    return _schema_of_header(bytes(raw), registry)
+
+
+@lru_cache(maxsize=64)
+def _schema_of_header(raw: bytes, registry: SchemaRegistry) -> SchemaInfo:
+    """:func:`_writer_schema` of a header's schema text (memoized: parsing, canonicalising
+    and fingerprinting it costs milliseconds, and a following reader reopens its files)."""
     try:
         schema_json = json.loads(raw)
     except ValueError as exc:
