@@ -536,6 +536,8 @@ def test_bit_planes_are_unpacked_on_first_access_and_only_from_bytes() -> None:
     got = columnar._native_columns(memoryview(body), 0, REGISTRY.get(4))  # mutable: unpacked now
     assert got is not None
     assert got[0]._tokens == want
+    body[:] = bytes(len(body))  # the record is kept as a copy for to_batch
+    assert got[0].to_batch() == batch
     planes_ids = columnar._native.planes_ids
     with pytest.raises(ValueError, match="outside"):
         planes_ids(b"\x00" * 6, 3, 1, 1, 6)

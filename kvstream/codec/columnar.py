@@ -685,6 +685,12 @@ def _native_columns(
         tokens = _native.packed_ids(code, data, count)
         if tokens is None:
             return None
+    # to_batch reads the record again later: from an immutable buffer
+    body = (
+        (buf, offset, end, writer)
+        if type(buf) is bytes
+        else (bytes(buf[offset:end]), 0, end - offset, writer)
+    )
     out = ColumnBatch(
         inst,
         attention_dp_rank=rank,
@@ -692,7 +698,7 @@ def _native_columns(
         ts_ns=ts,
         schema_version=writer.version,
         tokens=tokens,
-        body=(buf, offset, end, writer),
+        body=body,
         planes=planes,
     )
     out.event_ids = ids
