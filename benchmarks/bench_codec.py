@@ -34,7 +34,12 @@ Two more tables:
   gzip/snappy/lz4/zstd: bytes on the wire, producer CPU to build the batches, consumer CPU to
   read them back (skipped without aiokafka).
 
-Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile] [--kafka-events 4]``
+And, with ``--e2e``, the end-to-end rows of ``bench_peers.py`` (its index workload with
+evictions, read from a container file by ``IndexConsumer(FileSource(...))`` and from Kafka
+message values decoded and applied) with the C column decoder and with the reference, in the
+same rounds (process CPU time).
+
+Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile] [--kafka-events 4] [--e2e]``
 """
 
 from __future__ import annotations
@@ -613,6 +618,71 @@ def kafka_table(w: Workload, events_per_message: int, rounds: int) -> None:
             )
 
 
+def e2e_table(rounds: int) -> None:
+    """bench_peers' end-to-end rows with the C column decoder and with the reference."""
+    import asyncio
+    import random
+    import tempfile
+
+    import bench_peers
+
+    from kvstream.codec import ContainerWriter
+    from kvstream.index import FileSource, IndexConsumer, PrefixIndex
+
+    wl = bench_peers.Workload(
+        argparse.Namespace(workers=64, tokens=8192, block_size=32, requests=48, pool=256),
+        random.Random(1),  # bench_peers.e2e_rows with its default seed
+    )
+    batches, stored, removed = wl.batches(True)
+    codec = AvroCodec()
+    messages = [codec.encode(b) for b in batches]
+    native = columnar._native
+    with tempfile.TemporaryDirectory() as tmp:
+        with ContainerWriter(Path(tmp) / "kvstream-00000001.avro", codec="null") as w:
+            w.write_many(batches)
+
+        def file_run() -> None:
+            consumer = IndexConsumer(FileSource(tmp))
+
+            async def go() -> None:
+                async with consumer.source:
+                    await consumer.run()
+
+            asyncio.run(go())
+
+        def kafka_run() -> None:
+            idx = PrefixIndex()
+            for m in messages:
+                r = decode_columns_message(m, REGISTRY)
+                idx.apply(r.columns, tuple(s.event_id for s in r.skipped))
+
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(rounds):
+            for mode in ("C decoder", "reference"):
+                columnar._native = native if mode == "C decoder" else None
+                try:
+                    for name, fn in (
+                        ("file (null) -> index", file_run),
+                        ("Kafka bytes -> index", kafka_run),
+                    ):
+                        gc.collect()
+                        t0 = time.process_time()
+                        fn()
+                        t = time.process_time() - t0
+                        best[name, mode] = min(best.get((name, mode), t), t)
+                finally:
+                    columnar._native = native
+    blocks = (stored + removed) / 1e6
+    print(f"\n== end to end ({stored} stored + {removed} removed blocks), M blocks/s ==")
+    print(f"{'path':24s} {'C decoder':>10s} {'reference':>10s} {'ratio':>7s}")
+    for name in ("file (null) -> index", "Kafka bytes -> index"):
+        c, ref = blocks / best[name, "C decoder"], blocks / best[name, "reference"]
+        print(f"{name:24s} {c:10.2f} {ref:10.2f} {c / ref:6.2f}x")
+
+
+REGISTRY = schema_registry()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--events", type=int, default=64, help="stored events per batch")
@@ -628,6 +698,9 @@ def main() -> None:
         "--kafka-events", type=int, default=4, help="events per Kafka message (0: no Kafka table)"
     )
     p.add_argument("--no-tokens", action="store_true", help="skip the token encodings table")
+    p.add_argument(
+        "--e2e", action="store_true", help="bench_peers' end-to-end rows, C decoder vs reference"
+    )
     args = p.parse_args()
     global KEEP_GC  # noqa: PLW0603 - a script-level switch
     KEEP_GC = args.gc
@@ -663,6 +736,8 @@ def main() -> None:
             f"{dist}: encode target {'met' if speed_ok else 'MISSED'}, "
             f"size target {'met' if size_ok else 'MISSED'}"
         )
+    if args.e2e:
+        e2e_table(max(3, args.rounds // 5))
 
 
 if __name__ == "__main__":
