@@ -19,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from test_codec_strategies import batches
+from test_columnar import _leaves, _set
 
 from kvstream.codec import AvroCodec, columnar, schema_registry, write_container
+from kvstream.codec.binary import encode_long
 from kvstream.codec.columnar import (
     ColumnarContainerReader,
     ColumnBatch,
@@ -108,6 +110,17 @@ def native_accepts(body: bytes, writer: SchemaInfo) -> bool:
     return got is not None and got[2] == len(body)
 
 
+def encoded_body(batch: EventBatch, version: int, encoding: str) -> bytes:
+    """The schemaless body of ``batch`` (hypothesis: assume it fits ``version``)."""
+    try:
+        record = batch_to_record(batch, version, lossy=True, token_encoding=encoding)
+    except EncodeError:
+        assume(False)
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, REGISTRY.get(version).parsed, record)
+    return buf.getvalue()
+
+
 def check_same(body: bytes, writer: SchemaInfo) -> str:
     """Assert the native path's outcome is the reference's; say what happened."""
     want = reference_outcome(body, writer)
@@ -125,13 +138,7 @@ def test_valid_batches_decode_natively_and_alike(
     batch: EventBatch, encoding: str, version: int
 ) -> None:
     writer = REGISTRY.get(version)
-    try:
-        record = batch_to_record(batch, version, lossy=True, token_encoding=encoding)
-    except EncodeError:
-        assume(False)
-    buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, writer.parsed, record)
-    body = buf.getvalue()
+    body = encoded_body(batch, version, encoding)
     assert native_accepts(body, writer), "the C decoder declined a valid record"
     assert check_same(body, writer) == "ok, native accepts"
 
@@ -188,26 +195,6 @@ _BYTES = [
     b"\xff\xff",
     b"\x00\x00\x00",
 ]
-
-
-def _leaves(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
-    out: list[tuple[tuple[Any, ...], Any]] = []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _leaves(v, (*path, k))
-    elif isinstance(node, list):
-        out.append((path, node))
-        for i, v in enumerate(node):
-            out += _leaves(v, (*path, i))
-    else:
-        out.append((path, node))
-    return out
-
-
-def _set(node: Any, path: tuple[Any, ...], value: Any) -> None:
-    for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
 
 
 @PROPS
@@ -283,13 +270,7 @@ def test_fuzzed_and_torn_bytes_give_the_same_result_or_error(
     """Flipped, overwritten, inserted and deleted bytes, truncations: never a crash or an
     over-read, and exactly the reference's result or error."""
     writer = REGISTRY.get(version)
-    try:
-        record = batch_to_record(batch, version, lossy=True, token_encoding=encoding)
-    except EncodeError:
-        assume(False)
-    buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, writer.parsed, record)
-    body = bytearray(buf.getvalue())
+    body = bytearray(encoded_body(batch, version, encoding))
     rng = random.Random(seed)
     for _ in range(mutations):
         body = _mutate(body, rng)
@@ -333,39 +314,29 @@ def test_fuzzed_single_object_messages_match_the_reference(
 # ------------------------------------------------------------------------------ crafted bytes
 
 
-def _zz(v: int) -> bytes:
-    """A zig-zag varint long."""
-    n = (v << 1) ^ (v >> 63)
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _body(version: int, events: bytes, n_events: int, tokens: bytes | None = None) -> bytes:
-    src = _zz(1) + b"w" + _zz(0) + _zz(0)  # instance "w", no rank, incarnation 0
+    src = (
+        encode_long(1) + b"w" + encode_long(0) + encode_long(0)
+    )  # instance "w", no rank, incarnation 0
     if tokens is None:
-        tokens = _zz(0) + _zz(0) + _zz(0) + _zz(0)
+        tokens = encode_long(0) + encode_long(0) + encode_long(0) + encode_long(0)
         if version >= 4:
-            tokens += _zz(1) + _zz(1) + _zz(0) + _zz(0)
-    arr = (_zz(n_events) + events + _zz(0)) if n_events else _zz(0)
-    return src + _zz(5) + tokens + arr
+            tokens += encode_long(1) + encode_long(1) + encode_long(0) + encode_long(0)
+    arr = (encode_long(n_events) + events + encode_long(0)) if n_events else encode_long(0)
+    return src + encode_long(5) + tokens + arr
 
 
 def _cleared(eid: int = 1, kind: bytes | None = None, union: bytes = b"") -> bytes:
     """A CLEARED event: every payload null (or the branch given for the first one)."""
     return (
-        _zz(eid)
-        + (kind if kind is not None else _zz(5))
-        + _zz(1)
-        + _zz(12)
+        encode_long(eid)
+        + (kind if kind is not None else encode_long(5))
+        + encode_long(1)
+        + encode_long(12)
         + b"v1_block_key"
-        + _zz(0)
-        + (union or _zz(0))
-        + _zz(0) * 4
+        + encode_long(0)
+        + (union or encode_long(0))
+        + encode_long(0) * 4
     )
 
 
@@ -374,44 +345,52 @@ def _cleared(eid: int = 1, kind: bytes | None = None, union: bytes = b"") -> byt
     "body_of",
     [
         lambda v: _body(v, _cleared(), 1),  # valid
-        lambda v: _body(v, _cleared(kind=_zz(-1)), 1),  # negative enum index: fastavro wraps
-        lambda v: _body(v, _cleared(kind=_zz(-8)), 1),
-        lambda v: _body(v, _cleared(kind=_zz(8)), 1),  # past the symbols
-        lambda v: _body(v, _cleared(kind=_zz(0)), 1),  # UNKNOWN: skipped
-        lambda v: _body(v, _cleared(union=_zz(-1)), 1),  # negative union branch
-        lambda v: _body(v, _cleared(union=_zz(2)), 1),
+        lambda v: _body(
+            v, _cleared(kind=encode_long(-1)), 1
+        ),  # negative enum index: fastavro wraps
+        lambda v: _body(v, _cleared(kind=encode_long(-8)), 1),
+        lambda v: _body(v, _cleared(kind=encode_long(8)), 1),  # past the symbols
+        lambda v: _body(v, _cleared(kind=encode_long(0)), 1),  # UNKNOWN: skipped
+        lambda v: _body(v, _cleared(union=encode_long(-1)), 1),  # negative union branch
+        lambda v: _body(v, _cleared(union=encode_long(2)), 1),
         lambda v: _body(v, _cleared(eid=-5), 1),
         lambda v: _body(v, b"\xff" * 10 + b"\x01" + _cleared()[1:], 1),  # 11-byte varint
         lambda v: _body(v, b"\xff" * 9 + b"\x7f" + _cleared()[1:], 1),  # 10th byte > 1
         lambda v: _body(v, b"\xfe" + b"\xff" * 8 + b"\x01" + _cleared()[1:], 1),  # max long
         lambda v: _body(v, _cleared(), 1)[:-1],  # torn
         lambda v: _body(v, _cleared(), 1) + b"\x00",  # trailing byte
-        lambda v: _body(v, _cleared() + _cleared(2), -2)[:-1] + _zz(0),  # negative block count
+        lambda v: (
+            _body(v, _cleared() + _cleared(2), -2)[:-1] + encode_long(0)
+        ),  # negative block count
         lambda v: _body(v, _cleared(), 2**62),  # absurd item count
-        lambda v: _zz(-3) + b"w" + _body(v, b"", 0)[2:],  # negative string length
-        lambda v: _zz(2**40) + b"w" + _body(v, b"", 0)[2:],  # string past the end
-        lambda v: _zz(2) + b"\xc3\x28" + _body(v, b"", 0)[2:],  # invalid UTF-8
-        lambda v: _zz(1) + b"\xed" + _body(v, b"", 0)[2:],
+        lambda v: encode_long(-3) + b"w" + _body(v, b"", 0)[2:],  # negative string length
+        lambda v: encode_long(2**40) + b"w" + _body(v, b"", 0)[2:],  # string past the end
+        lambda v: encode_long(2) + b"\xc3\x28" + _body(v, b"", 0)[2:],  # invalid UTF-8
+        lambda v: encode_long(1) + b"\xed" + _body(v, b"", 0)[2:],
         lambda v: _body(
             v,
             b"",
             0,
-            _zz(1)
-            + _zz(0)
-            + _zz(2)
+            encode_long(1)
+            + encode_long(0)
+            + encode_long(2)
             + b"\x01\x00"
-            + _zz(0)
-            + (_zz(1) + _zz(1) + _zz(0) + _zz(0) if v >= 4 else b""),
+            + encode_long(0)
+            + (
+                encode_long(1) + encode_long(1) + encode_long(0) + encode_long(0) if v >= 4 else b""
+            ),
         ),  # 1 unused id
         lambda v: _body(
             v,
             b"",
             0,
-            _zz(2**62)
-            + _zz(0)
-            + _zz(0)
-            + _zz(0)
-            + (_zz(1) + _zz(1) + _zz(0) + _zz(0) if v >= 4 else b""),
+            encode_long(2**62)
+            + encode_long(0)
+            + encode_long(0)
+            + encode_long(0)
+            + (
+                encode_long(1) + encode_long(1) + encode_long(0) + encode_long(0) if v >= 4 else b""
+            ),
         ),
     ],
 )
@@ -421,7 +400,7 @@ def test_crafted_encodings_match_the_reference(version: int, body_of: Any) -> No
 
 def test_crafted_packed_tokens_match_the_reference() -> None:
     writer = REGISTRY.get(4)
-    plain = _zz(0) * 2 + _zz(0) * 2  # count, high_bits, low16, high_planes: empty
+    plain = encode_long(0) * 2 + encode_long(0) * 2  # count, high_bits, low16, high_planes: empty
     for enc, comp, count, data in [
         (3, 1, 2, b"\x01\x02"),  # VARINT, no stored events use them: unused ids
         (3, 1, 1, b"\x80\x00"),  # redundant trailing zero group
@@ -436,7 +415,14 @@ def test_crafted_packed_tokens_match_the_reference() -> None:
         (1, 2, 0, b""),  # NONE with a compression set
         (3, 1, -1, b""),
     ]:
-        tokens = plain + _zz(enc) + _zz(comp) + _zz(count) + _zz(len(data)) + data
+        tokens = (
+            plain
+            + encode_long(enc)
+            + encode_long(comp)
+            + encode_long(count)
+            + encode_long(len(data))
+            + data
+        )
         check_same(_body(4, b"", 0, tokens), writer)
 
 
