@@ -374,10 +374,11 @@ def test_stats_sum_the_workers() -> None:
 
 
 def test_removing_a_branching_block_unroots_every_subtree() -> None:
+    from kvstream.index.domain import MaskMap
     from kvstream.index.stats import SourceStats
 
     table = GroupTable(1)
-    masks: dict[bytes, int] = {}
+    masks = MaskMap()
     table.attach(masks)
     p = Producer()
     st = SourceStats()
@@ -404,7 +405,7 @@ def test_removing_a_branching_block_unroots_every_subtree() -> None:
     table.remove(root[::-1], None, st)
     table.check()
     assert len(table) == 0
-    assert masks == {}
+    assert masks.as_dict() == {}
 
 
 def test_more_blocks_than_advertised_means_missed_removals() -> None:

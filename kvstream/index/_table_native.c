@@ -9,8 +9,9 @@
  * kvstream/index/table.py (GroupTable.store_hashes) does for blocks the table does not know:
  * a node id from the table's free list (or the next one), ``ids[h] = n``, the parallel
  * lists (hashes, parent, refs, kid, rooted) written, the node linked under its parent
- * (``kid`` or the ``more`` side sets) and, when rooted and attached, ``bit`` or-ed into
- * ``masks[h]``. It stops at the first block the table already holds: ``stop`` is its index
+ * (``kid`` or the ``more`` side sets) and, when rooted and attached, the table's ``slot`` bit
+ * set in ``masks`` (a kvstream.index.domain.MaskMap: an entry per key in ``index``, ``width``
+ * bytes of bits per entry in ``words``, reusable entries in ``free``). It stops at the first block the table already holds: ``stop`` is its index
  * in ``hashes`` (len(hashes) when none), ``p`` the last node linked and ``added`` how many
  * nodes were created; the caller applies that block (a duplicate store or a ghost stored
  * again) in Python and calls again from stop + 1. The caller keeps the present/lower gauges.
@@ -27,19 +28,161 @@
  * engine-hash tables (a token table's keys differ from its hashes), with the removal's level
  * None or 0. The caller keeps the present gauge.
  *
- * table.py is the reference and the fallback (KVSTREAM_NO_NATIVE=1 or no C compiler);
- * tests/test_index_fastpath.py checks both give identical tables.
+ *   prefix_depths(masks, hashes, allowed) -> [(workers mask, depth), ...]
+ *
+ * kvstream.index.domain.prefix_depths over a MaskMap: the bisection for where each worker's
+ * rooted prefix of ``hashes`` ends, with the masks compared and and-ed as bytes. ``allowed``
+ * is None (every worker) or ``width`` bytes of allowed bits.
+ *
+ *   slot_depths(masks, hashes, allowed) -> [(slot, depth), ...]
+ *
+ * The same search, reported per worker slot (its deepest depth; slots without one left out).
+ *
+ *   slots_new(cls, *values) -> instance
+ *
+ * An instance of a slotted class (a frozen dataclass with slots=True: WorkerMatch) with its
+ * __slots__ set to ``values`` in order, as its generated __init__ would set them, without
+ * the per-field object.__setattr__ calls a frozen dataclass's __init__ makes. An instance
+ * whose values are all atoms (None, int, float, bool, str, bytes) or tuples of atoms is not
+ * tracked by the cyclic GC (it cannot be part of a cycle while its frozen fields hold).
+ *
+ * table.py and domain.py are the reference and the fallback (KVSTREAM_NO_NATIVE=1 or no C
+ * compiler); tests/test_index_fastpath.py and tests/test_index_native.py check both give
+ * identical tables, masks and depths.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 static PyObject *s_ids, *s_hashes, *s_parent, *s_refs, *s_kid, *s_rooted, *s_free, *s_more,
-    *s_masks, *s_bit;
+    *s_masks, *s_slot, *s_index, *s_words, *s_width;
 static PyObject *nil; /* -1 */
 
+/* A MaskMap's storage (kvstream/index/domain.py). */
 typedef struct {
-    PyObject *ids, *hashes, *parent, *refs, *kid, *rooted, *free, *more, *masks, *bit;
+    PyObject *index, *words, *free;
+    Py_ssize_t width;
+} Masks;
+
+typedef struct {
+    PyObject *ids, *hashes, *parent, *refs, *kid, *rooted, *free, *more, *masks;
+    Py_ssize_t slot;
+    Masks m; /* when masks is not None */
 } Table;
+
+static void
+masks_release(Masks *m)
+{
+    Py_XDECREF(m->index);
+    Py_XDECREF(m->words);
+    Py_XDECREF(m->free);
+}
+
+static int
+masks_get(PyObject *obj, Masks *m)
+{
+    memset(m, 0, sizeof(*m));
+    PyObject *w;
+    if (!(m->index = PyObject_GetAttr(obj, s_index)) || !(m->words = PyObject_GetAttr(obj, s_words))
+        || !(m->free = PyObject_GetAttr(obj, s_free)) || !(w = PyObject_GetAttr(obj, s_width)))
+        return -1;
+    m->width = PyLong_AsSsize_t(w);
+    Py_DECREF(w);
+    if (m->width == -1 && PyErr_Occurred())
+        return -1;
+    if (!PyDict_CheckExact(m->index) || !PyByteArray_CheckExact(m->words)
+        || !PyList_CheckExact(m->free) || m->width <= 0
+        || PyByteArray_GET_SIZE(m->words) % m->width) {
+        PyErr_SetString(PyExc_TypeError, "_table_native: not a MaskMap's state");
+        return -1;
+    }
+    return 0;
+}
+
+/* Set bit ``slot`` of key h's mask, creating its entry (MaskMap.add). */
+static int
+masks_add(Masks *m, PyObject *h, Py_ssize_t slot)
+{
+    Py_ssize_t e;
+    PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
+    if (eobj != NULL) {
+        e = PyLong_AsSsize_t(eobj);
+        if (e == -1 && PyErr_Occurred())
+            return -1;
+    }
+    else {
+        if (PyErr_Occurred())
+            return -1;
+        Py_ssize_t size = PyByteArray_GET_SIZE(m->words);
+        Py_ssize_t nfree = PyList_GET_SIZE(m->free);
+        if (nfree) {
+            eobj = PyList_GET_ITEM(m->free, nfree - 1);
+            Py_INCREF(eobj);
+            if (PyList_SetSlice(m->free, nfree - 1, nfree, NULL) < 0) {
+                Py_DECREF(eobj);
+                return -1;
+            }
+            e = PyLong_AsSsize_t(eobj);
+            if (e == -1 && PyErr_Occurred()) {
+                Py_DECREF(eobj);
+                return -1;
+            }
+        }
+        else {
+            e = size / m->width;
+            if (PyByteArray_Resize(m->words, size + m->width) < 0)
+                return -1;
+            eobj = PyLong_FromSsize_t(e);
+            if (eobj == NULL)
+                return -1;
+        }
+        if ((e + 1) * m->width > PyByteArray_GET_SIZE(m->words)) {
+            Py_DECREF(eobj);
+            PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry is out of range");
+            return -1;
+        }
+        memset(PyByteArray_AS_STRING(m->words) + e * m->width, 0, (size_t)m->width);
+        int rc = PyDict_SetItem(m->index, h, eobj);
+        Py_DECREF(eobj);
+        if (rc < 0)
+            return -1;
+    }
+    if (e < 0 || (e + 1) * m->width > PyByteArray_GET_SIZE(m->words) || (slot >> 3) >= m->width) {
+        PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry or slot is out of range");
+        return -1;
+    }
+    PyByteArray_AS_STRING(m->words)[e * m->width + (slot >> 3)] |= (char)(1 << (slot & 7));
+    return 0;
+}
+
+/* Clear bit ``slot`` of key h's mask, dropping a key left without bits (MaskMap.discard). */
+static int
+masks_discard(Masks *m, PyObject *h, Py_ssize_t slot)
+{
+    PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
+    if (eobj == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_ssize_t e = PyLong_AsSsize_t(eobj);
+    if (e == -1 && PyErr_Occurred())
+        return -1;
+    if (e < 0 || (e + 1) * m->width > PyByteArray_GET_SIZE(m->words)) {
+        PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry is out of range");
+        return -1;
+    }
+    if ((slot >> 3) >= m->width)
+        return 0;
+    unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(m->words) + e * m->width;
+    w[slot >> 3] &= (unsigned char)~(1 << (slot & 7));
+    for (Py_ssize_t i = 0; i < m->width; i++)
+        if (w[i])
+            return 0;
+    Py_INCREF(eobj);
+    int rc = PyDict_DelItem(m->index, h);
+    if (rc == 0)
+        rc = PyList_Append(m->free, eobj);
+    Py_DECREF(eobj);
+    return rc;
+}
 
 static void
 table_release(Table *t)
@@ -53,7 +196,7 @@ table_release(Table *t)
     Py_XDECREF(t->free);
     Py_XDECREF(t->more);
     Py_XDECREF(t->masks);
-    Py_XDECREF(t->bit);
+    masks_release(&t->m);
 }
 
 static int
@@ -66,15 +209,29 @@ table_get(PyObject *obj, Table *t)
         || !(t->rooted = PyObject_GetAttr(obj, s_rooted))
         || !(t->free = PyObject_GetAttr(obj, s_free))
         || !(t->more = PyObject_GetAttr(obj, s_more))
-        || !(t->masks = PyObject_GetAttr(obj, s_masks)) || !(t->bit = PyObject_GetAttr(obj, s_bit)))
+        || !(t->masks = PyObject_GetAttr(obj, s_masks)))
+        return -1;
+    PyObject *slot = PyObject_GetAttr(obj, s_slot);
+    if (slot == NULL)
+        return -1;
+    t->slot = PyLong_AsSsize_t(slot);
+    Py_DECREF(slot);
+    if (t->slot == -1 && PyErr_Occurred())
         return -1;
     if (!PyDict_CheckExact(t->ids) || !PyList_CheckExact(t->hashes) || !PyList_CheckExact(t->parent)
         || !PyList_CheckExact(t->refs) || !PyList_CheckExact(t->kid)
         || !PyByteArray_CheckExact(t->rooted) || !PyList_CheckExact(t->free)
-        || !PyDict_CheckExact(t->more) || !(t->masks == Py_None || PyDict_CheckExact(t->masks))
-        || !PyLong_CheckExact(t->bit)) {
+        || !PyDict_CheckExact(t->more) || t->slot < 0) {
         PyErr_SetString(PyExc_TypeError, "store_run: not a GroupTable's state");
         return -1;
+    }
+    if (t->masks != Py_None) {
+        if (masks_get(t->masks, &t->m) < 0)
+            return -1;
+        if ((t->slot >> 3) >= t->m.width) {
+            PyErr_SetString(PyExc_ValueError, "_table_native: the table's slot is not reserved");
+            return -1;
+        }
     }
     Py_ssize_t n = PyList_GET_SIZE(t->hashes);
     if (PyList_GET_SIZE(t->parent) != n || PyList_GET_SIZE(t->refs) != n
@@ -126,10 +283,13 @@ store_run(PyObject *module, PyObject *args)
     Py_ssize_t end = PyList_GET_SIZE(hashes);
     Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
     Py_ssize_t i, added = 0;
+    PyObject *pobj = NULL; /* the int of node p, reused as the next block's parent */
     if (start < 0 || start > end || p < -2 || p >= nodes) {
         PyErr_SetString(PyExc_ValueError, "store_run: start or parent out of range");
         goto error;
     }
+    if (!(pobj = PyLong_FromSsize_t(p)))
+        goto error;
     for (i = start; i < end; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
         Py_ssize_t nfree = PyList_GET_SIZE(t.free);
@@ -169,20 +329,10 @@ store_run(PyObject *module, PyObject *args)
                 Py_INCREF(nobj);
                 PyList_SetItem(t.kid, p, nobj);
             }
-            else {
-                PyObject *pobj = PyLong_FromSsize_t(p);
-                int rc = pobj == NULL ? -1 : add_more(t.more, pobj, nobj);
-                Py_XDECREF(pobj);
-                if (rc < 0) {
-                    Py_DECREF(nobj);
-                    goto error;
-                }
+            else if (add_more(t.more, pobj, nobj) < 0) {
+                Py_DECREF(nobj);
+                goto error;
             }
-        }
-        PyObject *pobj = PyLong_FromSsize_t(p);
-        if (pobj == NULL) {
-            Py_DECREF(nobj);
-            goto error;
         }
         if (n == nodes) {
             int rc = PyList_Append(t.hashes, h);
@@ -194,7 +344,6 @@ store_run(PyObject *module, PyObject *args)
                 rc = PyList_Append(t.kid, nil);
             if (rc == 0)
                 rc = PyByteArray_Resize(t.rooted, nodes + 1);
-            Py_DECREF(pobj);
             if (rc < 0) {
                 Py_DECREF(nobj);
                 goto error;
@@ -204,12 +353,12 @@ store_run(PyObject *module, PyObject *args)
         }
         else {
             if (PyList_SetSlice(t.free, nfree - 1, nfree, NULL) < 0) {
-                Py_DECREF(pobj);
                 Py_DECREF(nobj);
                 goto error;
             }
             Py_INCREF(h);
             PyList_SetItem(t.hashes, n, h);
+            Py_INCREF(pobj);
             PyList_SetItem(t.parent, n, pobj); /* steals */
             Py_INCREF(inc);
             PyList_SetItem(t.refs, n, inc);
@@ -217,25 +366,18 @@ store_run(PyObject *module, PyObject *args)
             PyList_SetItem(t.kid, n, nil);
             PyByteArray_AS_STRING(t.rooted)[n] = (char)ok;
         }
-        Py_DECREF(nobj);
-        if (ok && t.masks != Py_None) {
-            PyObject *m = PyDict_SetDefault(t.masks, h, t.bit); /* borrowed */
-            if (m == NULL)
-                goto error;
-            if (m != t.bit) {
-                PyObject *or = PyNumber_Or(m, t.bit);
-                int rc = or == NULL ? -1 : PyDict_SetItem(t.masks, h, or);
-                Py_XDECREF(or);
-                if (rc < 0)
-                    goto error;
-            }
-        }
+        Py_DECREF(pobj);
+        pobj = nobj; /* our reference moves over */
+        if (ok && t.masks != Py_None && masks_add(&t.m, h, t.slot) < 0)
+            goto error;
         added++;
         p = n;
     }
+    Py_DECREF(pobj);
     table_release(&t);
     return Py_BuildValue("nnn", i, p, added);
 error:
+    Py_XDECREF(pobj);
     table_release(&t);
     return NULL;
 }
@@ -311,8 +453,7 @@ remove_run(PyObject *module, PyObject *args)
     Py_ssize_t i, removed = 0;
     PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
     PyObject *unknown = PyLong_FromLong(-2);
-    PyObject *notbit = PyNumber_Invert(t.bit);
-    if (empty == NULL || unknown == NULL || notbit == NULL || start < 0 || start > end) {
+    if (empty == NULL || unknown == NULL || start < 0 || start > end) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "remove_run: start out of range");
         goto error;
@@ -343,20 +484,8 @@ remove_run(PyObject *module, PyObject *args)
             goto error;
         PyList_SetItem(t.refs, n, zero);
         char *rooted = PyByteArray_AS_STRING(t.rooted);
-        if (rooted[n] && t.masks != Py_None) {
-            PyObject *m = PyDict_GetItemWithError(t.masks, h); /* borrowed */
-            if (m == NULL && PyErr_Occurred())
-                goto error;
-            PyObject *left = m == NULL ? PyLong_FromLong(0) : PyNumber_And(m, notbit);
-            if (left == NULL)
-                goto error;
-            int truth = PyObject_IsTrue(left);
-            int rc = truth ? PyDict_SetItem(t.masks, h, left)
-                           : (m == NULL ? 0 : PyDict_DelItem(t.masks, h));
-            Py_DECREF(left);
-            if (truth < 0 || rc < 0)
-                goto error;
-        }
+        if (rooted[n] && t.masks != Py_None && masks_discard(&t.m, h, t.slot) < 0)
+            goto error;
         rooted[n] = 0;
         removed++;
         for (;;) { /* _delete_up */
@@ -393,21 +522,357 @@ remove_run(PyObject *module, PyObject *args)
     }
     Py_DECREF(empty);
     Py_DECREF(unknown);
-    Py_DECREF(notbit);
     table_release(&t);
     return Py_BuildValue("nn", i, removed);
 error:
     Py_XDECREF(empty);
     Py_XDECREF(unknown);
-    Py_XDECREF(notbit);
     table_release(&t);
     return NULL;
+}
+
+
+/* ------------------------------------------------------------------ prefix_depths */
+
+typedef struct {
+    PyObject *hashes, *index, *out;
+    const unsigned char *words, *allowed;
+    Py_ssize_t width;
+    unsigned char *scratch; /* width bytes per recursion level */
+    Py_ssize_t *depth_of;   /* slot_depths: the deepest depth per slot (else pairs to out) */
+} Search;
+
+/* The mask of hashes[i] (and-ed with allowed) into dst; 1 when non-zero. */
+static int
+search_get(Search *s, Py_ssize_t i, unsigned char *dst)
+{
+    PyObject *eobj = PyDict_GetItemWithError(s->index, PyList_GET_ITEM(s->hashes, i));
+    Py_ssize_t w = s->width;
+    if (eobj == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        memset(dst, 0, (size_t)w);
+        return 0;
+    }
+    Py_ssize_t e = PyLong_AsSsize_t(eobj);
+    if (e == -1 && PyErr_Occurred())
+        return -1;
+    memcpy(dst, s->words + e * w, (size_t)w);
+    int any = 0;
+    for (Py_ssize_t k = 0; k < w; k++) {
+        if (s->allowed != NULL)
+            dst[k] &= s->allowed[k];
+        any |= dst[k];
+    }
+    return any != 0;
+}
+
+/* The tuple (a, b) of two ints. */
+static PyObject *
+pair_new(Py_ssize_t a, Py_ssize_t b)
+{
+    PyObject *x = PyLong_FromSsize_t(a), *y = x == NULL ? NULL : PyLong_FromSsize_t(b);
+    PyObject *t = y == NULL ? NULL : PyTuple_New(2);
+    if (t == NULL) {
+        Py_XDECREF(x);
+        Py_XDECREF(y);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(t, 0, x);
+    PyTuple_SET_ITEM(t, 1, y);
+    return t;
+}
+
+/* An int of ``width`` little-endian bytes. */
+static PyObject *
+mask_int(const unsigned char *b, Py_ssize_t width)
+{
+    PyObject *out = NULL;
+    for (Py_ssize_t k = width - 8; k >= 0; k -= 8) {
+        unsigned long long v = 0;
+        for (int j = 7; j >= 0; j--)
+            v = (v << 8) | b[k + j];
+        PyObject *word = PyLong_FromUnsignedLongLong(v);
+        if (word == NULL) {
+            Py_XDECREF(out);
+            return NULL;
+        }
+        if (out == NULL) {
+            out = word;
+            continue;
+        }
+        PyObject *sixty4 = PyLong_FromLong(64);
+        PyObject *shifted = sixty4 == NULL ? NULL : PyNumber_Lshift(out, sixty4);
+        Py_XDECREF(sixty4);
+        Py_DECREF(out);
+        out = shifted == NULL ? NULL : PyNumber_Or(shifted, word);
+        Py_XDECREF(shifted);
+        Py_DECREF(word);
+        if (out == NULL)
+            return NULL;
+    }
+    return out;
+}
+
+static int
+search_emit(Search *s, const unsigned char *mlo, const unsigned char *mhi, Py_ssize_t depth)
+{
+    unsigned char *b = s->scratch; /* level 0 of the scratch is free once split runs */
+    for (Py_ssize_t k = 0; k < s->width; k++)
+        b[k] = mlo[k] & (unsigned char)~mhi[k];
+    if (s->depth_of != NULL) {
+        for (Py_ssize_t k = 0; k < s->width; k++)
+            for (int j = 0; b[k] >> j; j++)
+                if ((b[k] >> j) & 1 && s->depth_of[8 * k + j] < depth)
+                    s->depth_of[8 * k + j] = depth;
+        return 0;
+    }
+    PyObject *m = mask_int(b, s->width);
+    if (m == NULL)
+        return -1;
+    PyObject *d = PyLong_FromSsize_t(depth);
+    PyObject *pair = d == NULL ? NULL : PyTuple_New(2);
+    if (pair == NULL) {
+        Py_DECREF(m);
+        Py_XDECREF(d);
+        return -1;
+    }
+    PyTuple_SET_ITEM(pair, 0, m);
+    PyTuple_SET_ITEM(pair, 1, d);
+    int rc = PyList_Append(s->out, pair);
+    Py_DECREF(pair);
+    return rc;
+}
+
+/* domain.py's split(): masks only shrink along the chain, so equal masks at both ends of a
+ * range mean no change inside it. ``level`` picks this call's scratch mask. */
+static int
+search_split(Search *s, Py_ssize_t lo, const unsigned char *mlo, Py_ssize_t hi,
+             const unsigned char *mhi, int level)
+{
+    Py_ssize_t mid = (lo + hi) >> 1;
+    if (mid == lo)
+        return search_emit(s, mlo, mhi, hi);
+    unsigned char *mm = s->scratch + (Py_ssize_t)level * s->width;
+    if (search_get(s, mid, mm) < 0)
+        return -1;
+    if (memcmp(mm, mlo, (size_t)s->width) && search_split(s, lo, mlo, mid, mm, level + 1) < 0)
+        return -1;
+    if (memcmp(mm, mhi, (size_t)s->width) && search_split(s, mid, mm, hi, mhi, level + 1) < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *
+run_search(PyObject *args, int per_slot)
+{
+    PyObject *obj, *hashes, *allowed;
+    if (!PyArg_ParseTuple(args, "OO!O", &obj, &PyList_Type, &hashes, &allowed))
+        return NULL;
+    Masks m;
+    if (masks_get(obj, &m) < 0) {
+        masks_release(&m);
+        return NULL;
+    }
+    Search s = {hashes, m.index, NULL, (const unsigned char *)PyByteArray_AS_STRING(m.words),
+                NULL, m.width, NULL, NULL};
+    PyObject *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (allowed != Py_None) {
+        if (!PyBytes_Check(allowed) || PyBytes_GET_SIZE(allowed) != m.width) {
+            PyErr_SetString(PyExc_ValueError, "prefix_depths: allowed must be width bytes");
+            goto done;
+        }
+        s.allowed = (const unsigned char *)PyBytes_AS_STRING(allowed);
+    }
+    if (!(out = PyList_New(0)))
+        goto done;
+    s.out = out;
+    if (!n)
+        goto done;
+    /* levels: 0 for emit, 1 and 2 for both ends, then one per bisection level */
+    int levels = 4;
+    for (Py_ssize_t k = n; k; k >>= 1)
+        levels++;
+    s.scratch = PyMem_Malloc((size_t)(levels * m.width));
+    if (s.scratch == NULL) {
+        PyErr_NoMemory();
+        Py_CLEAR(out);
+        goto done;
+    }
+    unsigned char *first = s.scratch + m.width, *last = s.scratch + 2 * m.width;
+    int rc = search_get(&s, 0, first);
+    if (rc <= 0) {
+        if (rc < 0)
+            Py_CLEAR(out);
+        goto done;
+    }
+    rc = search_get(&s, n - 1, last);
+    if (rc < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    if (per_slot) {
+        s.depth_of = PyMem_Calloc((size_t)(8 * m.width), sizeof(Py_ssize_t));
+        if (s.depth_of == NULL) {
+            PyErr_NoMemory();
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+    if (rc > 0) {
+        unsigned char *zero = s.scratch + 3 * m.width;
+        memset(zero, 0, (size_t)m.width);
+        if (search_emit(&s, last, zero, n) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+    if (memcmp(first, last, (size_t)m.width) && search_split(&s, 0, first, n - 1, last, 3) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    if (per_slot) {
+        for (Py_ssize_t k = 0; k < 8 * m.width; k++) {
+            if (!s.depth_of[k])
+                continue;
+            PyObject *pair = pair_new(k, s.depth_of[k]);
+            int bad = pair == NULL || PyList_Append(out, pair) < 0;
+            Py_XDECREF(pair);
+            if (bad) {
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+    }
+done:
+    PyMem_Free(s.depth_of);
+    PyMem_Free(s.scratch);
+    masks_release(&m);
+    return out;
+}
+
+static PyObject *
+prefix_depths(PyObject *module, PyObject *args)
+{
+    return run_search(args, 0);
+}
+
+static PyObject *
+slot_depths(PyObject *module, PyObject *args)
+{
+    return run_search(args, 1);
+}
+
+
+/* ------------------------------------------------------------------ slots_new */
+
+/* The class slots_new last filled, and where its __slots__ members live. */
+static PyTypeObject *slots_cls;
+static Py_ssize_t slots_n, slots_offset[16];
+
+static int
+slots_learn(PyTypeObject *cls)
+{
+    PyObject *names = PyObject_GetAttrString((PyObject *)cls, "__slots__");
+    if (names == NULL)
+        return -1;
+    PyObject *seq = PySequence_Fast(names, "slots_new: __slots__ is not a sequence");
+    Py_DECREF(names);
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > 16 || (cls->tp_flags & Py_TPFLAGS_HEAPTYPE) == 0 || cls->tp_dictoffset) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_TypeError, "slots_new: not a class of at most 16 __slots__");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyDict_GetItemWithError(cls->tp_dict, PySequence_Fast_GET_ITEM(seq, i));
+        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
+            || PyDescr_TYPE(d) != cls || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+            || ((PyMemberDescrObject *)d)->d_member->offset + (Py_ssize_t)sizeof(PyObject *)
+                   > cls->tp_basicsize) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "slots_new: a __slots__ name is not a slot");
+            return -1;
+        }
+        slots_offset[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    Py_DECREF(seq);
+    Py_XSETREF(slots_cls, (PyTypeObject *)Py_NewRef(cls));
+    slots_n = n;
+    return 0;
+}
+
+/* True for objects that cannot reference anything else (so cannot be part of a cycle). */
+static int
+is_leaf(PyObject *o)
+{
+    return o == Py_None || PyLong_CheckExact(o) || PyFloat_CheckExact(o) || PyBool_Check(o)
+           || PyUnicode_CheckExact(o) || PyBytes_CheckExact(o);
+}
+
+/* A leaf, or a tuple (a NamedTuple such as WorkerKey included: no __dict__, no extra slots)
+ * of leaves. */
+static int
+is_acyclic(PyObject *o)
+{
+    if (is_leaf(o))
+        return 1;
+    if (!PyTuple_Check(o) || Py_TYPE(o)->tp_dictoffset
+        || Py_TYPE(o)->tp_basicsize != PyTuple_Type.tp_basicsize)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++)
+        if (!is_leaf(PyTuple_GET_ITEM(o, i)))
+            return 0;
+    return 1;
+}
+
+static PyObject *
+slots_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "slots_new(cls, *values)");
+        return NULL;
+    }
+    PyTypeObject *cls = (PyTypeObject *)args[0];
+    if (cls != slots_cls && slots_learn(cls) < 0)
+        return NULL;
+    if (nargs - 1 != slots_n) {
+        PyErr_Format(PyExc_TypeError, "slots_new: %s takes %zd values, got %zd", cls->tp_name,
+                     slots_n, nargs - 1);
+        return NULL;
+    }
+    PyObject *obj = cls->tp_alloc(cls, 0);
+    if (obj == NULL)
+        return NULL;
+    int acyclic = 1;
+    for (Py_ssize_t i = 0; i < slots_n; i++) {
+        *(PyObject **)((char *)obj + slots_offset[i]) = Py_NewRef(args[i + 1]);
+        acyclic = acyclic && is_acyclic(args[i + 1]);
+    }
+    /* as CPython does for tuples of atoms: an instance whose fields cannot lead back to it
+     * is left to reference counting, so a stream of results triggers no collections */
+    if (acyclic && PyObject_GC_IsTracked(obj))
+        PyObject_GC_UnTrack(obj);
+    return obj;
 }
 
 static PyMethodDef methods[] = {
     {"remove_run", remove_run, METH_VARARGS,
      "remove_run(table, hashes, start) -> (stop, removed): remove the blocks hashes[start:] "
      "that hold exactly one GPU reference and no children (see the module source)."},
+    {"prefix_depths", prefix_depths, METH_VARARGS,
+     "prefix_depths(masks, hashes, allowed) -> [(mask, depth), ...]: domain.prefix_depths "
+     "over a MaskMap (see the module source)."},
+    {"slot_depths", slot_depths, METH_VARARGS,
+     "slot_depths(masks, hashes, allowed) -> [(slot, depth), ...]: prefix_depths per worker "
+     "slot (its deepest depth), in slot order."},
+    {"slots_new", (PyCFunction)(void (*)(void))slots_new, METH_FASTCALL,
+     "slots_new(cls, *values) -> an instance of cls with its __slots__ set to values, in "
+     "order, without calling __init__ (a fast constructor for frozen slotted dataclasses)."},
     {"store_run", store_run, METH_VARARGS,
      "store_run(table, hashes, start, p, ok, inc) -> (stop, p, added): link the blocks "
      "hashes[start:] the table does not hold (see the module source)."},
@@ -435,7 +900,10 @@ PyInit__table_native(void)
     INTERN(s_free, "free");
     INTERN(s_more, "more");
     INTERN(s_masks, "masks");
-    INTERN(s_bit, "bit");
+    INTERN(s_slot, "slot");
+    INTERN(s_index, "index");
+    INTERN(s_words, "words");
+    INTERN(s_width, "width");
 #undef INTERN
     if (!(nil = PyLong_FromLong(-1)))
         return NULL;

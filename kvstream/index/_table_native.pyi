@@ -1,7 +1,9 @@
 """Type stub of the optional C extension ``kvstream.index._table_native``
 (``_table_native.c``): the loops of :meth:`kvstream.index.table.GroupTable.store_hashes` that
 links blocks a table does not hold yet and of :meth:`~kvstream.index.table.GroupTable.remove`
-for leaf blocks holding one GPU reference; ``table.py`` is the pure-Python reference."""
+for leaf blocks holding one GPU reference, the depth search over a domain's mask map, and the
+fast ``WorkerMatch`` constructor; ``table.py``, ``domain.py`` and the dataclass are the
+pure-Python references."""
 
 from typing import Any
 
@@ -14,3 +16,14 @@ def store_run(
 def remove_run(table: Any, hashes: list[bytes], start: int) -> tuple[int, int]:
     """Remove ``hashes[start:]`` while each is a childless block holding one GPU reference:
     ``(stop index, blocks removed)``."""
+
+def prefix_depths(masks: Any, hashes: list[bytes], allowed: bytes | None) -> list[tuple[int, int]]:
+    """``kvstream.index.domain.prefix_depths`` over a ``MaskMap`` (``allowed``: None, or
+    ``masks.width`` bytes of allowed worker bits)."""
+
+def slot_depths(masks: Any, hashes: list[bytes], allowed: bytes | None) -> list[tuple[int, int]]:
+    """The same search per worker slot: ``(slot, deepest depth)`` in slot order."""
+
+def slots_new(cls: type, *values: Any) -> Any:
+    """An instance of the slotted class ``cls`` with its ``__slots__`` set to ``values`` (a
+    fast constructor for frozen slotted dataclasses; see the C source)."""

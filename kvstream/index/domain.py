@@ -8,20 +8,117 @@ worker holding block i rooted holds blocks 0..i-1 too. So the depth of every wor
 by locating where the mask changes, bisecting between positions whose masks differ
 (:func:`prefix_depths`): O(k log n) dict lookups for k distinct depths among the workers and
 n request blocks, instead of one walk per worker (O(workers x n)).
+
+The masks live in a :class:`MaskMap`: block key -> an entry of fixed-width bit words, so
+adding or dropping a worker's bit changes bytes in place (no new int per update, one dict
+probe) and the optional C loops (:mod:`kvstream.index._table_native`) read them directly.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import TypeVar
 
 from kvstream.index.types import DomainKey
 
-__all__ = ["HashDomain", "expand_depths", "prefix_depths"]
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.index import _table_native as _native
+    except ImportError:  # built without a C compiler: the pure-Python search
+        _native = None  # type: ignore[assignment]
+else:
+    _native = None  # type: ignore[assignment]
+
+__all__ = ["HashDomain", "MaskMap", "expand_depths", "prefix_depths"]
 
 K = TypeVar("K")
 _depth = itemgetter(1)
+
+
+class MaskMap:
+    """Block key -> bitmask of worker slots (bit ``slot`` set: that worker holds the block
+    rooted). Keys without a bit set are absent.
+
+    Storage, read and written in place by the C loops: ``index`` maps a key to its entry,
+    ``words`` holds ``width`` bytes per entry (bit ``slot`` is bit ``slot % 8`` of byte
+    ``entry * width + slot // 8``), ``free`` lists entries to reuse. :meth:`reserve` widens
+    the entries before a slot beyond ``width * 8`` is written.
+    """
+
+    __slots__ = ("free", "index", "width", "words")
+
+    def __init__(self) -> None:
+        self.index: dict[bytes, int] = {}
+        self.words = bytearray()
+        self.free: list[int] = []
+        self.width = 8
+
+    def reserve(self, slot: int) -> None:
+        """Make room for bit ``slot`` in every entry (widening is O(entries), once per
+        64 more workers)."""
+        if slot < 8 * self.width:
+            return
+        old = self.width
+        new = ((slot >> 6) + 1) * 8
+        pad = bytes(new - old)
+        w = self.words
+        self.words = bytearray().join(w[i : i + old] + pad for i in range(0, len(w), old))
+        self.width = new
+
+    def add(self, key: bytes, slot: int) -> None:
+        """Set bit ``slot`` of ``key``'s mask (``slot`` must be reserved)."""
+        e = self.index.get(key)
+        if e is None:
+            e = self._new_entry(key)
+        self.words[e * self.width + (slot >> 3)] |= 1 << (slot & 7)
+
+    def _new_entry(self, key: bytes) -> int:
+        width = self.width
+        if self.free:
+            e = self.free.pop()
+            self.words[e * width : (e + 1) * width] = bytes(width)
+        else:
+            e = len(self.words) // width
+            self.words.extend(bytes(width))
+        self.index[key] = e
+        return e
+
+    def discard(self, key: bytes, slot: int) -> None:
+        """Clear bit ``slot`` of ``key``'s mask; a key left without bits is dropped."""
+        e = self.index.get(key)
+        if e is None:
+            return
+        width = self.width
+        at = e * width
+        if (slot >> 3) >= width:
+            return
+        self.words[at + (slot >> 3)] &= ~(1 << (slot & 7)) & 0xFF
+        if not any(self.words[at : at + width]):
+            del self.index[key]
+            self.free.append(e)
+
+    def get(self, key: bytes, default: int = 0) -> int:
+        """The mask of ``key`` as an int (``default`` when no bit is set)."""
+        e = self.index.get(key)
+        if e is None:
+            return default
+        width = self.width
+        return int.from_bytes(self.words[e * width : (e + 1) * width], "little")
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index
+
+    def as_dict(self) -> dict[bytes, int]:
+        """Every key's mask as an int."""
+        return {k: self.get(k) for k in self.index}
+
+    def __repr__(self) -> str:
+        return f"<MaskMap keys={len(self.index)} width={self.width}>"
 
 
 class HashDomain:
@@ -34,7 +131,7 @@ class HashDomain:
 
     def __init__(self, key: DomainKey) -> None:
         self.key = key
-        self.masks: dict[bytes, int] = {}
+        self.masks = MaskMap()
         self.members = 0
 
     def depths(self, hashes: Sequence[bytes], allowed: int) -> list[tuple[int, int]]:
@@ -42,14 +139,29 @@ class HashDomain:
         prefix of ``hashes``; see :func:`prefix_depths`."""
         allowed &= self.members
         # the masks hold members' bits only: with every member allowed, nothing to filter
-        return prefix_depths(hashes, self.masks, None if allowed == self.members else allowed)
+        keep = None if allowed == self.members else allowed
+        masks = self.masks
+        if _native is not None and type(hashes) is list:
+            # members are reserved slots (attach), so ``keep`` fits the entries' width
+            a = None if keep is None else keep.to_bytes(masks.width, "little")
+            return _native.prefix_depths(masks, hashes, a)
+        return prefix_depths(hashes, masks, keep)
+
+    def slot_depths(self, hashes: Sequence[bytes], allowed: int) -> list[tuple[int, int]]:
+        """``(worker slot, depth)`` for the workers in ``allowed`` holding a prefix of
+        ``hashes`` (each slot once, with its deepest depth; in slot order)."""
+        if _native is not None and type(hashes) is list:
+            allowed &= self.members
+            a = None if allowed == self.members else allowed.to_bytes(self.masks.width, "little")
+            return _native.slot_depths(self.masks, hashes, a)
+        return sorted(expand_depths(self.depths(hashes, allowed), _SLOTS).items())
 
     def __repr__(self) -> str:
         return f"<HashDomain {tuple(self.key)} blocks={len(self.masks)}>"
 
 
 def prefix_depths(
-    hashes: Sequence[bytes], masks: dict[bytes, int], allowed: int | None = None
+    hashes: Sequence[bytes], masks: MaskMap | dict[bytes, int], allowed: int | None = None
 ) -> list[tuple[int, int]]:
     """Where each worker's cached prefix of ``hashes`` ends.
 
@@ -124,6 +236,8 @@ def expand_depths(
     be shared between calls with the same ``keys`` (which may grow, never change)."""
     out: dict[K, int] = {}
     for mask, d in sorted(pairs, key=_depth):
+        if not mask:  # masks that grow along the chain (a collision) can leave a pair empty
+            continue
         if not mask & (mask - 1):  # one worker
             out[keys[mask.bit_length() - 1]] = d
             continue
@@ -143,3 +257,5 @@ def expand_depths(
 
 
 _CACHE_MAX = 4096
+#: slot -> slot (expand_depths' keys for per-slot results)
+_SLOTS = range(1 << 40)

@@ -64,7 +64,7 @@ from kvstream.codec.columnar import (
 )
 from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch
-from kvstream.index.domain import HashDomain, expand_depths
+from kvstream.index.domain import HashDomain
 from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.keys import (
     CANONICAL_ALGO,
@@ -74,7 +74,13 @@ from kvstream.index.keys import (
     request_mm,
     request_raw,
 )
-from kvstream.index.matching import HashRequest, MatchResult, RequestHasher, WorkerMatch
+from kvstream.index.matching import (
+    HashRequest,
+    MatchResult,
+    RequestHasher,
+    WorkerMatch,
+    new_worker_match,
+)
 from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.table import GroupTable
 from kvstream.index.token_table import TokenGroupTable
@@ -210,7 +216,11 @@ class PrefixIndex:
         self._slots: list[WorkerKey] = []
         self._domains: dict[DomainKey, HashDomain] = {}
         self._trusted = 0
-        self._expansions: dict[int, list[WorkerKey]] = {}  # worker mask -> keys (matching)
+        #: bumped by every change of what match() plans from (workers, groups, domains,
+        #: trust); plans of an older epoch are dropped
+        self._epoch = 0
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._plans_epoch = 0
 
     # ------------------------------------------------------------------ ingest
 
@@ -309,6 +319,7 @@ class PrefixIndex:
         return n
 
     def _add_source(self, key: WorkerKey) -> _Source:
+        self._epoch += 1
         s = _Source(key, len(self._slots))
         self._slots.append(key)
         self._sources[(key.instance_id, key.dp_rank)] = s
@@ -316,6 +327,7 @@ class PrefixIndex:
         return s
 
     def _add_group(self, s: _Source, gid: int) -> _Group:
+        self._epoch += 1
         g = _Group(gid, s.bit, self._tokens)
         s.groups[gid] = g
         if s.stale:
@@ -381,6 +393,7 @@ class PrefixIndex:
         s.pending_clear.add(gid)
 
     def _set_trusted(self, s: _Source, trusted: bool, reason: str) -> None:
+        self._epoch += 1
         s.stale = not trusted
         s.stale_reason = reason
         if trusted:
@@ -403,6 +416,7 @@ class PrefixIndex:
         self, s: _Source, g: _Group, data: tuple[tuple[int, ...], int, str], window: int
     ) -> None:
         s.stats.created_events += 1
+        self._epoch += 1
         g.window_size = window
         caps, tpb, g.attention_kind = data
         g.capacity = tuple(caps)
@@ -426,6 +440,7 @@ class PrefixIndex:
         )
 
     def _set_algo(self, s: _Source, g: _Group, algo: str) -> None:
+        self._epoch += 1
         if g.hash_algo is not None:
             s.stats.hash_algo_changes += 1
             if len(g.table):
@@ -444,6 +459,7 @@ class PrefixIndex:
 
     def _bind(self, s: _Source, g: _Group) -> None:
         """Attach the group's table to the domain its metadata names (or detach it)."""
+        self._epoch += 1
         key = self._domain_key(g)
         old = g.domain
         if old is not None and old.key == key:
@@ -463,6 +479,7 @@ class PrefixIndex:
         g.table.attach(dom.masks)
 
     def _purge(self, s: _Source, *, drop_groups: bool) -> None:
+        self._epoch += 1
         s.stats.purges += 1
         for g in s.groups.values():
             g.table.clear()
@@ -507,6 +524,7 @@ class PrefixIndex:
         self._purge(s, drop_groups=True)
         self._trusted &= ~s.bit
         del self._sources[(s.key.instance_id, s.key.dp_rank)]
+        self._epoch += 1
 
     # ------------------------------------------------------------------ queries
 
@@ -625,7 +643,8 @@ class PrefixIndex:
         if dom is None:
             return {}
         allowed = -1 if include_stale else self._trusted
-        return expand_depths(dom.depths(hashes, allowed), self._slots, self._expansions)
+        keys = self._slots
+        return {keys[slot]: d for slot, d in dom.slot_depths(hashes, allowed)}
 
     def match(
         self,
@@ -657,19 +676,113 @@ class PrefixIndex:
         keyed index): used instead of hashing ``tokens`` again, e.g. the hashes a cache
         computed for the same prompt. ``tokens`` still gives the token count.
         """
-        req = request or HashRequest()
+        req = request or _DEFAULT_REQUEST
         weights = tuple(tier_weights)
+        plan = self._plan(layer_group_id, workers, hash_algo, tokens_per_block)
+        by_domain = plan.by_domain
+        if block_hashes is None:
+            chains_of = self._request_chains(tokens, req, by_domain)
+        else:
+            if self._tokens or hash_algo is None or tokens_per_block is None:
+                raise ConfigError(
+                    "block_hashes needs hash_algo and tokens_per_block, and an engine-keyed "
+                    "index (a token-keyed one hashes with its own keys)"
+                )
+            given = list(block_hashes)
+            chains_of = {k: [given] for k in by_domain}
+        # every chain of a domain has one key per full block: the same length
+        dkeys = plan.dkeys
+        lens = tuple(len(chains_of[k][0]) for k in dkeys)
+        out = plan.zeros.get(lens)
+        if out is None:
+            out = plan.zero_row(lens)
+        out = out.copy()
+        w0 = weights[0]
+        rows = plan.slots
+        new = new_worker_match
+        for di, k in enumerate(dkeys):
+            chains = chains_of[k]
+            dom = self._domains[k]
+            allowed = by_domain[k]
+            if len(chains) == 1:
+                hs = chains[0]
+                found = dom.slot_depths(hs, allowed)
+            else:  # one chain per LoRA scope (token mode): each worker's deepest
+                depth: dict[int, int] = {}
+                pick: dict[int, int] = {}
+                for i, chain in enumerate(chains):
+                    for slot, d in dom.slot_depths(chain, allowed):
+                        if d > depth.get(slot, 0):
+                            depth[slot] = d
+                            pick[slot] = i
+                found = list(depth.items())
+                hs = chains[0]
+            n = lens[di]
+            tpb = k.tokens_per_block
+            algo = k.hash_algo
+            for slot, d in found:
+                key, table, _, trusted, note, pos, more = rows[slot]
+                if len(chains) > 1:
+                    hs = chains[pick[slot]]
+                m = new(
+                    key,
+                    d,
+                    table.weighted(hs, d, weights) if table.lower else d * w0,
+                    n,
+                    tpb,
+                    algo,
+                    trusted,
+                    note,
+                )
+                out[pos] = m
+                if more:
+                    for i in more:
+                        out[i] = m
+        return MatchResult(tuple(out), _count_tokens(tokens))
+
+    def _plan(
+        self,
+        layer_group_id: int,
+        workers: Sequence[WorkerKey | tuple[str, int | None]] | None,
+        hash_algo: str | None,
+        tokens_per_block: int | None,
+    ) -> _Plan:
+        """What :meth:`match` needs of its candidates, cached until the index's workers,
+        groups, domains or trust change (an epoch bump)."""
+        if self._plans_epoch != self._epoch:
+            self._plans.clear()
+            self._plans_epoch = self._epoch
         if workers is None:
-            cands = [s.key for s in self._sources.values()]
+            cands = None
+            ck: tuple[Any, ...] = (layer_group_id, None, hash_algo, tokens_per_block)
         else:
             cands = [WorkerKey(w[0], w[1]) for w in workers]
-        by_domain: dict[DomainKey, int] = {}
-        groups: list[_Group | None] = []
-        for w in cands:
+            ck = (layer_group_id, tuple(cands), hash_algo, tokens_per_block)
+        plan = self._plans.get(ck)
+        if plan is None:
+            plan = self._build_plan(layer_group_id, cands, hash_algo, tokens_per_block)
+            if len(self._plans) >= _PLANS_MAX:
+                self._plans.clear()
+            self._plans[ck] = plan
+        return plan
+
+    def _build_plan(
+        self,
+        layer_group_id: int,
+        cands: list[WorkerKey] | None,
+        hash_algo: str | None,
+        tokens_per_block: int | None,
+    ) -> _Plan:
+        if cands is None:
+            cands = [s.key for s in self._sources.values()]
+        plan = _Plan(len(cands))
+        by_domain = plan.by_domain
+        for pos, w in enumerate(cands):
             s = self._sources.get((w.instance_id, w.dp_rank))
             g = None if s is None else s.groups.get(layer_group_id)
-            groups.append(g)
             if g is None or s is None:
+                note = "unknown worker" if s is None else f"no layer group {layer_group_id}"
+                plan.fixed.append((pos, WorkerMatch(w, 0, 0.0, 0, None, None, False, note)))
                 continue
             if hash_algo is not None and g.hash_algo is not None and g.hash_algo != hash_algo:
                 raise HashConfigMismatchError(
@@ -685,64 +798,24 @@ class PrefixIndex:
                     f"worker {w} uses {g.tokens_per_block}-token blocks in layer group "
                     f"{layer_group_id}, but the router is configured for {tokens_per_block}"
                 )
-            if g.domain is not None:
-                k = g.domain.key
-                by_domain[k] = by_domain.get(k, 0) | s.bit
-        if block_hashes is None:
-            chains_of = self._request_chains(tokens, req, by_domain)
-        else:
-            if self._tokens or hash_algo is None or tokens_per_block is None:
-                raise ConfigError(
-                    "block_hashes needs hash_algo and tokens_per_block, and an engine-keyed "
-                    "index (a token-keyed one hashes with its own keys)"
-                )
-            given = list(block_hashes)
-            chains_of = {k: [given] for k in by_domain}
-        depth: dict[int, int] = {}
-        pick: dict[int, int] = {}  # slot -> the chain (LoRA scope) it matched deepest
-        slots = range(len(self._slots))
-        for k, allowed in by_domain.items():
-            chains = chains_of[k]
-            dom = self._domains[k]
-            if len(chains) == 1:
-                depth.update(expand_depths(dom.depths(chains[0], allowed), slots))
-                continue
-            for i, hs in enumerate(chains):
-                for slot, d in expand_depths(dom.depths(hs, allowed), slots).items():
-                    if d > depth.get(slot, 0):
-                        depth[slot] = d
-                        pick[slot] = i
-        n_tokens = _count_tokens(tokens)
-        out: list[WorkerMatch] = []
-        for w, g in zip(cands, groups, strict=True):
-            s = self._sources.get((w.instance_id, w.dp_rank))
-            if s is None or g is None:
-                note = "unknown worker" if s is None else f"no layer group {layer_group_id}"
-                out.append(WorkerMatch(w, 0, 0.0, 0, None, None, False, note))
-                continue
-            note = f"stale: {s.stale_reason}" if s.stale else ""
             if g.domain is None:
                 why = (
                     "hash algorithm unknown" if g.hash_algo is None else "block size not advertised"
                 )
-                out.append(WorkerMatch(w, 0, 0.0, 0, g.tokens_per_block, g.hash_algo, False, why))
+                plan.fixed.append(
+                    (pos, WorkerMatch(w, 0, 0.0, 0, g.tokens_per_block, g.hash_algo, False, why))
+                )
                 continue
             k = g.domain.key
-            hs = chains_of[k][pick.get(s.slot, 0)]
-            d = depth.get(s.slot, 0)
-            out.append(
-                WorkerMatch(
-                    w,
-                    d,
-                    g.table.weighted(hs, d, weights) if d else 0.0,
-                    len(hs),
-                    k.tokens_per_block,
-                    k.hash_algo,
-                    not s.stale,
-                    note,
-                )
-            )
-        return MatchResult(tuple(out), n_tokens)
+            by_domain[k] = by_domain.get(k, 0) | s.bit
+            row = plan.slots.get(s.slot)
+            if row is None:
+                note = f"stale: {s.stale_reason}" if s.stale else ""
+                plan.slots[s.slot] = (w, g.table, k, not s.stale, note, pos, [])
+            else:
+                row[6].append(pos)  # the worker is listed again
+        plan.dkeys = list(by_domain)
+        return plan
 
     def _request_chains(
         self, tokens: Any, req: HashRequest, domains: Iterable[DomainKey]
@@ -917,7 +990,53 @@ class PrefixIndex:
                     for h in g.table.mirrored():
                         m[h] = m.get(h, 0) | s.bit
         for k, d in self._domains.items():
-            assert d.masks == expect[k], f"domain {k} masks differ from its tables"
+            assert d.masks.as_dict() == expect[k], f"domain {k} masks differ from its tables"
+
+
+_DEFAULT_REQUEST = HashRequest()
+_PLANS_MAX = 64
+
+
+class _Plan:
+    """The candidates of one :meth:`PrefixIndex.match` call shape (layer group, workers,
+    expected algorithm and block size) as of one index epoch: per matchable worker slot
+    ``(key, table, domain key, trusted, note, position, further positions)``, the candidates
+    that cannot match
+    (``fixed``: position and their result), and the slots to search per domain."""
+
+    __slots__ = ("by_domain", "dkeys", "fixed", "size", "slots", "zeros")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.by_domain: dict[DomainKey, int] = {}
+        self.dkeys: list[DomainKey] = []
+        #: slot -> (key, table, domain, trusted, note, position, further positions)
+        self.slots: dict[
+            int, tuple[WorkerKey, GroupTable, DomainKey, bool, str, int, list[int]]
+        ] = {}
+        self.fixed: list[tuple[int, WorkerMatch]] = []
+        #: request lengths per domain (``by_domain`` order) -> every candidate's result when
+        #: it matches nothing (results are immutable: shared between calls)
+        self.zeros: dict[tuple[int, ...], list[WorkerMatch]] = {}
+
+    def zero_row(self, lens: tuple[int, ...]) -> list[WorkerMatch]:
+        """The results of a request with ``lens`` blocks per domain that nobody holds."""
+        out: list[WorkerMatch | None] = [None] * self.size
+        for i, m in self.fixed:
+            out[i] = m
+        n_of = dict(zip(self.dkeys, lens, strict=True))
+        for key, _, dk, trusted, note, pos, more in self.slots.values():
+            m = new_worker_match(
+                key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
+            )
+            out[pos] = m
+            for i in more:
+                out[i] = m
+        row: list[WorkerMatch] = out  # type: ignore[assignment]
+        if len(self.zeros) >= _PLANS_MAX:
+            self.zeros.clear()
+        self.zeros[lens] = row
+        return row
 
 
 def _count_tokens(tokens: Any) -> int:

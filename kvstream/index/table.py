@@ -34,6 +34,7 @@ from itertools import repeat
 from typing import Final
 
 from kvstream.events.model import StoredBlock
+from kvstream.index.domain import MaskMap
 from kvstream.index.stats import SourceStats
 from kvstream.index.types import MAX_TIERS
 
@@ -78,8 +79,9 @@ def _deepest(refs: int) -> int:
 class GroupTable:
     """The blocks of one (worker, layer group); see the module docstring.
 
-    ``bit`` is the worker's bit in the domain masks; ``masks`` is None until the table is
-    attached to a domain (:meth:`attach`), e.g. while the group's block size is unknown.
+    ``bit`` is the worker's bit in the domain masks (``1 << slot``); ``masks`` is None until
+    the table is attached to a domain (:meth:`attach`), e.g. while the group's block size is
+    unknown.
     """
 
     __slots__ = (
@@ -97,11 +99,13 @@ class GroupTable:
         "present",
         "refs",
         "rooted",
+        "slot",
     )
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.masks: dict[bytes, int] | None = None
+        self.slot = bit.bit_length() - 1
+        self.masks: MaskMap | None = None
         self.ids: dict[bytes, int] = {}
         self.hashes: list[bytes] = []
         #: node -> the key it is mirrored under in ``masks``: its hash (this list is
@@ -178,7 +182,6 @@ class GroupTable:
         ids = self.ids
         p, ok = self._store_parent(parent_hash, st)
         masks = self.masks
-        bit = self.bit
         nodes = self.hashes
         parent = self.parent
         refs = self.refs
@@ -191,9 +194,8 @@ class GroupTable:
         add_kid = kid.append
         add_rooted = rooted.append
         setdefault = ids.setdefault
-        # masks.setdefault inserts the bit for a hash no worker holds (one dict operation);
-        # an existing entry is or-ed with it
-        mset = masks.setdefault if masks is not None else None
+        madd = masks.add if masks is not None else None
+        slot = self.slot
         nexti = len(nodes)
         last = -1
         inc = 0
@@ -230,10 +232,8 @@ class GroupTable:
                 refs[n] = inc
                 kid[n] = _NIL
                 rooted[n] = ok
-            if ok and mset is not None:
-                m = mset(h, bit)
-                if m != bit:
-                    masks[h] = m | bit  # type: ignore[index]
+            if ok and madd is not None:
+                madd(h, slot)
             added += 1
             if off_gpu:
                 lowered += 1
@@ -407,7 +407,7 @@ class GroupTable:
 
     def _root_subtree(self, n: int) -> None:
         masks = self.masks
-        bit = self.bit
+        slot = self.slot
         refs = self.refs
         rooted = self.rooted
         kid = self.kid
@@ -420,8 +420,7 @@ class GroupTable:
                 continue
             rooted[x] = 1
             if masks is not None:
-                h = mkeys[x]
-                masks[h] = masks.get(h, 0) | bit
+                masks.add(mkeys[x], slot)
             c = kid[x]
             if c >= 0:
                 stack.append(c)
@@ -431,7 +430,7 @@ class GroupTable:
 
     def _unroot_subtree(self, n: int) -> None:
         masks = self.masks
-        bit = self.bit
+        slot = self.slot
         rooted = self.rooted
         kid = self.kid
         more = self.more
@@ -447,10 +446,8 @@ class GroupTable:
                 h = mkeys[x]
                 if kdup and h in kdup and self._shared_rooted(h, x):
                     pass  # another rooted node of this table has the key: keep the bit
-                elif m := masks.get(h, 0) & ~bit:
-                    masks[h] = m
                 else:
-                    masks.pop(h, None)
+                    masks.discard(h, slot)
             c = kid[x]
             if c >= 0:
                 stack.append(c)
@@ -518,10 +515,8 @@ class GroupTable:
                         k = self.mkeys[n]
                         if self.kdup and k in self.kdup and self._shared_rooted(k, n):
                             pass  # another rooted node of this table has the key
-                        elif m := masks.get(k, 0) & ~self.bit:
-                            masks[k] = m
                         else:
-                            masks.pop(k, None)
+                            masks.discard(k, self.slot)
                 else:
                     self._unroot_subtree(n)
             if self.kid[n] < 0:
@@ -583,15 +578,16 @@ class GroupTable:
         self.present = 0
         self.lower = 0
 
-    def attach(self, masks: dict[bytes, int]) -> None:
+    def attach(self, masks: MaskMap) -> None:
         """Mirror the rooted blocks into ``masks`` (a domain's) from now on."""
         if self.masks is masks:
             return
         self.detach()
+        masks.reserve(self.slot)
         self.masks = masks
-        bit = self.bit
+        slot = self.slot
         for h in self.mirrored():
-            masks[h] = masks.get(h, 0) | bit
+            masks.add(h, slot)
 
     def detach(self) -> None:
         """Take this worker's bits out of its domain's masks and stop mirroring."""
@@ -599,13 +595,9 @@ class GroupTable:
         if masks is None:
             return
         self.masks = None
-        nbit = ~self.bit
+        slot = self.slot
         for h in self.mirrored():
-            m = masks.get(h, 0) & nbit
-            if m:
-                masks[h] = m
-            else:
-                masks.pop(h, None)
+            masks.discard(h, slot)
 
     def mirrored(self) -> list[bytes]:
         """The mirror keys of the rooted nodes (what the table puts in a domain's masks;
@@ -672,7 +664,7 @@ class GroupTable:
         self.masks = masks
         self._root_all()
 
-    def _load_structure(self, nodes: Sequence[tuple[bytes, int, int]]) -> dict[bytes, int] | None:
+    def _load_structure(self, nodes: Sequence[tuple[bytes, int, int]]) -> MaskMap | None:
         """Replace the contents with ``nodes``, unrooted and detached; returns the masks the
         table was attached to."""
         masks = self.masks

@@ -165,7 +165,7 @@ class TokenGroupTable(GroupTable):
         free = self.free
         kmap_set = self.kmap.setdefault
         masks = self.masks
-        bit = self.bit
+        slot = self.slot
         b3 = blake3
         first = parent_hash is None
         p, ok, pkey = self._parent(parent_hash, st)
@@ -247,7 +247,7 @@ class TokenGroupTable(GroupTable):
                 if kmap_set(pkey, n) != n:
                     self._set_key(n, pkey)  # a second node with this key
                 if ok and masks is not None:
-                    masks[pkey] = masks.get(pkey, 0) | bit
+                    masks.add(pkey, slot)
             else:
                 self.pending[n] = (payload, scoped)
             added += 1
