@@ -193,22 +193,23 @@ def prefix_depths(
         out.append((last, n))
     if first == last:
         return out
-    emit = out.append
-
     # bisect between positions whose masks differ; masks only shrink, so equal masks at
-    # both ends of a range mean no change inside it (recursion: cheaper than a stack here)
-    def split(lo: int, mlo: int, hi: int, mhi: int) -> None:
+    # both ends of a range mean no change inside it. An explicit stack, depth first and left
+    # first (the order the C search emits too); a recursive closure would be a reference
+    # cycle per call for the cyclic GC.
+    stack = [(0, first, n - 1, last)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        lo, mlo, hi, mhi = pop()
         mid = (lo + hi) >> 1
         if mid == lo:
-            emit((mlo & ~mhi, hi))
-            return
+            out.append((mlo & ~mhi, hi))
+            continue
         mm = get(hashes[mid], 0)
-        if mm != mlo:
-            split(lo, mlo, mid, mm)
         if mm != mhi:
-            split(mid, mm, hi, mhi)
-
-    split(0, first, n - 1, last)
+            push((mid, mm, hi, mhi))
+        if mm != mlo:
+            push((lo, mlo, mid, mm))
     return out
 
 
