@@ -121,7 +121,9 @@ class VllmHasherBase(BlockHasher):
 
     Parameters: ``width`` (32: the digest; 8: its last 8 bytes), ``seed`` (the NONE_HASH seed
     string), ``extra_keys`` (``"tagged"`` or ``"legacy"``), ``lora_paths`` (adapter name ->
-    path, for the tagged LoRA key). Subclasses define :attr:`algo` and :meth:`hash_object`;
+    path, for the tagged LoRA key), ``native`` (the C chain of the subclass's ``_c_kind``:
+    None = when built, False = never, True = required). Subclasses define :attr:`algo` and
+    :meth:`hash_object`;
     everything else (root, extra keys, ``extend``, ``chain_bytes``) is shared.
     """
 
@@ -136,6 +138,7 @@ class VllmHasherBase(BlockHasher):
         seed: str = DEFAULT_SEED,
         extra_keys: str = "tagged",
         lora_paths: Mapping[str, str] | None = None,
+        native: bool | None = None,
     ) -> None:
         if width not in (8, 32):
             raise HashingError(f"{self.algo} publishes 32 or 8 bytes, not {width}")
@@ -159,6 +162,10 @@ class VllmHasherBase(BlockHasher):
         self._tagged = extra_keys == "tagged"
         #: vLLM's NONE_HASH: the parent digest of a request's first block.
         self.none_hash: bytes = self.hash_object(seed)
+        self._c: Any = native_chains(native, self.name) if self._c_kind >= 0 else None
+        #: Whether chains of blocks without per-block keys (multimodal, prompt embeds) run in
+        #: C (``native``: None = when built, False = never, True = required).
+        self.native: bool = self._c is not None
 
     @abstractmethod
     def hash_object(self, obj: Any) -> bytes:
@@ -369,21 +376,6 @@ class VllmSha256CborHasher(VllmHasherBase):
 
     algo = "vllm_sha256_cbor"
     _c_kind = KIND_CBOR
-
-    def __init__(
-        self,
-        width: int = 32,
-        *,
-        seed: str = DEFAULT_SEED,
-        extra_keys: str = "tagged",
-        lora_paths: Mapping[str, str] | None = None,
-        native: bool | None = None,
-    ) -> None:
-        super().__init__(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
-        self._c: Any = native_chains(native, self.name)
-        #: Whether chains of blocks without per-block keys (multimodal, prompt embeds) run in
-        #: C (``native``: None = when built, False = never, True = required).
-        self.native: bool = self._c is not None
 
     def _tails(self, state: ChainState) -> tuple[bytes | None, bytes | None]:
         """CBOR extra keys of the block after ``state`` and of the rest (None: ``f6``, no

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Mapping
 from typing import Any, Final
 
 from kvstream.errors import HashingError
-from kvstream.hashing.accel import KIND_PICKLE, native_chains
+from kvstream.hashing.accel import KIND_PICKLE
 from kvstream.hashing.base import ChainState, PerBlock
-from kvstream.hashing.vllm import DEFAULT_SEED, VllmHasherBase, _as_tuple
+from kvstream.hashing.vllm import VllmHasherBase, _as_tuple
 
 __all__ = ["VllmSha256PickleHasher"]
 
@@ -88,22 +87,6 @@ class VllmSha256PickleHasher(VllmHasherBase):
 
     algo = "vllm_sha256"
     _c_kind = KIND_PICKLE
-
-    def __init__(
-        self,
-        width: int = 32,
-        *,
-        seed: str = DEFAULT_SEED,
-        extra_keys: str = "tagged",
-        lora_paths: Mapping[str, str] | None = None,
-        native: bool | None = None,
-    ) -> None:
-        super().__init__(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
-        self._c: Any = native_chains(native, self.name)
-        #: Whether chains of blocks without per-block keys (multimodal, prompt embeds) run in
-        #: C, the pickle bytes built there (``native``: None = when built, False = never,
-        #: True = required).
-        self.native: bool = self._c is not None
 
     def hash_object(self, obj: Any) -> bytes:
         return hashlib.sha256(pickle.dumps(obj, protocol=PICKLE_PROTOCOL)).digest()
