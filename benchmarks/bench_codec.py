@@ -620,14 +620,12 @@ def kafka_table(w: Workload, events_per_message: int, rounds: int) -> None:
 
 def e2e_table(rounds: int) -> None:
     """bench_peers' end-to-end rows with the C column decoder and with the reference."""
-    import asyncio
     import random
     import tempfile
 
     import bench_peers
 
     from kvstream.codec import ContainerWriter
-    from kvstream.index import FileSource, IndexConsumer, PrefixIndex
 
     wl = bench_peers.Workload(
         argparse.Namespace(workers=64, tokens=8192, block_size=32, requests=48, pool=256),
@@ -642,19 +640,10 @@ def e2e_table(rounds: int) -> None:
             w.write_many(batches)
 
         def file_run() -> None:
-            consumer = IndexConsumer(FileSource(tmp))
-
-            async def go() -> None:
-                async with consumer.source:
-                    await consumer.run()
-
-            asyncio.run(go())
+            bench_peers.file_to_index(tmp)
 
         def kafka_run() -> None:
-            idx = PrefixIndex()
-            for m in messages:
-                r = decode_columns_message(m, REGISTRY)
-                idx.apply(r.columns, tuple(s.event_id for s in r.skipped))
+            bench_peers.kafka_to_index(messages, lambda m: decode_columns_message(m, REGISTRY))
 
         best: dict[tuple[str, str], float] = {}
         for _ in range(rounds):

@@ -378,6 +378,29 @@ def index_rows(
 # ------------------------------------------------------------------------------ end to end
 
 
+def file_to_index(directory: str) -> PrefixIndex:
+    """A file sink's directory read to its end by ``IndexConsumer(FileSource(directory))``."""
+    consumer = IndexConsumer(FileSource(directory))
+
+    async def go() -> None:
+        async with consumer.source:
+            await consumer.run()
+
+    asyncio.run(go())
+    return consumer.index
+
+
+def kafka_to_index(messages: list[bytes], decode: Callable[[bytes], Any]) -> PrefixIndex:
+    """Kafka message values decoded by ``decode`` (-> a ColumnarResult) and applied, in order,
+    as the Kafka source hands them over (no broker in the loop)."""
+    idx = PrefixIndex()
+    apply = idx.apply
+    for m in messages:
+        r = decode(m)
+        apply(r.columns, tuple(s.event_id for s in r.skipped))
+    return idx
+
+
 def e2e_rows(args: argparse.Namespace) -> list[tuple[str, float, float, str, str]]:
     rng = random.Random(args.seed + 1)
     wl = Workload(args, rng)
@@ -398,23 +421,13 @@ def e2e_rows(args: argparse.Namespace) -> list[tuple[str, float, float, str, str
             head = f.read(4096)
         file_codec = "snappy" if b"snappy" in head else "deflate" if b"deflate" in head else "null"
 
-        def file_run() -> None:
-            consumer = IndexConsumer(FileSource(tmp))
-
-            async def go() -> None:
-                async with consumer.source:
-                    await consumer.run()
-
-            asyncio.run(go())
-
-        def kafka_bytes() -> None:
-            idx = PrefixIndex()
-            apply = idx.apply
-            for m in messages:
-                r = decode_message(codec, m)
-                apply(r.columns, tuple(s.event_id for s in r.skipped))
-
-        t = best_cpu({"file": file_run, "kafka": kafka_bytes}, args.rounds)
+        t = best_cpu(
+            {
+                "file": lambda: file_to_index(tmp),
+                "kafka": lambda: kafka_to_index(messages, lambda m: decode_message(codec, m)),
+            },
+            args.rounds,
+        )
     target = 2.0
     return [
         (
