@@ -49,7 +49,15 @@ from kvstream.events.model import (
     StoredBlock,
 )
 from kvstream.hashing import get_hasher, split_blocks
-from kvstream.index import CANONICAL_ALGO, DomainKey, PrefixIndex, Router, RouterConfig, WorkerKey
+from kvstream.index import (
+    CANONICAL_ALGO,
+    DomainKey,
+    PrefixIndex,
+    RequestHasher,
+    Router,
+    RouterConfig,
+    WorkerKey,
+)
 from kvstream.index.keys import request_keys
 
 ALGO = "blake3_64"
@@ -330,12 +338,13 @@ def main() -> None:
 
     print("\n== for reference: hashing the request, and a whole router decision ==")
     hasher = get_hasher(ALGO)
+    request_hasher = RequestHasher()  # what match() and the router hash a request with
     toks = list(range(args.tokens))
     t0 = time.perf_counter()
     n = 50
     for _ in range(n):
         if mode == "engine":
-            hasher.chain_bytes(split_blocks(toks, tpb))
+            request_hasher.hashes(toks, ALGO, tpb)
         else:
             request_keys(TokenIds(toks).raw, tpb)
     hash_us = (time.perf_counter() - t0) / n * 1e6

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, get_hasher, split_blocks
@@ -28,7 +28,16 @@ if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
 else:
     _native = None  # type: ignore[assignment]
 
-__all__ = ["HashRequest", "MatchResult", "RequestHasher", "WorkerMatch", "new_worker_match"]
+__all__ = [
+    "HashRequest",
+    "MatchResult",
+    "RequestHasher",
+    "WorkerMatch",
+    "fast_constructor",
+    "new_worker_match",
+]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +187,16 @@ class WorkerMatch:
         }
 
 
-#: ``WorkerMatch(...)`` with all eight fields given positionally: the same instance, built by
-#: the C extension without the frozen dataclass's per-field ``object.__setattr__`` (~20x
-#: cheaper; the index builds one per candidate worker and request)
-new_worker_match: Callable[..., WorkerMatch] = (
-    WorkerMatch if _native is None else partial(_native.slots_new, WorkerMatch)
-)
+def fast_constructor(cls: type[T]) -> Callable[..., T]:
+    """``cls(...)`` for a frozen slotted dataclass, called with every field positionally: the
+    same instance, built by the C extension without the dataclass's per-field
+    ``object.__setattr__`` (~20x cheaper; what the index and the router build per candidate
+    worker and request); ``cls`` itself without the extension."""
+    return cls if _native is None else partial(_native.slots_new, cls)
+
+
+#: ``WorkerMatch(...)`` with all eight fields given positionally (see :func:`fast_constructor`)
+new_worker_match: Callable[..., WorkerMatch] = fast_constructor(WorkerMatch)
 
 
 @dataclass(frozen=True, slots=True)

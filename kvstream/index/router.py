@@ -51,14 +51,20 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstream.errors import ConfigError
 from kvstream.index.index import PrefixIndex
 from kvstream.index.load import LoadTracker
-from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch, weights_tuple
+from kvstream.index.matching import (
+    HashRequest,
+    MatchResult,
+    WorkerMatch,
+    fast_constructor,
+    weights_tuple,
+)
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
@@ -147,6 +153,11 @@ class WorkerScore:
             cost=round(self.cost, 6),
         )
         return d
+
+
+#: ``WorkerScore(...)`` with all six fields positionally (the router builds one per candidate
+#: worker and decision; see :func:`~kvstream.index.matching.fast_constructor`)
+_new_score: Callable[..., WorkerScore] = fast_constructor(WorkerScore)
 
 
 @dataclass(frozen=True)
@@ -326,7 +337,7 @@ class Router:
             prefill = max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb
             cost = factor * prefill + base[i]
             costs.append(cost)
-            scores.append(WorkerScore(m, requests[i], blocks[i], prefill, cost, pending[i]))
+            scores.append(_new_score(m, requests[i], blocks[i], prefill, cost, pending[i]))
 
         if policy is RoutingPolicy.ROUND_ROBIN:
             pick = turn % n
