@@ -225,18 +225,23 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_workload_args(ap: argparse.ArgumentParser, *, queries: int) -> None:
+    """The index workload's options (bench_peers drives the same workload)."""
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--requests", type=int, default=48, help="requests cached per worker")
     ap.add_argument("--pool", type=int, default=256, help="distinct requests in the pool")
-    ap.add_argument("--queries", type=int, default=2000)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=queries)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(ap, queries=2000)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--key-mode", choices=("engine", "tokens"), default="engine")
     args = ap.parse_args()
     mode = args.key_mode

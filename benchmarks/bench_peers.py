@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import msgspec
 from bench_codec import KVEventBatch
 from bench_codec import build as build_codec_workload
+from bench_index import add_workload_args
 
 from kvstream.codec import AvroCodec, ContainerWriter, schema_registry
 from kvstream.codec.columnar import decode_columns_message
@@ -496,14 +497,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=48, help="requests cached per worker")
-    ap.add_argument("--pool", type=int, default=256, help="distinct requests")
-    ap.add_argument("--queries", type=int, default=300)
+    add_workload_args(ap, queries=300)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: codec,index,e2e")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--svg", type=Path, help="write a bar chart of the ratios here")
