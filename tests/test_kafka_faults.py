@@ -33,6 +33,7 @@ from pipeline_helpers import batches_for, source
 from kvstream.codec import AvroCodec
 from kvstream.events.model import EventBatch, Lost, SourceId
 from kvstream.pipeline import DropReason, Pipeline, PipelineConfig
+from kvstream.sink import ExportResult
 
 pytestmark = pytest.mark.kafka
 
@@ -177,11 +178,15 @@ async def delivered_once(pipe: Pipeline, batches: list[EventBatch]) -> None:
     assert await pipe.flush(20)
 
 
-async def in_flight(sink: KafkaSink) -> None:
+async def in_flight(sink: KafkaSink, export: asyncio.Future[ExportResult]) -> None:
     """Wait until the sink has a send out to the broker (and a little longer, so it is
-    written); white-box, so the deadline tests do not depend on the machine's speed."""
+    written); white-box, so the deadline tests do not depend on the machine's speed.
+    ``export`` is the export expected to hang on the frozen broker: if it ends first, the
+    test's premise failed, and its result says why."""
     deadline = time.monotonic() + 10
     while not (sink._pending and any(p.inflight for p in sink._pending.parts)):
+        if export.done():
+            pytest.fail(f"the export ended before a send went out: {export.result()!r}")
         assert time.monotonic() < deadline, "no send went out"
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)
@@ -223,7 +228,7 @@ async def test_shutdown_is_safe_to_cancel(kafka_factory: Callable[..., KafkaEnv]
     assert (await sink.export(batches_for(source(), 5, 5))).ok
     env.broker.freeze()
     export = asyncio.ensure_future(sink.export(batches_for(source(), 50, 5)[1:]))
-    await in_flight(sink)
+    await in_flight(sink, export)
     t0 = time.monotonic()
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(sink.shutdown(timeout_s=10), 1.0)
@@ -243,7 +248,7 @@ async def test_shutdown_within_its_budget_with_a_frozen_broker(
     assert (await sink.export(batches_for(source(), 5, 5))).ok
     env.broker.freeze()
     export = asyncio.ensure_future(sink.export(batches_for(source(), 50, 5)[1:]))
-    await in_flight(sink)
+    await in_flight(sink, export)
     t0 = time.monotonic()
     await sink.shutdown(timeout_s=1.5)
     elapsed = time.monotonic() - t0
