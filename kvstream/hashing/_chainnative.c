@@ -26,6 +26,10 @@
  * portable implementation otherwise; BLAKE3 (inputs of any length, chunk tree included)
  * compresses on SSE4.1 registers when available, with the portable reference otherwise; the
  * CBOR and pickle token encodings take four ids per step with SSE4.1 (scalar otherwise).
+ * A KIND_BLAKE3 chain hashes first, for all its blocks, the chunks that do not hold the
+ * parent key (a 512-token block's message is 2080 bytes: chunks 1 and 2 of 3), eight chunks
+ * at a time on AVX2 (one by one otherwise); only each block's first chunk and its tree nodes
+ * stay on the chain's sequential path (b3_chain_split).
  *
  * Entry points:
  *
@@ -490,6 +494,405 @@ b3_hash(const unsigned char *p, size_t len, unsigned char out[32])
         store_le32(out + 4 * i, words[i]);
 }
 
+/* One block of a chain: n u32 LE token ids at tok. */
+typedef struct {
+    const unsigned char *tok;
+    Py_ssize_t n; /* tokens */
+} blk_t;
+
+/* ---------------------------------------------------------------- BLAKE3 chunks in lanes
+ *
+ * A block's message is parent (32) || tokens: only its first 1024-byte chunk holds the parent,
+ * so with more than one chunk the chaining values of all the other chunks of every block of a
+ * request are computed first, several chunks side by side (one per SIMD lane), leaving the
+ * first chunk and the parent nodes on the chain's sequential path (b3_chain_split). */
+
+#define B3_MAX_LANES 8
+
+/* Chaining values of n chunks of len bytes each (1..1024, the same for all; not root chunks:
+ * the message has more than one chunk): chunk i at in[i] with chunk counter ctr[i], its
+ * value to out + 8 * i. */
+typedef void (*b3_chunks_fn)(const unsigned char *const *in, size_t len, const uint64_t *ctr,
+                             size_t n, uint32_t *out);
+
+static void
+b3_chunks_one(const unsigned char *const *in, size_t len, const uint64_t *ctr, size_t n,
+              uint32_t *out)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        b3_output o;
+        b3_chunk(in[i], len, ctr[i], &o);
+        b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags, out + 8 * i);
+    }
+}
+
+static b3_chunks_fn b3_chunks_many = b3_chunks_one;
+
+/* The 16 message words of a round in its schedule order (as B3_ROUND), G applied to the
+ * vectors of a lane-sliced state v (v[i]: word i of every lane) by the macro G. */
+#define B3_LROUND(G, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
+    do {                                                                                 \
+        G(0, 4, 8, 12, m[s0], m[s1]);                                                    \
+        G(1, 5, 9, 13, m[s2], m[s3]);                                                    \
+        G(2, 6, 10, 14, m[s4], m[s5]);                                                   \
+        G(3, 7, 11, 15, m[s6], m[s7]);                                                   \
+        G(0, 5, 10, 15, m[s8], m[s9]);                                                   \
+        G(1, 6, 11, 12, m[s10], m[s11]);                                                 \
+        G(2, 7, 8, 13, m[s12], m[s13]);                                                  \
+        G(3, 4, 9, 14, m[s14], m[s15]);                                                  \
+    } while (0)
+#define B3_LROUNDS(G)                                                         \
+    do {                                                                      \
+        B3_LROUND(G, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
+        B3_LROUND(G, 2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);   \
+        B3_LROUND(G, 3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);   \
+        B3_LROUND(G, 10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);   \
+        B3_LROUND(G, 12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);   \
+        B3_LROUND(G, 9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);   \
+        B3_LROUND(G, 11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);   \
+    } while (0)
+
+#ifdef HAVE_X86_SHA
+static int
+cpu_has_avx2(void)
+{
+    unsigned int a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(1, 0, a, b, c, d);
+    if (!(c & bit_OSXSAVE) || !(c & bit_AVX))
+        return 0;
+    {
+        /* the OS saves the YMM registers (XCR0 bits 1 and 2) */
+        unsigned int lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & 6) != 6)
+            return 0;
+    }
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b & bit_AVX2) != 0;
+}
+
+/* The last, partial block of each lane's chunk, zero-padded (lanes beyond n: lane 0's). */
+static void
+b3_last_blocks(const unsigned char *const *in, size_t off, size_t rest, size_t n, size_t lanes,
+               unsigned char pad[][64], const unsigned char **src)
+{
+    size_t i;
+    for (i = 0; i < lanes; i++) {
+        memset(pad[i], 0, 64);
+        memcpy(pad[i], in[i < n ? i : 0] + off, rest);
+        src[i] = pad[i];
+    }
+}
+
+#define X8_ROT16(x) _mm256_shuffle_epi8((x), rot16)
+#define X8_ROT8(x) _mm256_shuffle_epi8((x), rot8)
+#define X8_ROTR(x, k) _mm256_or_si256(_mm256_srli_epi32((x), (k)), _mm256_slli_epi32((x), 32 - (k)))
+#define X8_G(a, b, c, d, x, y)                                            \
+    do {                                                                  \
+        v[a] = _mm256_add_epi32(_mm256_add_epi32(v[a], (x)), v[b]);       \
+        v[d] = X8_ROT16(_mm256_xor_si256(v[d], v[a]));                    \
+        v[c] = _mm256_add_epi32(v[c], v[d]);                              \
+        v[b] = X8_ROTR(_mm256_xor_si256(v[b], v[c]), 12);                 \
+        v[a] = _mm256_add_epi32(_mm256_add_epi32(v[a], (y)), v[b]);       \
+        v[d] = X8_ROT8(_mm256_xor_si256(v[d], v[a]));                     \
+        v[c] = _mm256_add_epi32(v[c], v[d]);                              \
+        v[b] = X8_ROTR(_mm256_xor_si256(v[b], v[c]), 7);                  \
+    } while (0)
+
+/* r[i] (8 words each) transposed in place: afterwards r[j] holds word j of each input row. */
+__attribute__((target("avx2"))) static inline void
+x8_transpose(__m256i r[8])
+{
+    __m256i t[8], u[8];
+    int i;
+    for (i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);     /* words 0, 4 of 4 rows */
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]); /* words 1, 5 */
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Eight chunks at once (AVX2): one chunk per 32-bit lane. */
+__attribute__((target("avx2"))) static void
+b3_chunks8_avx2(const unsigned char *const *in, size_t len, const uint64_t *ctr, size_t n,
+                uint32_t *out)
+{
+    const __m256i rot16 = _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13,
+                                           2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const __m256i rot8 = _mm256_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12,
+                                          1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
+    const size_t nblk = (len + 63) / 64;
+    const size_t rest = len - 64 * (nblk - 1); /* bytes of the last block, 1..64 */
+    unsigned char pad[8][64];
+    size_t g;
+
+    for (g = 0; g < n; g += 8) {
+        const size_t k = n - g < 8 ? n - g : 8;
+        const unsigned char *lane[8];
+        uint32_t lo[8], hi[8];
+        __m256i h[8], v[16], m[16], cnt_lo, cnt_hi;
+        size_t i, blk;
+        for (i = 0; i < 8; i++) {
+            const size_t j = g + (i < k ? i : 0); /* idle lanes repeat the group's first */
+            lane[i] = in[j];
+            lo[i] = (uint32_t)ctr[j];
+            hi[i] = (uint32_t)(ctr[j] >> 32);
+        }
+        cnt_lo = _mm256_loadu_si256((const __m256i *)lo);
+        cnt_hi = _mm256_loadu_si256((const __m256i *)hi);
+        for (i = 0; i < 8; i++)
+            h[i] = _mm256_set1_epi32((int)SHA_IV[i]);
+        for (blk = 0; blk < nblk; blk++) {
+            const int last = blk + 1 == nblk;
+            const unsigned char *src[8];
+            const uint32_t flags = (blk == 0 ? B3_CHUNK_START : 0) | (last ? B3_CHUNK_END : 0);
+            if (last && rest < 64)
+                b3_last_blocks(lane, 64 * blk, rest, 8, 8, pad, src);
+            else
+                for (i = 0; i < 8; i++)
+                    src[i] = lane[i] + 64 * blk;
+            for (i = 0; i < 8; i++) {
+                m[i] = _mm256_loadu_si256((const __m256i *)src[i]);
+                m[i + 8] = _mm256_loadu_si256((const __m256i *)(src[i] + 32));
+            }
+            x8_transpose(m);
+            x8_transpose(m + 8);
+            for (i = 0; i < 8; i++)
+                v[i] = h[i];
+            for (i = 0; i < 4; i++)
+                v[8 + i] = _mm256_set1_epi32((int)SHA_IV[i]);
+            v[12] = cnt_lo;
+            v[13] = cnt_hi;
+            v[14] = _mm256_set1_epi32(last ? (int)rest : 64);
+            v[15] = _mm256_set1_epi32((int)flags);
+            B3_LROUNDS(X8_G);
+            for (i = 0; i < 8; i++)
+                h[i] = _mm256_xor_si256(v[i], v[i + 8]);
+        }
+        x8_transpose(h); /* h[i]: lane i's chaining value */
+        for (i = 0; i < k; i++)
+            _mm256_storeu_si256((__m256i *)(out + 8 * (g + i)), h[i]);
+    }
+}
+#endif
+
+/* The chaining value of a message's first chunk, 1024 bytes at counter 0 and not the root:
+ * its first block is parent (32) || tok[0:32], then tok[32:992]. */
+typedef void (*b3_first_fn)(const unsigned char *parent, const unsigned char *tok,
+                            uint32_t out[8]);
+
+static void
+b3_first_chunk_one(const unsigned char *parent, const unsigned char *tok, uint32_t out[8])
+{
+    unsigned char first[64];
+    int j;
+    memcpy(first, parent, KEY_LEN);
+    memcpy(first + KEY_LEN, tok, 64 - KEY_LEN);
+    memcpy(out, SHA_IV, 8 * sizeof(uint32_t));
+    b3_compress_impl(out, first, 64, 0, B3_CHUNK_START, out);
+    for (j = 1; j < 15; j++)
+        b3_compress_impl(out, tok + 64 * j - KEY_LEN, 64, 0, 0, out);
+    b3_compress_impl(out, tok + 64 * 15 - KEY_LEN, 64, 0, B3_CHUNK_END, out);
+}
+
+#ifdef HAVE_X86_SHA
+/* b3_first_chunk_one with b3_compress_sse41's rounds, the chaining value kept in registers
+ * from block to block (this is the chain's sequential path) */
+__attribute__((target("sse4.1,ssse3"))) static void
+b3_first_chunk_sse41(const unsigned char *parent, const unsigned char *tok, uint32_t out[8])
+{
+    const __m128i rot16 = _mm_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const __m128i rot8 = _mm_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
+    const __m128i iv0 = _mm_loadu_si128((const __m128i *)&SHA_IV[0]);
+    const __m128i iv1 = _mm_loadu_si128((const __m128i *)&SHA_IV[4]);
+    __m128i h0 = iv0, h1 = iv1, r0, r1, r2, r3;
+    uint32_t m[16];
+    int j;
+    for (j = 0; j < 16; j++) {
+        /* x86: the words are little-endian in memory already */
+        if (j == 0) {
+            memcpy(m, parent, KEY_LEN);
+            memcpy(m + 8, tok, 64 - KEY_LEN);
+        }
+        else {
+            memcpy(m, tok + 64 * j - KEY_LEN, 64);
+        }
+        r0 = h0;
+        r1 = h1;
+        r2 = iv0;
+        r3 = _mm_setr_epi32(0, 0, 64,
+                            j == 0 ? (int)B3_CHUNK_START : j == 15 ? (int)B3_CHUNK_END : 0);
+        B3_SROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        B3_SROUND(2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);
+        B3_SROUND(3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);
+        B3_SROUND(10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);
+        B3_SROUND(12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);
+        B3_SROUND(9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);
+        B3_SROUND(11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);
+        h0 = _mm_xor_si128(r0, r2);
+        h1 = _mm_xor_si128(r1, r3);
+    }
+    _mm_storeu_si128((__m128i *)&out[0], h0);
+    _mm_storeu_si128((__m128i *)&out[4], h1);
+}
+#endif
+
+static b3_first_fn b3_first_chunk = b3_first_chunk_one;
+
+/* Parent node of two chaining values, compressed with extra flags (B3_ROOT or 0). */
+static void
+b3_parent_cv(const uint32_t left[8], const uint32_t right[8], uint32_t flags, uint32_t out[8])
+{
+    b3_output o;
+    b3_parent(left, right, &o);
+    b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags | flags, out);
+}
+
+/* BLAKE3(parent || tok[0:tlen]) of a message of more than one chunk whose chunks 1.. have
+ * chaining values cvs[0..) already (cvs[j - 1] for chunk j): the first chunk, then the tree. */
+static void
+b3_hash_split(const unsigned char *parent, const unsigned char *tok, size_t tlen,
+              const uint32_t *cvs, unsigned char out[32])
+{
+    const size_t nchunks = (KEY_LEN + tlen + B3_CHUNK_LEN - 1) / B3_CHUNK_LEN;
+    uint32_t stack[64][8], cv[8], words[8];
+    size_t j, depth = 0;
+    int i;
+
+    b3_first_chunk(parent, tok, cv);
+    /* the tree as b3_hash builds it: merge on each trailing zero bit of the chunk count */
+    for (j = 0; j + 1 < nchunks; j++) {
+        uint64_t total;
+        if (j > 0)
+            memcpy(cv, cvs + 8 * (j - 1), sizeof cv);
+        for (total = j + 1; (total & 1) == 0; total >>= 1)
+            b3_parent_cv(stack[--depth], cv, 0, cv);
+        memcpy(stack[depth++], cv, sizeof cv);
+    }
+    memcpy(cv, cvs + 8 * (nchunks - 2), sizeof cv); /* the last chunk's */
+    while (depth > 1)
+        b3_parent_cv(stack[--depth], cv, 0, cv);
+    b3_parent_cv(stack[0], cv, B3_ROOT, words);
+    for (i = 0; i < 8; i++)
+        store_le32(out + 4 * i, words[i]);
+}
+
+/* Chaining values kept on the stack before b3_chain_split allocates. */
+#define B3_SPLIT_STACK_CVS 256
+
+/* Lanes waiting for b3_chunks_many: chunks of one length, and where their values go. */
+typedef struct {
+    const unsigned char *in[B3_MAX_LANES];
+    uint64_t ctr[B3_MAX_LANES];
+    uint32_t *dst[B3_MAX_LANES];
+    size_t k;
+} b3_group;
+
+static void
+b3_group_flush(b3_group *g, size_t len)
+{
+    uint32_t out[8 * B3_MAX_LANES];
+    size_t i;
+    if (g->k == 0)
+        return;
+    b3_chunks_many(g->in, len, g->ctr, g->k, out);
+    for (i = 0; i < g->k; i++)
+        memcpy(g->dst[i], out + 8 * i, 8 * sizeof(uint32_t));
+    g->k = 0;
+}
+
+static void
+b3_group_add(b3_group *g, size_t len, const unsigned char *in, uint64_t ctr, uint32_t *dst)
+{
+    g->in[g->k] = in;
+    g->ctr[g->k] = ctr;
+    g->dst[g->k++] = dst;
+    if (g->k == B3_MAX_LANES)
+        b3_group_flush(g, len);
+}
+
+/* KIND_BLAKE3's chain of blocks[0..nb) from parent, keys to keys + 32 * i: blocks of more than
+ * one chunk by b3_hash_split after the values of their parent-free chunks, computed in lanes
+ * (b3_chunks_many, grouped by chunk length: whole chunks, and the length of the first short
+ * last chunk; any other length one by one); shorter blocks as one message in msg (room for
+ * 32 + 1024 bytes). Returns -1 (nothing written) when the scratch for the chaining values
+ * cannot be allocated. */
+static int
+b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
+               unsigned char *keys, unsigned char *msg)
+{
+    uint32_t cv_stack[8 * B3_SPLIT_STACK_CVS];
+    uint32_t *cvs = cv_stack, *at;
+    size_t total = 0, short_len = 0;
+    b3_group full, part;
+    Py_ssize_t b;
+    const unsigned char *prev = parent;
+
+    for (b = 0; b < nb; b++) {
+        const size_t len = KEY_LEN + 4 * (size_t)blocks[b].n;
+        if (len > B3_CHUNK_LEN)
+            total += (len - 1) / B3_CHUNK_LEN;
+    }
+    if (total > B3_SPLIT_STACK_CVS) {
+        cvs = PyMem_RawMalloc(total * 8 * sizeof(uint32_t));
+        if (cvs == NULL)
+            return -1;
+    }
+    full.k = part.k = 0;
+    at = cvs;
+    for (b = 0; b < nb; b++) {
+        const size_t len = KEY_LEN + 4 * (size_t)blocks[b].n;
+        size_t j;
+        for (j = 1; len > B3_CHUNK_LEN && j * B3_CHUNK_LEN < len; j++, at += 8) {
+            const unsigned char *in = blocks[b].tok + j * B3_CHUNK_LEN - KEY_LEN;
+            const size_t left = len - j * B3_CHUNK_LEN;
+            if (left >= B3_CHUNK_LEN) {
+                b3_group_add(&full, B3_CHUNK_LEN, in, j, at);
+                continue;
+            }
+            if (short_len == 0)
+                short_len = left;
+            if (left == short_len)
+                b3_group_add(&part, left, in, j, at);
+            else
+                b3_chunks_one(&in, left, (const uint64_t[]){j}, 1, at);
+        }
+    }
+    b3_group_flush(&full, B3_CHUNK_LEN);
+    b3_group_flush(&part, short_len);
+    /* the sequential part: each block's first chunk and tree on its parent's key */
+    at = cvs;
+    for (b = 0; b < nb; b++) {
+        const size_t tlen = 4 * (size_t)blocks[b].n;
+        unsigned char *key = keys + (size_t)KEY_LEN * b;
+        if (KEY_LEN + tlen > B3_CHUNK_LEN) {
+            b3_hash_split(prev, blocks[b].tok, tlen, at, key);
+            at += 8 * ((KEY_LEN + tlen - 1) / B3_CHUNK_LEN);
+        }
+        else {
+            memcpy(msg, prev, KEY_LEN);
+            memcpy(msg + KEY_LEN, blocks[b].tok, tlen);
+            b3_hash(msg, KEY_LEN + tlen, key);
+        }
+        prev = key;
+    }
+    if (cvs != cv_stack)
+        PyMem_RawFree(cvs);
+    return 0;
+}
+
 /* ================================================================================ chains */
 
 /* Canonical CBOR head of major type `major` with argument v (< 2**32) at p; returns length. */
@@ -689,11 +1092,6 @@ pickle_tokens_sse41(unsigned char *q, const unsigned char *t, Py_ssize_t n)
 static cbor_tokens_fn pickle_tokens = pickle_tokens_scalar;
 
 typedef struct {
-    const unsigned char *tok;
-    Py_ssize_t n; /* tokens */
-} blk_t;
-
-typedef struct {
     int kind;
     const unsigned char *first_tail, *tail;
     Py_ssize_t first_tail_len, tail_len;
@@ -803,6 +1201,8 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
     int i;
 
     if (nb == 0)
+        return;
+    if (cfg->kind == KIND_BLAKE3 && b3_chain_split(blocks, nb, parent, keys, msg) == 0)
         return;
     buf[0] = msg;
     buf[1] = msg + cap;
@@ -1385,6 +1785,8 @@ cn_set_simd(PyObject *self, PyObject *arg)
         using_sha_ni = 0;
     }
     b3_compress_impl = on && cpu_has_sse41() ? b3_compress_sse41 : b3_compress;
+    b3_chunks_many = on && cpu_has_avx2() ? b3_chunks8_avx2 : b3_chunks_one;
+    b3_first_chunk = on && cpu_has_sse41() ? b3_first_chunk_sse41 : b3_first_chunk_one;
     cbor_tokens = on && cpu_has_sse41() ? cbor_tokens_sse41 : cbor_tokens_scalar;
     pickle_tokens = on && cpu_has_sse41() ? pickle_tokens_sse41 : pickle_tokens_scalar;
 #else
@@ -1404,9 +1806,9 @@ static PyMethodDef methods[] = {
     {"has_sha_ni", cn_has_sha_ni, METH_NOARGS,
      "has_sha_ni() -> bool: whether SHA-256 runs on the x86 SHA extensions."},
     {"set_simd", cn_set_simd, METH_O,
-     "set_simd(on) -> bool: use the x86 SHA extensions and the SSE4.1 BLAKE3 compression "
-     "when on and available, the portable C otherwise (tests exercise both); returns whether "
-     "the SHA extensions are used."},
+     "set_simd(on) -> bool: use the x86 SHA extensions, the SSE4.1 BLAKE3 compression and "
+     "the AVX2 eight-chunk BLAKE3 lanes when on and available, the portable C otherwise (tests "
+     "exercise both); returns whether the SHA extensions are used."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1445,6 +1847,10 @@ PyInit__chainnative(void)
         cbor_tokens = cbor_tokens_sse41;
         pickle_tokens = pickle_tokens_sse41;
     }
+    if (cpu_has_sse41())
+        b3_first_chunk = b3_first_chunk_sse41;
+    if (cpu_has_avx2())
+        b3_chunks_many = b3_chunks8_avx2;
 #endif
     m = PyModule_Create(&moduledef);
     if (m == NULL)

@@ -14,13 +14,19 @@ conversation): one pseudo-random pool of :data:`POOL_TOKENS` tokens per seed (BL
 block ``h`` is the id written in base ``vocab_size`` (3 tokens, so distinct ids always give
 distinct blocks) followed by a slice of the pool at an offset that is a hash of ``h``.
 Outputs are pool slices keyed by the row index.
+
+A hash-id row's prompt is built in one C call (:mod:`._mooncake_native`, built by ``pip install``
+when a C compiler is present); the Python loop of :meth:`MooncakeTokens.prompt` is the reference,
+the fallback (``native=False``; ``KVSTREAM_NO_NATIVE=1`` before import) and the path that
+reports bad ids. Both give the same bytes (property-tested).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Final
+from typing import Any, Final
 
 from kvstream._types import TokenIds
 from kvstream.workloads.base import WorkloadRequest, pseudo_tokens
@@ -33,6 +39,14 @@ from kvstream.workloads.traces import (
     load_trace,
     trace_path,
 )
+
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.workloads import _mooncake_native
+    except ImportError:  # built without a C compiler: the pure-Python path
+        _mooncake_native = None  # type: ignore[assignment]
+else:
+    _mooncake_native = None  # type: ignore[assignment]
 
 __all__ = [
     "DATA_DIR_ENV",
@@ -53,6 +67,9 @@ _STAMP: Final = 3  # tokens that spell the id at the head of its block
 _MIX: Final = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads ids over the pool
 _PACK: Final = struct.Struct("<3I").pack
 _MASK: Final = 0xFFFFFFFFFFFFFFFF
+_U32: Final = 1 << 32
+#: Whether the C prompt builder is loaded (the default path of :meth:`MooncakeTokens.prompt`).
+NATIVE_PROMPTS: Final[bool] = _mooncake_native is not None
 
 
 class MooncakeTokens:
@@ -62,15 +79,29 @@ class MooncakeTokens:
     ``prompt(row)`` exactly ``input_length`` tokens (a token-id row's own tokens);
     ``output(row)`` ``output_length`` tokens keyed by the row index. Ids must be below
     ``vocab_size ** 3`` (1.6e13 for the default vocabulary) to stay distinct.
+
+    ``native`` picks the C prompt builder: None (default) when built, False never, True
+    required (ValueError when it is not available). Prompts are the same bytes either way.
     """
 
-    def __init__(self, *, seed: int = 0, vocab_size: int = 32000) -> None:
+    def __init__(
+        self, *, seed: int = 0, vocab_size: int = 32000, native: bool | None = None
+    ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if native and _mooncake_native is None:
+            raise ValueError(
+                "the Mooncake prompt C extension is not available "
+                "(not built, or KVSTREAM_NO_NATIVE is set)"
+            )
         self.seed = seed
         self.vocab_size = vocab_size
         self._pool = pseudo_tokens(b"mooncake-pool\x00%d" % seed, POOL_TOKENS, vocab_size).raw
         self._view = memoryview(self._pool)
+        # the C builder's stamp is three u32 words (larger vocabularies: the Python path)
+        self._c: Any = _mooncake_native if native is not False and vocab_size < _U32 else None
+        #: Whether prompts of hash-id rows are built in C.
+        self.native: bool = self._c is not None
 
     def _stamp(self, hash_id: int) -> bytes:
         v = self.vocab_size
@@ -98,6 +129,13 @@ class MooncakeTokens:
         if row.tokens is not None:
             return row.tokens
         bt = row.block_tokens
+        ids = row.hash_ids
+        c = self._c
+        if c is not None and bt > _STAMP:
+            n = min(max(row.input_length, 0), len(ids) * bt)
+            raw_c: bytes | None = c.prompt(self._pool, ids, self.seed, self.vocab_size, bt, n)
+            if raw_c is not None:
+                return TokenIds.from_bytes(raw_c)
         if bt <= _STAMP:
             raw = b"".join(self.block(h, bt).raw for h in row.hash_ids)
             return TokenIds.from_bytes(raw[: 4 * row.input_length])
