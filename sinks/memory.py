@@ -86,6 +86,10 @@ class MemorySink(Sink):
             if isinstance(fault, BaseException):
                 raise fault
             return fault
+        self._append(batches)
+        return ExportResult.success()
+
+    def _append(self, batches: Sequence[EventBatch]) -> None:
         log = self._log
         for b in batches:
             if self.max_batches is not None and len(log) == self.max_batches:
@@ -95,7 +99,26 @@ class MemorySink(Sink):
             self.events_in += len(b.events)
         self.batches_in += len(batches)
         self._notify()
-        return ExportResult.success()
+
+    def export_now(self, batches: Sequence[EventBatch]) -> bool:
+        """:meth:`export` without the coroutine, when it would neither wait nor fail: no
+        stall, latency or injected failure pending, not shut down, and ``export`` not
+        overridden by a subclass. Then the batches are appended (counted as one export call,
+        exactly as ``export`` does) and True returned; otherwise nothing happens (False).
+
+        The pipeline uses it to deliver a batch without a trip through the sink's task when
+        the task is idle (:meth:`~kvstream.pipeline.worker.SinkWorker.deliver_now`)."""
+        if (
+            self._shut_down
+            or self._gate is not None
+            or self.latency_s
+            or self._faults
+            or type(self).export is not MemorySink.export
+        ):
+            return False
+        self.export_calls += 1
+        self._append(batches)
+        return True
 
     async def force_flush(self, timeout_s: float | None = None) -> bool:
         """Nothing to make durable; counts the call."""
@@ -137,6 +160,24 @@ class MemorySink(Sink):
         """Retained batches from log offset ``since`` (a :meth:`position`; None: all)."""
         start = since if isinstance(since, int) else self._base
         return list(self._log)[max(start - self._base, 0) :]
+
+    def discard_before(self, offset: int) -> int:
+        """Forget the retained batches before log offset ``offset`` (a :meth:`position`), as
+        a reader that has applied them may: they are freed now rather than when the bound
+        evicts them. Subscriptions still behind ``offset`` skip ahead and count the batches
+        ``missed``, as after an eviction. Returns how many were discarded."""
+        log = self._log
+        n = min(offset - self._base, len(log))
+        if n <= 0:
+            return 0
+        self._base += n
+        if n == len(log):
+            log.clear()
+        else:
+            pop = log.popleft
+            for _ in range(n):
+                pop()
+        return n
 
     def clear(self) -> None:
         """Forget the retained batches (subscriptions skip to the end)."""

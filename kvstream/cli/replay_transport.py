@@ -27,7 +27,12 @@ class Transport:
     no batch is ever evicted unread, :meth:`publish` first brings a backlog of ``max_lag`` +
     128 batches back to ``max_lag`` (128 publishes between two routing decisions: never seen
     in the shipped traces; with ``max_lag=0`` it changes nothing anyway, as routing catches
-    up first).
+    up first). :meth:`sync` discards what the index applied at once, so a batch is freed
+    while its objects are still in the CPU's caches.
+
+    With the memory sink the pipeline hands a batch to the idle sink within
+    :meth:`publish` (``Pipeline.put``'s fast path), so a routing step needs no trip through
+    the event loop to see its workers' events applied.
     """
 
     def __init__(self, sink: str, index: PrefixIndex, *, max_lag: int = 0) -> None:
@@ -39,9 +44,11 @@ class Transport:
         self.consumer: IndexConsumer
         self.memory = sink == "memory"
         if self.memory:
-            self.sink = create_sink(f"memory?max_batches={self.retained}")
-            source = MemorySource(cast(Any, self.sink), from_start=False)
-            self.consumer = IndexConsumer(source, index)
+            # (a kvstream.sinks.memory.MemorySink: sinks are found by name, not imported)
+            self._memory: Any = cast(Any, create_sink(f"memory?max_batches={self.retained}"))
+            self.sink = self._memory
+            self._source = MemorySource(self._memory, from_start=False)
+            self.consumer = IndexConsumer(self._source, index)
         else:
             self.sink = create_sink(_kafka_sink_url(sink))
             self.consumer = IndexConsumer(_kafka_source(sink), index)
@@ -74,7 +81,10 @@ class Transport:
         if self.memory:
             spins = 0
             while True:
-                consumer.drain()
+                if consumer.drain():
+                    # applied: free them now, while their objects are still in the CPU's
+                    # caches (the bounded log would free each one 256 batches later)
+                    self._memory.discard_before(self._source.offset)
                 if self.published - consumer.batches <= lag:
                     return
                 spins += 1

@@ -20,6 +20,7 @@ from kvstream.sink import Sink
 
 from .config import OverflowPolicy, PipelineConfig
 from .errors import PipelineClosedError, PipelineNotStartedError
+from .lost import batch_len
 from .metrics import PipelineMetrics
 from .queue import DropReason, SinkQueue
 from .report import CloseReport, SinkReport
@@ -196,15 +197,24 @@ class Pipeline:
     async def put(self, batch: AnyBatch, *, timeout_s: float | None = None) -> bool:
         """Hand ``batch`` over from a coroutine on the pipeline's loop; ``block`` sinks wait
         for room without blocking the loop (at most ``timeout_s``, default
-        ``handoff_timeout_s``, in total)."""
-        bound = self.config.handoff_timeout_s if timeout_s is None else timeout_s
-        until = time.monotonic() + bound
+        ``handoff_timeout_s``, in total).
+
+        A sink whose task is idle and that can take the batch without waiting (the memory
+        sink's ``export_now``) gets it right here, without a trip through its task: see
+        :meth:`SinkWorker.deliver_now <kvstream.pipeline.worker.SinkWorker.deliver_now>`."""
+        n = batch_len(batch)
+        until: float | None = None
         ok = True
-        for q in self._queues:
-            if q.policy.overflow is OverflowPolicy.BLOCK and not q.closed:
+        for lane in self._lanes:
+            if lane.worker.deliver_now(batch, n):
+                continue
+            q = lane.queue
+            accepted = q.offer(batch, n)
+            if accepted is None:  # a full ``block`` queue: wait for room
+                if until is None:
+                    bound = self.config.handoff_timeout_s if timeout_s is None else timeout_s
+                    until = time.monotonic() + bound
                 accepted = await q.put_async(batch, max(until - time.monotonic(), 0.0))
-            else:
-                accepted = q.put(batch, None)
             ok = ok and accepted
         return ok
 

@@ -246,6 +246,49 @@ class SinkQueue:
             self._drop(batch, n, DropReason.BLOCK_TIMEOUT)
             return False
 
+    def offer(self, batch: AnyBatch, n: int) -> bool | None:
+        """Enqueue ``batch`` (``n`` events) if that needs no waiting: True/False when decided
+        (accepted/dropped, as :meth:`put` decides), None when a ``block`` queue is full (then
+        :meth:`put_async` waits for room). Never waits; any thread."""
+        with self._lock:
+            items = self._items
+            if not self._closed and (
+                not items
+                or (len(items) < self._max_batches and self._events + n <= self._max_events)
+            ):  # the common case, inlined (as in put)
+                items.append(batch)
+                self._events += n
+                c = self.counters
+                c.batches_in += 1
+                c.events_in += n
+                if self._consumer_waiting and (
+                    len(items) >= self._want_batches or self._events >= self._want_events
+                ):
+                    self._signal()
+                return True
+            return self._offer(batch, n)
+
+    def awaiting_work(self) -> bool:
+        """True when the sink task waits for work with nothing queued and no lost markers
+        owed: a batch handed over now would be the next (and only) thing it exports."""
+        with self._lock:
+            return (
+                self._consumer_waiting and not self._items and not self.ledger and not self._closed
+            )
+
+    def delivered_now(self, n: int) -> None:
+        """A batch of ``n`` events was handed over and delivered at once, without being
+        queued (:meth:`~kvstream.pipeline.worker.SinkWorker.deliver_now`): counted as
+        accepted, delivered and settled, as a one-batch chunk through the queue would be."""
+        with self._lock:
+            c = self.counters
+            c.batches_in += 1
+            c.events_in += n
+            c.batches_out += 1
+            c.events_out += n
+            c.settled_batches += 1
+            self._marker_not_before = 0.0
+
     async def put_async(self, batch: AnyBatch, timeout_s: float | None = None) -> bool:
         """Enqueue from a coroutine on the sink task's loop; ``block`` waits without blocking
         the loop, up to ``min(timeout_s, block_timeout_s)``."""
