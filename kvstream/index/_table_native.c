@@ -1,6 +1,14 @@
 /*
  * kvstream.index._table_native: the hot loops of GroupTable.store_hashes and .remove in C.
  *
+ *   Column(values=(), *, unsigned=False)
+ *
+ * The type of a GroupTable's integer columns (parent, refs (unsigned: packed counts), kid,
+ * free) when this extension is built: 64-bit ints in one C array, with the list operations
+ * table.py uses on them. The loops below read and write them in place (no int object per
+ * node), and the cyclic GC never walks them; untrack_atoms(list) takes a table's hashes list
+ * (bytes only) out of the GC's walks too.
+ *
  *   store_run(table, hashes, start, p, ok, inc) -> (stop, p, added)
  *
  * Links the blocks hashes[start:], all stored at one cache level (``inc``: the packed
@@ -8,7 +16,7 @@
  * new block rooted when ``ok``, exactly as the pure-Python loop of
  * kvstream/index/table.py (GroupTable.store_hashes) does for blocks the table does not know:
  * a node id from the table's free list (or the next one), ``ids[h] = n``, the parallel
- * lists (hashes, parent, refs, kid, rooted) written, the node linked under its parent
+ * columns (hashes, parent, refs, kid, rooted) written, the node linked under its parent
  * (``kid`` or the ``more`` side sets) and, when rooted and attached, the table's ``slot`` bit
  * set in ``masks`` (a kvstream.index.domain.MaskMap: an entry per key in ``index``, ``width``
  * bytes of bits per entry in ``words``, reusable entries in ``free``). It stops at the first block the table already holds: ``stop`` is its index
@@ -56,7 +64,313 @@
 
 static PyObject *s_ids, *s_hashes, *s_parent, *s_refs, *s_kid, *s_rooted, *s_free, *s_more,
     *s_masks, *s_slot, *s_index, *s_words, *s_width;
-static PyObject *nil; /* -1 */
+
+/* ------------------------------------------------------------------ Column */
+
+/* A growable vector of 64-bit integers (signed, or unsigned for packed reference counts)
+ * with the list operations GroupTable uses. Not tracked by the cyclic GC (it holds no
+ * objects) and no int object per element: a table's parent/refs/kid/free columns cost
+ * 8 bytes per node, the C loops read and write them in place, and the GC never walks them. */
+typedef struct {
+    PyObject_HEAD
+    int64_t *v;
+    Py_ssize_t n, cap;
+    int unsig;
+} Column;
+
+static PyTypeObject ColumnType;
+
+static int
+column_reserve(Column *c, Py_ssize_t need)
+{
+    if (need <= c->cap)
+        return 0;
+    Py_ssize_t cap = c->cap < 8 ? 8 : c->cap;
+    while (cap < need) {
+        if (cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(int64_t)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        cap *= 2;
+    }
+    int64_t *v = PyMem_Realloc(c->v, (size_t)cap * sizeof(int64_t));
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->v = v;
+    c->cap = cap;
+    return 0;
+}
+
+static inline int
+column_push(Column *c, int64_t x)
+{
+    if (c->n == c->cap && column_reserve(c, c->n + 1) < 0)
+        return -1;
+    c->v[c->n++] = x;
+    return 0;
+}
+
+/* An int as the column stores it: OverflowError outside int64 (uint64 when unsigned). */
+static int
+column_value(Column *c, PyObject *o, int64_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "Column: an int is required, not %.100s",
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    if (c->unsig) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        *out = (int64_t)u;
+        return 0;
+    }
+    long long s = PyLong_AsLongLong(o);
+    if (s == -1 && PyErr_Occurred())
+        return -1;
+    *out = s;
+    return 0;
+}
+
+static PyObject *
+column_int(Column *c, int64_t x)
+{
+    return c->unsig ? PyLong_FromUnsignedLongLong((unsigned long long)x)
+                    : PyLong_FromLongLong(x);
+}
+
+static int
+column_extend_from(Column *c, PyObject *it)
+{
+    PyObject *seq = PySequence_Fast(it, "Column: values must be iterable");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    int rc = column_reserve(c, c->n + k);
+    /* converted past the end first: a bad value leaves the column as it was */
+    for (Py_ssize_t i = 0; rc == 0 && i < k; i++)
+        rc = column_value(c, PySequence_Fast_GET_ITEM(seq, i), &c->v[c->n + i]);
+    if (rc == 0)
+        c->n += k;
+    Py_DECREF(seq);
+    return rc;
+}
+
+static PyObject *
+column_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"values", "unsigned", NULL};
+    PyObject *values = NULL;
+    int unsig = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$p:Column", kwlist, &values, &unsig))
+        return NULL;
+    Column *c = (Column *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->unsig = unsig;
+    if (values != NULL && column_extend_from(c, values) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+static void
+column_dealloc(Column *c)
+{
+    PyMem_Free(c->v);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static Py_ssize_t
+column_len(Column *c)
+{
+    return c->n;
+}
+
+static PyObject *
+column_item(Column *c, Py_ssize_t i)
+{
+    if (i < 0 || i >= c->n) {
+        PyErr_SetString(PyExc_IndexError, "Column index out of range");
+        return NULL;
+    }
+    return column_int(c, c->v[i]);
+}
+
+static int
+column_ass_item(Column *c, Py_ssize_t i, PyObject *o)
+{
+    if (o == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Column items cannot be deleted (pop the last one)");
+        return -1;
+    }
+    if (i < 0 || i >= c->n) {
+        PyErr_SetString(PyExc_IndexError, "Column assignment index out of range");
+        return -1;
+    }
+    return column_value(c, o, &c->v[i]);
+}
+
+static PyObject *
+column_append(Column *c, PyObject *o)
+{
+    int64_t x;
+    if (column_value(c, o, &x) < 0 || column_push(c, x) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+column_extend(Column *c, PyObject *o)
+{
+    if (column_extend_from(c, o) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+column_pop(Column *c, PyObject *unused)
+{
+    if (!c->n) {
+        PyErr_SetString(PyExc_IndexError, "pop from empty Column");
+        return NULL;
+    }
+    return column_int(c, c->v[--c->n]);
+}
+
+static PyObject *
+column_tolist(Column *c, PyObject *unused)
+{
+    PyObject *out = PyList_New(c->n);
+    for (Py_ssize_t i = 0; out != NULL && i < c->n; i++) {
+        PyObject *x = column_int(c, c->v[i]);
+        if (x == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+static PyObject *
+column_reduce(Column *c, PyObject *unused)
+{
+    PyObject *values = column_tolist(c, NULL);
+    if (values == NULL)
+        return NULL;
+    PyObject *kw = Py_BuildValue("{sO}", "unsigned", c->unsig ? Py_True : Py_False);
+    PyObject *args = kw == NULL ? NULL : Py_BuildValue("(O)", values);
+    Py_DECREF(values);
+    if (args == NULL) {
+        Py_XDECREF(kw);
+        return NULL;
+    }
+    /* copy/pickle: functools.partial-free form, Column(values, unsigned=...) via _column_of */
+    PyObject *mod = PyImport_ImportModule("kvstream.index._table_native");
+    PyObject *fn = mod == NULL ? NULL : PyObject_GetAttrString(mod, "_column_of");
+    Py_XDECREF(mod);
+    PyObject *out = fn == NULL ? NULL : Py_BuildValue("(O(OO))", fn, PyTuple_GET_ITEM(args, 0), kw);
+    Py_XDECREF(fn);
+    Py_DECREF(args);
+    Py_DECREF(kw);
+    return out;
+}
+
+static PyObject *
+column_repr(Column *c)
+{
+    PyObject *values = column_tolist(c, NULL);
+    if (values == NULL)
+        return NULL;
+    PyObject *out = PyUnicode_FromFormat("Column(%R%s)", values, c->unsig ? ", unsigned=True" : "");
+    Py_DECREF(values);
+    return out;
+}
+
+static PyObject *
+column_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(a, &ColumnType))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (!PyObject_TypeCheck(b, &ColumnType) && !PyList_Check(b))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *la = column_tolist((Column *)a, NULL);
+    PyObject *lb = PyList_Check(b) ? Py_NewRef(b) : column_tolist((Column *)b, NULL);
+    PyObject *out = la == NULL || lb == NULL ? NULL : PyObject_RichCompare(la, lb, op);
+    Py_XDECREF(la);
+    Py_XDECREF(lb);
+    return out;
+}
+
+static PyObject *
+column_of(PyObject *module, PyObject *args)
+{
+    PyObject *values, *kw;
+    if (!PyArg_ParseTuple(args, "OO!", &values, &PyDict_Type, &kw))
+        return NULL;
+    PyObject *a = PyTuple_Pack(1, values);
+    if (a == NULL)
+        return NULL;
+    PyObject *out = PyObject_Call((PyObject *)&ColumnType, a, kw);
+    Py_DECREF(a);
+    return out;
+}
+
+static PySequenceMethods column_as_sequence = {
+    .sq_length = (lenfunc)column_len,
+    .sq_item = (ssizeargfunc)column_item,
+    .sq_ass_item = (ssizeobjargproc)column_ass_item,
+};
+
+static PyMethodDef column_methods[] = {
+    {"append", (PyCFunction)column_append, METH_O, "Append an int."},
+    {"extend", (PyCFunction)column_extend, METH_O, "Append the ints of an iterable."},
+    {"pop", (PyCFunction)column_pop, METH_NOARGS, "Remove and return the last int."},
+    {"tolist", (PyCFunction)column_tolist, METH_NOARGS, "The values as a list of ints."},
+    {"__reduce__", (PyCFunction)column_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ColumnType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream.index._table_native.Column",
+    .tp_basicsize = sizeof(Column),
+    .tp_dealloc = (destructor)column_dealloc,
+    .tp_repr = (reprfunc)column_repr,
+    .tp_as_sequence = &column_as_sequence,
+    .tp_richcompare = column_richcompare,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Column(values=(), *, unsigned=False): a vector of 64-bit ints with the list "
+              "operations a GroupTable uses (len, [i], [i] = x, append, extend, pop(), tolist); "
+              "not tracked by the GC, no int object per element.",
+    .tp_methods = column_methods,
+    .tp_new = column_new,
+};
+
+/* untrack_atoms(list) -> list: the same list, taken out of the cyclic GC when it holds only
+ * bytes and ints (a table's hashes: it can never be part of a reference cycle while only
+ * such atoms are put in it, which GroupTable guarantees). */
+static PyObject *
+untrack_atoms(PyObject *module, PyObject *o)
+{
+    if (!PyList_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "untrack_atoms: a list is required");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); i++) {
+        PyObject *x = PyList_GET_ITEM(o, i);
+        if (!PyBytes_CheckExact(x) && !PyLong_CheckExact(x))
+            return Py_NewRef(o); /* not atoms only: leave it to the GC */
+    }
+    if (PyObject_GC_IsTracked(o))
+        PyObject_GC_UnTrack(o);
+    return Py_NewRef(o);
+}
+
+/* ------------------------------------------------------------------ table state */
 
 /* A MaskMap's storage (kvstream/index/domain.py). */
 typedef struct {
@@ -65,7 +379,9 @@ typedef struct {
 } Masks;
 
 typedef struct {
-    PyObject *ids, *hashes, *parent, *refs, *kid, *rooted, *free, *more, *masks;
+    PyObject *ids, *hashes, *rooted, *more, *masks;
+    PyObject *parent_o, *refs_o, *kid_o, *free_o;
+    Column *parent, *refs, *kid, *free; /* borrowed from the *_o references */
     Py_ssize_t slot;
     Masks m; /* when masks is not None */
 } Table;
@@ -189,11 +505,11 @@ table_release(Table *t)
 {
     Py_XDECREF(t->ids);
     Py_XDECREF(t->hashes);
-    Py_XDECREF(t->parent);
-    Py_XDECREF(t->refs);
-    Py_XDECREF(t->kid);
+    Py_XDECREF(t->parent_o);
+    Py_XDECREF(t->refs_o);
+    Py_XDECREF(t->kid_o);
     Py_XDECREF(t->rooted);
-    Py_XDECREF(t->free);
+    Py_XDECREF(t->free_o);
     Py_XDECREF(t->more);
     Py_XDECREF(t->masks);
     masks_release(&t->m);
@@ -204,10 +520,11 @@ table_get(PyObject *obj, Table *t)
 {
     memset(t, 0, sizeof(*t));
     if (!(t->ids = PyObject_GetAttr(obj, s_ids)) || !(t->hashes = PyObject_GetAttr(obj, s_hashes))
-        || !(t->parent = PyObject_GetAttr(obj, s_parent))
-        || !(t->refs = PyObject_GetAttr(obj, s_refs)) || !(t->kid = PyObject_GetAttr(obj, s_kid))
+        || !(t->parent_o = PyObject_GetAttr(obj, s_parent))
+        || !(t->refs_o = PyObject_GetAttr(obj, s_refs))
+        || !(t->kid_o = PyObject_GetAttr(obj, s_kid))
         || !(t->rooted = PyObject_GetAttr(obj, s_rooted))
-        || !(t->free = PyObject_GetAttr(obj, s_free))
+        || !(t->free_o = PyObject_GetAttr(obj, s_free))
         || !(t->more = PyObject_GetAttr(obj, s_more))
         || !(t->masks = PyObject_GetAttr(obj, s_masks)))
         return -1;
@@ -218,11 +535,21 @@ table_get(PyObject *obj, Table *t)
     Py_DECREF(slot);
     if (t->slot == -1 && PyErr_Occurred())
         return -1;
-    if (!PyDict_CheckExact(t->ids) || !PyList_CheckExact(t->hashes) || !PyList_CheckExact(t->parent)
-        || !PyList_CheckExact(t->refs) || !PyList_CheckExact(t->kid)
-        || !PyByteArray_CheckExact(t->rooted) || !PyList_CheckExact(t->free)
-        || !PyDict_CheckExact(t->more) || t->slot < 0) {
-        PyErr_SetString(PyExc_TypeError, "store_run: not a GroupTable's state");
+    if (!PyDict_CheckExact(t->ids) || !PyList_CheckExact(t->hashes)
+        || !PyObject_TypeCheck(t->parent_o, &ColumnType)
+        || !PyObject_TypeCheck(t->refs_o, &ColumnType)
+        || !PyObject_TypeCheck(t->kid_o, &ColumnType) || !PyByteArray_CheckExact(t->rooted)
+        || !PyObject_TypeCheck(t->free_o, &ColumnType) || !PyDict_CheckExact(t->more)
+        || t->slot < 0) {
+        PyErr_SetString(PyExc_TypeError, "_table_native: not a GroupTable's state");
+        return -1;
+    }
+    t->parent = (Column *)t->parent_o;
+    t->refs = (Column *)t->refs_o;
+    t->kid = (Column *)t->kid_o;
+    t->free = (Column *)t->free_o;
+    if (t->parent->unsig || !t->refs->unsig || t->kid->unsig || t->free->unsig) {
+        PyErr_SetString(PyExc_TypeError, "_table_native: a GroupTable column of the wrong kind");
         return -1;
     }
     if (t->masks != Py_None) {
@@ -234,9 +561,9 @@ table_get(PyObject *obj, Table *t)
         }
     }
     Py_ssize_t n = PyList_GET_SIZE(t->hashes);
-    if (PyList_GET_SIZE(t->parent) != n || PyList_GET_SIZE(t->refs) != n
-        || PyList_GET_SIZE(t->kid) != n || PyByteArray_GET_SIZE(t->rooted) != n) {
-        PyErr_SetString(PyExc_ValueError, "store_run: the table's columns differ in length");
+    if (t->parent->n != n || t->refs->n != n || t->kid->n != n
+        || PyByteArray_GET_SIZE(t->rooted) != n) {
+        PyErr_SetString(PyExc_ValueError, "_table_native: the table's columns differ in length");
         return -1;
     }
     return 0;
@@ -244,36 +571,44 @@ table_get(PyObject *obj, Table *t)
 
 /* more[p].add(n), creating the set. */
 static int
-add_more(PyObject *more, PyObject *pobj, PyObject *nobj)
+add_more(PyObject *more, Py_ssize_t p, PyObject *nobj)
 {
+    PyObject *pobj = PyLong_FromSsize_t(p);
+    if (pobj == NULL)
+        return -1;
+    int rc;
     PyObject *s = PyDict_GetItemWithError(more, pobj); /* borrowed */
     if (s == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        s = PySet_New(NULL);
-        if (s == NULL)
-            return -1;
-        int rc = PySet_Add(s, nobj);
-        if (rc == 0)
-            rc = PyDict_SetItem(more, pobj, s);
-        Py_DECREF(s);
-        return rc;
+        rc = -1;
+        if (!PyErr_Occurred() && (s = PySet_New(NULL)) != NULL) {
+            rc = PySet_Add(s, nobj);
+            if (rc == 0)
+                rc = PyDict_SetItem(more, pobj, s);
+            Py_DECREF(s);
+        }
     }
-    if (!PySet_CheckExact(s)) {
+    else if (!PySet_CheckExact(s)) {
         PyErr_SetString(PyExc_TypeError, "store_run: a GroupTable.more entry is not a set");
-        return -1;
+        rc = -1;
     }
-    return PySet_Add(s, nobj);
+    else {
+        rc = PySet_Add(s, nobj);
+    }
+    Py_DECREF(pobj);
+    return rc;
 }
 
 static PyObject *
 store_run(PyObject *module, PyObject *args)
 {
-    PyObject *obj, *hashes, *inc;
+    PyObject *obj, *hashes, *inc_obj;
     Py_ssize_t start, p;
     int ok;
     if (!PyArg_ParseTuple(args, "OO!nnpO!", &obj, &PyList_Type, &hashes, &start, &p, &ok,
-                          &PyLong_Type, &inc))
+                          &PyLong_Type, &inc_obj))
+        return NULL;
+    unsigned long long inc = PyLong_AsUnsignedLongLong(inc_obj);
+    if (inc == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     Table t;
     if (table_get(obj, &t) < 0) {
@@ -282,112 +617,83 @@ store_run(PyObject *module, PyObject *args)
     }
     Py_ssize_t end = PyList_GET_SIZE(hashes);
     Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
-    Py_ssize_t i, added = 0;
-    PyObject *pobj = NULL; /* the int of node p, reused as the next block's parent */
+    Py_ssize_t i = start, added = 0;
+    Column *parent = t.parent, *refs = t.refs, *kid = t.kid, *free = t.free;
     if (start < 0 || start > end || p < -2 || p >= nodes) {
         PyErr_SetString(PyExc_ValueError, "store_run: start or parent out of range");
         goto error;
     }
-    if (!(pobj = PyLong_FromSsize_t(p)))
+    /* room for every block up front: the loop below appends without checks */
+    if (column_reserve(parent, nodes + end - start) < 0 || column_reserve(refs, nodes + end - start) < 0
+        || column_reserve(kid, nodes + end - start) < 0)
         goto error;
-    for (i = start; i < end; i++) {
+    for (; i < end; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
-        Py_ssize_t nfree = PyList_GET_SIZE(t.free);
-        Py_ssize_t n;
-        if (nfree) {
-            n = PyLong_AsSsize_t(PyList_GET_ITEM(t.free, nfree - 1));
-            if (n == -1 && PyErr_Occurred())
-                goto error;
-            if (n < 0 || n >= nodes) {
-                PyErr_SetString(PyExc_ValueError, "store_run: a free node id is out of range");
-                goto error;
-            }
-        }
-        else {
-            n = nodes;
+        Py_ssize_t n = free->n ? (Py_ssize_t)free->v[free->n - 1] : nodes;
+        if (n < 0 || (free->n && n >= nodes)) {
+            PyErr_SetString(PyExc_ValueError, "store_run: a free node id is out of range");
+            goto error;
         }
         PyObject *nobj = PyLong_FromSsize_t(n);
         if (nobj == NULL)
             goto error;
         PyObject *got = PyDict_SetDefault(t.ids, h, nobj); /* borrowed */
-        if (got == NULL) {
-            Py_DECREF(nobj);
-            goto error;
-        }
         if (got != nobj) {
             /* a key already present maps to a live node, never to a free or new id */
             Py_DECREF(nobj);
+            if (got == NULL)
+                goto error;
             break;
         }
         if (p >= 0) {
-            Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(t.kid, p));
-            if (k == -1 && PyErr_Occurred()) {
-                Py_DECREF(nobj);
-                goto error;
-            }
-            if (k < 0) {
-                Py_INCREF(nobj);
-                PyList_SetItem(t.kid, p, nobj);
-            }
-            else if (add_more(t.more, pobj, nobj) < 0) {
+            if (kid->v[p] < 0)
+                kid->v[p] = n;
+            else if (add_more(t.more, p, nobj) < 0) {
                 Py_DECREF(nobj);
                 goto error;
             }
         }
+        Py_DECREF(nobj); /* ids holds it */
         if (n == nodes) {
-            int rc = PyList_Append(t.hashes, h);
-            if (rc == 0)
-                rc = PyList_Append(t.parent, pobj);
-            if (rc == 0)
-                rc = PyList_Append(t.refs, inc);
-            if (rc == 0)
-                rc = PyList_Append(t.kid, nil);
-            if (rc == 0)
-                rc = PyByteArray_Resize(t.rooted, nodes + 1);
-            if (rc < 0) {
-                Py_DECREF(nobj);
+            if (PyList_Append(t.hashes, h) < 0 || PyByteArray_Resize(t.rooted, nodes + 1) < 0)
                 goto error;
-            }
-            PyByteArray_AS_STRING(t.rooted)[nodes] = (char)ok;
+            parent->v[parent->n++] = p;
+            refs->v[refs->n++] = (int64_t)inc;
+            kid->v[kid->n++] = -1;
             nodes++;
         }
         else {
-            if (PyList_SetSlice(t.free, nfree - 1, nfree, NULL) < 0) {
-                Py_DECREF(nobj);
-                goto error;
-            }
+            free->n--;
             Py_INCREF(h);
             PyList_SetItem(t.hashes, n, h);
-            Py_INCREF(pobj);
-            PyList_SetItem(t.parent, n, pobj); /* steals */
-            Py_INCREF(inc);
-            PyList_SetItem(t.refs, n, inc);
-            Py_INCREF(nil);
-            PyList_SetItem(t.kid, n, nil);
-            PyByteArray_AS_STRING(t.rooted)[n] = (char)ok;
+            parent->v[n] = p;
+            refs->v[n] = (int64_t)inc;
+            kid->v[n] = -1;
         }
-        Py_DECREF(pobj);
-        pobj = nobj; /* our reference moves over */
+        PyByteArray_AS_STRING(t.rooted)[n] = (char)ok;
         if (ok && t.masks != Py_None && masks_add(&t.m, h, t.slot) < 0)
             goto error;
         added++;
         p = n;
     }
-    Py_DECREF(pobj);
     table_release(&t);
     return Py_BuildValue("nnn", i, p, added);
 error:
-    Py_XDECREF(pobj);
     table_release(&t);
     return NULL;
 }
 
-/* _unlink(n) of table.py: take node n out of its parent's children. */
+/* _unlink(n) of table.py: take node n out of its parent p's children. */
 static int
 unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
 {
     if (p < 0)
         return 0;
+    Py_ssize_t k = (Py_ssize_t)t->kid->v[p];
+    if (k == n && !PyDict_GET_SIZE(t->more)) {
+        t->kid->v[p] = -1; /* the only child: no side sets anywhere */
+        return 0;
+    }
     PyObject *pobj = PyLong_FromSsize_t(p);
     if (pobj == NULL)
         return -1;
@@ -402,25 +708,25 @@ unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
         rc = -1;
         goto done;
     }
-    Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(t->kid, p));
-    if (k == -1 && PyErr_Occurred()) {
-        rc = -1;
-        goto done;
-    }
     if (k == n) {
         if (s != NULL && PySet_GET_SIZE(s)) {
-            PyObject *c = PySet_Pop(s); /* new reference: becomes kid[p] */
+            PyObject *c = PySet_Pop(s);
             if (c == NULL) {
                 rc = -1;
                 goto done;
             }
-            PyList_SetItem(t->kid, p, c);
+            Py_ssize_t cn = PyLong_AsSsize_t(c);
+            Py_DECREF(c);
+            if (cn == -1 && PyErr_Occurred()) {
+                rc = -1;
+                goto done;
+            }
+            t->kid->v[p] = cn;
             if (!PySet_GET_SIZE(s))
                 rc = PyDict_DelItem(t->more, pobj);
         }
         else {
-            Py_INCREF(nil);
-            PyList_SetItem(t->kid, p, nil);
+            t->kid->v[p] = -1;
         }
     }
     else if (s != NULL) {
@@ -451,9 +757,9 @@ remove_run(PyObject *module, PyObject *args)
     Py_ssize_t end = PyList_GET_SIZE(hashes);
     Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
     Py_ssize_t i, removed = 0;
+    Column *parent = t.parent, *refs = t.refs, *kid = t.kid, *free = t.free;
     PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
-    PyObject *unknown = PyLong_FromLong(-2);
-    if (empty == NULL || unknown == NULL || start < 0 || start > end) {
+    if (empty == NULL || start < 0 || start > end) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "remove_run: start out of range");
         goto error;
@@ -473,60 +779,43 @@ remove_run(PyObject *module, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "remove_run: a node id is out of range");
             goto error;
         }
-        PyObject *r = PyList_GET_ITEM(t.refs, n);
-        if (!PyLong_CheckExact(r) || PyLong_AsLong(r) != 1)
+        if (refs->v[n] != 1)
             break; /* not exactly one GPU reference */
-        if (PyLong_AsSsize_t(PyList_GET_ITEM(t.kid, n)) >= 0)
+        if (kid->v[n] >= 0)
             break; /* has children: unrooting a subtree, done in Python */
         /* the block leaves: refs 0, unrooted, deleted with its childless ghost ancestors */
-        PyObject *zero = PyLong_FromLong(0);
-        if (zero == NULL)
-            goto error;
-        PyList_SetItem(t.refs, n, zero);
+        refs->v[n] = 0;
         char *rooted = PyByteArray_AS_STRING(t.rooted);
         if (rooted[n] && t.masks != Py_None && masks_discard(&t.m, h, t.slot) < 0)
             goto error;
         rooted[n] = 0;
         removed++;
         for (;;) { /* _delete_up */
-            Py_ssize_t p = PyLong_AsSsize_t(PyList_GET_ITEM(t.parent, n));
-            if (p == -1 && PyErr_Occurred())
+            Py_ssize_t p = (Py_ssize_t)parent->v[n];
+            if (p >= nodes) {
+                PyErr_SetString(PyExc_ValueError, "remove_run: a parent id is out of range");
                 goto error;
+            }
             if (unlink_node(&t, n, p) < 0)
                 goto error;
             if (PyDict_DelItem(t.ids, PyList_GET_ITEM(t.hashes, n)) < 0)
                 goto error;
             Py_INCREF(empty);
             PyList_SetItem(t.hashes, n, empty);
-            Py_INCREF(unknown);
-            PyList_SetItem(t.parent, n, unknown);
+            parent->v[n] = -2; /* UNKNOWN */
             PyByteArray_AS_STRING(t.rooted)[n] = 0;
-            PyObject *fobj = PyLong_FromSsize_t(n);
-            int rc = fobj == NULL ? -1 : PyList_Append(t.free, fobj);
-            Py_XDECREF(fobj);
-            if (rc < 0)
+            if (column_push(free, n) < 0)
                 goto error;
-            if (p < 0)
-                break;
-            PyObject *rp = PyList_GET_ITEM(t.refs, p);
-            int live = PyObject_IsTrue(rp);
-            if (live < 0)
-                goto error;
-            Py_ssize_t kp = PyLong_AsSsize_t(PyList_GET_ITEM(t.kid, p));
-            if (kp == -1 && PyErr_Occurred())
-                goto error;
-            if (live || kp >= 0)
+            if (p < 0 || refs->v[p] || kid->v[p] >= 0)
                 break;
             n = p;
         }
     }
     Py_DECREF(empty);
-    Py_DECREF(unknown);
     table_release(&t);
     return Py_BuildValue("nn", i, removed);
 error:
     Py_XDECREF(empty);
-    Py_XDECREF(unknown);
     table_release(&t);
     return NULL;
 }
@@ -861,6 +1150,11 @@ slots_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
+    {"_column_of", column_of, METH_VARARGS,
+     "_column_of(values, kwargs) -> Column(values, **kwargs) (what a Column pickles to)."},
+    {"untrack_atoms", untrack_atoms, METH_O,
+     "untrack_atoms(list) -> the list, untracked by the cyclic GC when it holds only bytes and "
+     "ints (see the module source)."},
     {"remove_run", remove_run, METH_VARARGS,
      "remove_run(table, hashes, start) -> (stop, removed): remove the blocks hashes[start:] "
      "that hold exactly one GPU reference and no children (see the module source)."},
@@ -905,7 +1199,14 @@ PyInit__table_native(void)
     INTERN(s_words, "words");
     INTERN(s_width, "width");
 #undef INTERN
-    if (!(nil = PyLong_FromLong(-1)))
+    if (PyType_Ready(&ColumnType) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(mod, "Column", (PyObject *)&ColumnType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

@@ -1,9 +1,10 @@
 """One worker's cached blocks of one layer group: a prefix tree kept in flat arrays.
 
-A node per block hash, addressed by an integer id; parallel lists hold its hash, parent id,
+A node per block hash, addressed by an integer id; parallel columns hold its hash, parent id,
 first child (further children of a branching node live in a side dict of sets, so unlinking is
-O(1)), packed per-tier reference counts and a "rooted" flag. Nothing is allocated per block beyond
-the dict entry and list slots, which keeps ingest at about a microsecond per stored block.
+O(1)), packed per-tier reference counts and a "rooted" flag. With the C extension built the
+integer columns are its ``Column`` (64-bit ints in one array: no int object per node, never
+walked by the cyclic GC), else lists; nothing else is allocated per block beyond the dict entry.
 
 Semantics (DESIGN §7):
 
@@ -29,9 +30,9 @@ Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialise
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Final
+from typing import Any, Final, Protocol
 
 from kvstream.events.model import StoredBlock
 from kvstream.index.domain import MaskMap
@@ -50,6 +51,38 @@ else:
 
 #: True when stores of new blocks run in the optional C loop (:mod:`._table_native`).
 NATIVE_AVAILABLE: Final[bool] = _native is not None
+#: The extension whose ``Column`` holds the tables' integer columns, fixed at import (tests
+#: set ``_native`` to None to run the Python loops on the same tables).
+_COLUMNS: Final[Any] = _native
+
+
+class IntColumn(Protocol):
+    """The list operations a table uses on its integer columns (``parent``, ``refs``,
+    ``kid``, ``free``): a list, or the C extension's ``Column`` (64-bit ints, no object per
+    element, not walked by the cyclic GC)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int, /) -> int: ...
+    def __setitem__(self, i: int, v: int, /) -> None: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def append(self, v: int, /) -> None: ...
+    def extend(self, vs: Iterable[int], /) -> None: ...
+    def pop(self) -> int: ...
+
+
+def _ints(values: Iterable[int] = (), *, unsigned: bool = False) -> IntColumn:
+    """A table's integer column (``unsigned``: packed reference counts, up to 64 bits)."""
+    if _COLUMNS is not None:
+        col: IntColumn = _COLUMNS.Column(values, unsigned=unsigned)
+        return col
+    return list(values)
+
+
+def _atoms(hashes: list[bytes]) -> list[bytes]:
+    """``hashes`` (a table's node hashes: bytes only), out of the cyclic GC's walks when the
+    extension is built (a list of atoms cannot be part of a cycle)."""
+    return _COLUMNS.untrack_atoms(hashes) if _COLUMNS is not None else hashes
+
 
 #: Parent id of a block stored at the root (``parent_hash`` null).
 ROOT: Final = -1
@@ -107,19 +140,19 @@ class GroupTable:
         self.slot = bit.bit_length() - 1
         self.masks: MaskMap | None = None
         self.ids: dict[bytes, int] = {}
-        self.hashes: list[bytes] = []
+        self.hashes: list[bytes] = _atoms([])
         #: node -> the key it is mirrored under in ``masks``: its hash (this list is
         #: ``hashes``), or a derived key (:class:`~kvstream.index.token_table.TokenGroupTable`)
         self.mkeys: list[bytes] = self.hashes
         #: mirror key -> nodes beyond the first sharing it (only derived keys can repeat)
         self.kdup: dict[bytes, set[int]] = {}
-        self.parent: list[int] = []
-        self.refs: list[int] = []
-        self.kid: list[int] = []
+        self.parent = _ints()
+        self.refs = _ints(unsigned=True)
+        self.kid = _ints()
         #: parent id -> its children beyond ``kid[parent]`` (only branching nodes have one)
         self.more: dict[int, set[int]] = {}
         self.rooted = bytearray()
-        self.free: list[int] = []
+        self.free = _ints()
         #: Present blocks, and present blocks not held on the GPU (level 0).
         self.present = 0
         self.lower = 0
@@ -566,15 +599,15 @@ class GroupTable:
         """Forget every block (and take this worker's bits out of the domain masks)."""
         self.detach()
         self.ids = {}
-        self.hashes = []
+        self.hashes = _atoms([])
         self.mkeys = self.hashes
         self.kdup = {}
-        self.parent = []
-        self.refs = []
-        self.kid = []
+        self.parent = _ints()
+        self.refs = _ints(unsigned=True)
+        self.kid = _ints()
         self.more = {}
         self.rooted = bytearray()
-        self.free = []
+        self.free = _ints()
         self.present = 0
         self.lower = 0
 
@@ -670,11 +703,11 @@ class GroupTable:
         masks = self.masks
         self.clear()
         n_nodes = len(nodes)
-        self.hashes = [h for h, _, _ in nodes]
+        self.hashes = _atoms([h for h, _, _ in nodes])
         self.mkeys = self.hashes
-        self.parent = [p for _, p, _ in nodes]
-        self.refs = [r for _, _, r in nodes]
-        self.kid = [_NIL] * n_nodes
+        self.parent = _ints([p for _, p, _ in nodes])
+        self.refs = _ints([r for _, _, r in nodes], unsigned=True)
+        self.kid = _ints([_NIL] * n_nodes)
         self.more = {}
         self.rooted = bytearray(n_nodes)
         self.ids = {h: i for i, h in enumerate(self.hashes)}
