@@ -221,6 +221,8 @@ class PrefixIndex:
         self._epoch = 0
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._plans_epoch = 0
+        #: (candidate tuple, layer group, algorithm, block size, plan) of the last match()
+        self._last_plan: tuple[Any, int, str | None, int | None, _Plan] | None = None
 
     # ------------------------------------------------------------------ ingest
 
@@ -677,7 +679,7 @@ class PrefixIndex:
         computed for the same prompt. ``tokens`` still gives the token count.
         """
         req = request or _DEFAULT_REQUEST
-        weights = tuple(tier_weights)
+        weights = tier_weights if type(tier_weights) is tuple else tuple(tier_weights)
         plan = self._plan(layer_group_id, workers, hash_algo, tokens_per_block)
         by_domain = plan.by_domain
         if block_hashes is None:
@@ -688,42 +690,56 @@ class PrefixIndex:
                     "block_hashes needs hash_algo and tokens_per_block, and an engine-keyed "
                     "index (a token-keyed one hashes with its own keys)"
                 )
-            given = list(block_hashes)
+            # read only, never kept: the caller's list needs no copy
+            given = block_hashes if type(block_hashes) is list else list(block_hashes)
             chains_of = {k: [given] for k in by_domain}
         # every chain of a domain has one key per full block: the same length
         dkeys = plan.dkeys
-        lens = tuple(len(chains_of[k][0]) for k in dkeys)
+        lens = tuple([len(chains_of[k][0]) for k in dkeys])
         out = plan.zeros.get(lens)
         if out is None:
             out = plan.zero_row(lens)
         out = out.copy()
         w0 = weights[0]
         rows = plan.slots
+        domains = self._domains
         new = new_worker_match
-        for di, k in enumerate(dkeys):
+        for k, n in zip(dkeys, lens, strict=True):
             chains = chains_of[k]
-            dom = self._domains[k]
+            dom = domains[k]
             allowed = by_domain[k]
-            if len(chains) == 1:
-                hs = chains[0]
-                found = dom.slot_depths(hs, allowed)
-            else:  # one chain per LoRA scope (token mode): each worker's deepest
-                depth: dict[int, int] = {}
-                pick: dict[int, int] = {}
-                for i, chain in enumerate(chains):
-                    for slot, d in dom.slot_depths(chain, allowed):
-                        if d > depth.get(slot, 0):
-                            depth[slot] = d
-                            pick[slot] = i
-                found = list(depth.items())
-                hs = chains[0]
-            n = lens[di]
             tpb = k.tokens_per_block
             algo = k.hash_algo
-            for slot, d in found:
+            if len(chains) == 1:  # one chain: the common case, kept tight
+                hs = chains[0]
+                for slot, d in dom.slot_depths(hs, allowed):
+                    key, table, _, trusted, note, pos, more = rows[slot]
+                    m = new(
+                        key,
+                        d,
+                        table.weighted(hs, d, weights) if table.lower else d * w0,
+                        n,
+                        tpb,
+                        algo,
+                        trusted,
+                        note,
+                    )
+                    out[pos] = m
+                    if more:
+                        for i in more:
+                            out[i] = m
+                continue
+            # one chain per LoRA scope (token mode): each worker's deepest
+            depth: dict[int, int] = {}
+            pick: dict[int, int] = {}
+            for i, chain in enumerate(chains):
+                for slot, d in dom.slot_depths(chain, allowed):
+                    if d > depth.get(slot, 0):
+                        depth[slot] = d
+                        pick[slot] = i
+            for slot, d in depth.items():
                 key, table, _, trusted, note, pos, more = rows[slot]
-                if len(chains) > 1:
-                    hs = chains[pick[slot]]
+                hs = chains[pick[slot]]
                 m = new(
                     key,
                     d,
@@ -735,9 +751,8 @@ class PrefixIndex:
                     note,
                 )
                 out[pos] = m
-                if more:
-                    for i in more:
-                        out[i] = m
+                for i in more:
+                    out[i] = m
         return MatchResult(tuple(out), _count_tokens(tokens))
 
     def _plan(
@@ -749,8 +764,19 @@ class PrefixIndex:
     ) -> _Plan:
         """What :meth:`match` needs of its candidates, cached until the index's workers,
         groups, domains or trust change (an epoch bump)."""
+        last = self._last_plan
+        if (
+            last is not None
+            and last[0] is workers
+            and last[1] == layer_group_id
+            and last[2] == hash_algo
+            and last[3] == tokens_per_block
+            and self._plans_epoch == self._epoch
+        ):
+            return last[4]
         if self._plans_epoch != self._epoch:
             self._plans.clear()
+            self._last_plan = None
             self._plans_epoch = self._epoch
         if workers is None:
             cands = None
@@ -764,6 +790,10 @@ class PrefixIndex:
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             self._plans[ck] = plan
+        if type(workers) is tuple and all(type(w) is WorkerKey for w in workers):
+            # an immutable candidate list (a router's): the next call with this very tuple
+            # skips the key building above (the memo holds it, so its id is not reused)
+            self._last_plan = (workers, layer_group_id, hash_algo, tokens_per_block, plan)
         return plan
 
     def _build_plan(
@@ -995,6 +1025,9 @@ class PrefixIndex:
 
 _DEFAULT_REQUEST = HashRequest()
 _PLANS_MAX = 64
+#: results a plan keeps in its zero rows (rows of every request length seen, up to this many
+#: results in all: a replay's requests have a few hundred lengths)
+_ZERO_CELLS = 8192
 
 
 class _Plan:
@@ -1033,7 +1066,7 @@ class _Plan:
             for i in more:
                 out[i] = m
         row: list[WorkerMatch] = out  # type: ignore[assignment]
-        if len(self.zeros) >= _PLANS_MAX:
+        if len(self.zeros) >= max(_PLANS_MAX, _ZERO_CELLS // max(self.size, 1)):
             self.zeros.clear()
         self.zeros[lens] = row
         return row

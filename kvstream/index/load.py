@@ -3,7 +3,9 @@ and the prefill work among them not yet done (the queue an adaptive router weigh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstream.index.types import WorkerKey
 
@@ -29,11 +31,16 @@ class LoadTracker:
 
     def __init__(self) -> None:
         self._requests: dict[str, tuple[WorkerKey, int]] = {}
-        self._blocks: dict[WorkerKey, int] = {}
-        self._count: dict[WorkerKey, int] = {}
         self._prefill: dict[str, float] = {}  # request -> blocks it still has to prefill
-        self._pending: dict[WorkerKey, float] = {}
-        self._pending_count: dict[WorkerKey, int] = {}
+        #: worker -> [active requests, active blocks, pending prefill blocks, requests with
+        #: pending prefill]: one row per worker, so a router's read is one probe per worker
+        self._loads: dict[WorkerKey, list[Any]] = {}
+
+    def _row(self, worker: WorkerKey) -> list[Any]:
+        row = self._loads.get(worker)
+        if row is None:
+            row = self._loads[worker] = [0, 0, 0.0, 0]
+        return row
 
     def start(
         self,
@@ -48,13 +55,14 @@ class LoadTracker:
         :meth:`prefilled`; a request id already running is moved, not double counted."""
         self.finish(request_id)
         self._requests[request_id] = (worker, blocks)
-        self._blocks[worker] = self._blocks.get(worker, 0) + blocks
-        self._count[worker] = self._count.get(worker, 0) + 1
+        row = self._row(worker)
+        row[0] += 1
+        row[1] += blocks
         todo = float(blocks if prefill_blocks is None else max(prefill_blocks, 0.0))
         if todo:
             self._prefill[request_id] = todo
-            self._pending[worker] = self._pending.get(worker, 0.0) + todo
-            self._pending_count[worker] = self._pending_count.get(worker, 0) + 1
+            row[2] += todo
+            row[3] += 1
 
     def prefilled(self, request_id: str) -> None:
         """The request's prompt is computed (its first token is out): its blocks no longer
@@ -62,11 +70,10 @@ class LoadTracker:
         todo = self._prefill.pop(request_id, None)
         if todo is None:
             return
-        worker = self._requests[request_id][0]
-        n = self._pending_count[worker] - 1
-        self._pending_count[worker] = n
+        row = self._loads[self._requests[request_id][0]]
+        n = row[3] = row[3] - 1
         # exactly 0.0 once nothing is pending, whatever the float sums left behind
-        self._pending[worker] = self._pending[worker] - todo if n else 0.0
+        row[2] = row[2] - todo if n else 0.0
 
     def update(self, request_id: str, blocks: int) -> None:
         """The request now holds ``blocks`` blocks."""
@@ -75,38 +82,51 @@ class LoadTracker:
             return
         worker, old = cur
         self._requests[request_id] = (worker, blocks)
-        self._blocks[worker] += blocks - old
+        self._loads[worker][1] += blocks - old
 
     def finish(self, request_id: str) -> WorkerKey | None:
         """The request completed; returns the worker it ran on (None if unknown)."""
         if request_id not in self._requests:
             return None
         self.prefilled(request_id)
-        cur = self._requests.pop(request_id)
-        worker, blocks = cur
-        self._blocks[worker] -= blocks
-        self._count[worker] -= 1
+        worker, blocks = self._requests.pop(request_id)
+        row = self._loads[worker]
+        row[0] -= 1
+        row[1] -= blocks
         return worker
 
     def load(self, worker: WorkerKey) -> WorkerLoad:
         """The current load of ``worker`` (zero when it has none)."""
-        return WorkerLoad(
-            self._count.get(worker, 0),
-            self._blocks.get(worker, 0),
-            self._pending.get(worker, 0.0),
-        )
+        row = self._loads.get(worker, _IDLE)
+        return WorkerLoad(row[0], row[1], row[2])
 
     def pending_prefill_blocks(self, worker: WorkerKey) -> float:
         """Blocks ``worker`` still has to prefill for its active requests."""
-        return self._pending.get(worker, 0.0)
+        return float(self._loads.get(worker, _IDLE)[2])
 
     def active_blocks(self, worker: WorkerKey) -> int:
         """Blocks held by ``worker``'s active requests."""
-        return self._blocks.get(worker, 0)
+        return int(self._loads.get(worker, _IDLE)[1])
 
     def active_requests(self, worker: WorkerKey) -> int:
         """``worker``'s active requests."""
-        return self._count.get(worker, 0)
+        return int(self._loads.get(worker, _IDLE)[0])
+
+    def columns(
+        self, workers: Sequence[WorkerKey]
+    ) -> tuple[Sequence[float], Sequence[int], Sequence[int]]:
+        """Per worker of ``workers``, in order: :meth:`pending_prefill_blocks`,
+        :meth:`active_blocks` and :meth:`active_requests` (what a router reads per
+        decision, in one probe per worker)."""
+        if not workers:
+            return (), (), ()
+        get = self._loads.get
+        requests, blocks, pending, _ = zip(*[get(w, _IDLE) for w in workers], strict=True)
+        return pending, blocks, requests
 
     def __len__(self) -> int:
         return len(self._requests)
+
+
+#: the row of a worker without load
+_IDLE: tuple[int, int, float, int] = (0, 0, 0.0, 0)

@@ -160,7 +160,7 @@ class WorkerScore:
 _new_score: Callable[..., WorkerScore] = fast_constructor(WorkerScore)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     """The chosen worker and every candidate's score (candidate order); ``affinity_weight``
     the ``kv`` weight of prefill blocks used (None for the baselines)."""
@@ -174,8 +174,9 @@ class RouteDecision:
     @property
     def chosen(self) -> WorkerScore | None:
         """The chosen worker's score (None when matches were not computed)."""
+        w = self.worker
         for s in self.scores:
-            if s.worker == self.worker:
+            if s.match.worker == w:
                 return s
         return None
 
@@ -194,6 +195,10 @@ class RouteDecision:
             "affinity_weight": self.affinity_weight,
             "scores": [s.as_dict() for s in self.scores],
         }
+
+
+#: ``RouteDecision(...)`` with all five fields positionally (one per routed request)
+_new_decision: Callable[..., RouteDecision] = fast_constructor(RouteDecision)
 
 
 class Router:
@@ -215,7 +220,8 @@ class Router:
         self.index = index
         self.config = config or RouterConfig()
         self.load = load if load is not None else LoadTracker()
-        self._workers = None if workers is None else [WorkerKey(w[0], w[1]) for w in workers]
+        # a tuple: the index recognises the same candidates call after call (its match plan)
+        self._workers = None if workers is None else tuple(WorkerKey(w[0], w[1]) for w in workers)
         if self._workers is not None and not self._workers:
             raise ConfigError("a router needs at least one worker")
         self._rng = random.Random(self.config.seed)
@@ -278,7 +284,7 @@ class Router:
         return self.index.match(
             tokens,
             layer_group_id=cfg.layer_group_id,
-            workers=self.workers,
+            workers=self._workers if self._workers is not None else self.index.workers(),
             request=request,
             tier_weights=cfg.tier_weights,
             hash_algo=cfg.hash_algo,
@@ -302,7 +308,7 @@ class Router:
         policy = cfg.policy
         if type(policy) is not RoutingPolicy:
             policy = RoutingPolicy(policy)
-        workers = self.workers
+        workers = self._workers if self._workers is not None else self.index.workers()
         if not workers:
             raise ConfigError("no workers to route to (the index has seen no events yet)")
         n = len(workers)
@@ -313,17 +319,19 @@ class Router:
         explain = cfg.explain or kv
         result = self.match(tokens, request, block_hashes=block_hashes) if explain else None
         n_tokens = result.num_tokens if result is not None else _len(tokens)
-        load = self.load
         adaptive = kv and cfg.overlap_weight is None
-        pending = list(map(load.pending_prefill_blocks, workers))
-        blocks = list(map(load.active_blocks, workers))
-        requests = list(map(load.active_requests, workers))
+        pending, blocks, requests = self.load.columns(workers)
+        weight: float | None = None
         if adaptive:
-            busy = sum(1 for p in pending if p > 0) / n
+            busy = sum(map(_ZERO.__lt__, pending)) / n  # workers with pending prefill
             self._utilisation += (busy - self._utilisation) / UTILISATION_HORIZON
-        weight = self.affinity_weight if kv else None
-        factor = (weight or 0.0) if adaptive else (cfg.overlap_weight or 0.0)
-        base = pending if adaptive else blocks
+            weight = factor = self.affinity_weight
+            base: Sequence[Any] = pending
+        else:
+            if kv:
+                weight = cfg.overlap_weight
+            factor = cfg.overlap_weight or 0.0
+            base = blocks
         matches = (
             result.matches
             if result is not None
@@ -332,12 +340,17 @@ class Router:
         default_tpb = cfg.tokens_per_block or 1
         scores: list[WorkerScore] = []
         costs: list[float] = []
-        for i, m in enumerate(matches):
+        add_score = scores.append
+        add_cost = costs.append
+        new_score = _new_score
+        for m, p, b, r, q in zip(matches, pending, blocks, requests, base, strict=True):
             tpb = m.tokens_per_block or default_tpb
-            prefill = max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb
-            cost = factor * prefill + base[i]
-            costs.append(cost)
-            scores.append(_new_score(m, requests[i], blocks[i], prefill, cost, pending[i]))
+            # max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb, inlined
+            left = n_tokens - (m.weighted_blocks * tpb if m.trusted else 0.0)
+            prefill = (left if left > 0.0 else 0.0) / tpb
+            cost = factor * prefill + q
+            add_cost(cost)
+            add_score(new_score(m, r, b, prefill, cost, p))
 
         if policy is RoutingPolicy.ROUND_ROBIN:
             pick = turn % n
@@ -346,27 +359,43 @@ class Router:
         else:
             # the lowest (cost,) active blocks, active requests; ties to the first worker in
             # rotation order, which starts at worker `turn mod n`
-            start = turn % n
-            pick = start
-            if kv:
-                best: tuple[float, ...] = (costs[start], blocks[start], requests[start])
-            else:
-                best = (blocks[start], requests[start])
-            for j in range(1, n):
-                i = start + j
-                if i >= n:
-                    i -= n
-                key = (costs[i], blocks[i], requests[i]) if kv else (blocks[i], requests[i])
-                if key < best:
-                    best, pick = key, i
+            pick = _lowest(costs if kv else None, blocks, requests, turn % n)
         if adaptive:
             chosen = scores[pick]
             keep = 1.0 - 1.0 / REUSE_HORIZON
-            self._reused = self._reused * keep + chosen.match.usable_weighted
+            cm = chosen.match
+            self._reused = self._reused * keep + (cm.weighted_blocks if cm.trusted else 0.0)
             self._prefilled = self._prefilled * keep + chosen.prefill_blocks
-        return RouteDecision(
+        return _new_decision(
             workers[pick], policy, n_tokens, tuple(scores) if explain else (), weight
         )
+
+
+_ZERO = 0.0
+
+
+def _lowest(
+    costs: Sequence[float] | None, blocks: Sequence[int], requests: Sequence[int], start: int
+) -> int:
+    """The index of the lowest ``(costs[i], blocks[i], requests[i])`` (without ``costs`` when
+    None); on ties the first in rotation order from ``start`` (what a strict ``<`` scan of the
+    keys in that order picks). The lowest cost is found first (in C): a unique one decides,
+    else the keys are compared among the workers that share it."""
+    n = len(blocks)
+    if costs is not None:
+        lo = min(costs)
+        if costs.count(lo) == 1:
+            return costs.index(lo)
+        ties = [i for i in (*range(start, n), *range(start)) if costs[i] == lo]
+    else:
+        ties = [*range(start, n), *range(start)]
+    pick: int = ties[0]
+    best = (blocks[pick], requests[pick])
+    for i in ties[1:]:
+        key = (blocks[i], requests[i])
+        if key < best:
+            best, pick = key, i
+    return pick
 
 
 def _len(tokens: Any) -> int:
