@@ -128,6 +128,8 @@ def test_column_rejects_what_a_table_never_stores() -> None:
 def test_table_columns_stay_out_of_the_gc() -> None:
     """A table's columns and hashes are not walked by the cyclic GC, after stores, a clear
     and a reload."""
+    if table_module._COLUMNS is None:
+        pytest.skip("KVSTREAM_NO_NATIVE: the tables keep lists")
     assert table_module._COLUMNS is native
     t = GroupTable(1)
     st_ = table_module.SourceStats()

@@ -370,12 +370,380 @@ untrack_atoms(PyObject *module, PyObject *o)
     return Py_NewRef(o);
 }
 
+/* ------------------------------------------------------------------ MaskMap */
+
+/* kvstream.index.domain.MaskMap's contract in one open-addressing table: a slot holds the
+ * key's hash, the key (a bytes object, owned) and its ``width`` bytes of worker bits inline,
+ * so an update costs one probe sequence and no int object (the Python MaskMap needs a dict
+ * probe, the entry's int and a separate word array). Linear probing; deleted keys leave a
+ * tombstone until the next rebuild. Not tracked by the GC: it holds only bytes. */
+typedef struct {
+    PyObject_HEAD
+    char *slots;            /* cap slots of ``stride`` bytes: hash, key, width bytes of bits */
+    Py_ssize_t cap;         /* a power of two (0 before the first key) */
+    Py_ssize_t used, fill;  /* keys; keys + tombstones */
+    Py_ssize_t width, stride;
+} NMap;
+
+static PyTypeObject NMapType;
+static char nmap_dummy_obj;
+#define NMAP_DUMMY ((PyObject *)&nmap_dummy_obj)
+#define NMAP_HASH(m, i) (*(Py_hash_t *)((m)->slots + (i) * (m)->stride))
+#define NMAP_KEY(m, i) (*(PyObject **)((m)->slots + (i) * (m)->stride + sizeof(Py_hash_t)))
+#define NMAP_BITS(m, i) \
+    ((unsigned char *)((m)->slots + (i) * (m)->stride + sizeof(Py_hash_t) + sizeof(PyObject *)))
+
+static inline Py_hash_t
+nmap_hash(PyObject *key)
+{
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "MaskMap keys are bytes, not %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    return PyObject_Hash(key);
+}
+
+static inline int
+nmap_same(PyObject *a, PyObject *b)
+{
+    return a == b
+           || (PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b)
+               && !memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)));
+}
+
+/* The slot of ``key`` (-1 when absent). */
+static Py_ssize_t
+nmap_find(NMap *m, PyObject *key, Py_hash_t h)
+{
+    if (!m->cap)
+        return -1;
+    size_t mask = (size_t)m->cap - 1;
+    for (size_t i = (size_t)h & mask;; i = (i + 1) & mask) {
+        PyObject *k = NMAP_KEY(m, (Py_ssize_t)i);
+        if (k == NULL)
+            return -1;
+        if (k != NMAP_DUMMY && NMAP_HASH(m, (Py_ssize_t)i) == h && nmap_same(k, key))
+            return (Py_ssize_t)i;
+    }
+}
+
+/* Rebuild with ``cap`` slots of ``width`` bytes of bits (dropping tombstones). */
+static int
+nmap_rebuild(NMap *m, Py_ssize_t cap, Py_ssize_t width)
+{
+    Py_ssize_t stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + width;
+    char *slots = PyMem_Calloc((size_t)cap, (size_t)stride);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    NMap old = *m;
+    m->slots = slots;
+    m->cap = cap;
+    m->stride = stride;
+    m->width = width;
+    m->fill = m->used;
+    size_t mask = (size_t)cap - 1;
+    for (Py_ssize_t j = 0; j < old.cap; j++) {
+        PyObject *k = NMAP_KEY(&old, j);
+        if (k == NULL || k == NMAP_DUMMY)
+            continue;
+        Py_hash_t h = NMAP_HASH(&old, j);
+        size_t i = (size_t)h & mask;
+        while (NMAP_KEY(m, (Py_ssize_t)i) != NULL)
+            i = (i + 1) & mask;
+        NMAP_HASH(m, (Py_ssize_t)i) = h;
+        NMAP_KEY(m, (Py_ssize_t)i) = k;
+        memcpy(NMAP_BITS(m, (Py_ssize_t)i), NMAP_BITS(&old, j), (size_t)old.width);
+    }
+    PyMem_Free(old.slots);
+    return 0;
+}
+
+/* Set bit ``slot`` of ``key``'s mask (MaskMap.add; the slot must be reserved). */
+static int
+nmap_add(NMap *m, PyObject *key, Py_ssize_t slot)
+{
+    if ((slot >> 3) >= m->width || slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "MaskMap.add: the slot is not reserved");
+        return -1;
+    }
+    Py_hash_t h = nmap_hash(key);
+    if (h == -1 && PyErr_Occurred())
+        return -1;
+    if ((m->fill + 1) * 2 > m->cap) { /* at most half full, tombstones included */
+        Py_ssize_t cap = 8;
+        while ((m->used + 1) * 4 > cap) /* a quarter full after the rebuild */
+            cap *= 2;
+        if (nmap_rebuild(m, cap, m->width) < 0)
+            return -1;
+    }
+    size_t mask = (size_t)m->cap - 1;
+    Py_ssize_t free_at = -1;
+    size_t i = (size_t)h & mask;
+    for (;; i = (i + 1) & mask) {
+        PyObject *k = NMAP_KEY(m, (Py_ssize_t)i);
+        if (k == NULL)
+            break;
+        if (k == NMAP_DUMMY) {
+            if (free_at < 0)
+                free_at = (Py_ssize_t)i;
+            continue;
+        }
+        if (NMAP_HASH(m, (Py_ssize_t)i) == h && nmap_same(k, key)) {
+            NMAP_BITS(m, (Py_ssize_t)i)[slot >> 3] |= (unsigned char)(1 << (slot & 7));
+            return 0;
+        }
+    }
+    Py_ssize_t at = (Py_ssize_t)i;
+    if (free_at >= 0)
+        at = free_at; /* reuse a tombstone: fill unchanged */
+    else
+        m->fill++;
+    m->used++;
+    NMAP_HASH(m, at) = h;
+    NMAP_KEY(m, at) = Py_NewRef(key);
+    unsigned char *bits = NMAP_BITS(m, at);
+    memset(bits, 0, (size_t)m->width);
+    bits[slot >> 3] = (unsigned char)(1 << (slot & 7));
+    return 0;
+}
+
+/* Clear bit ``slot`` of ``key``'s mask, dropping a key left without bits (MaskMap.discard). */
+static int
+nmap_discard(NMap *m, PyObject *key, Py_ssize_t slot)
+{
+    Py_hash_t h = nmap_hash(key);
+    if (h == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t i = nmap_find(m, key, h);
+    if (i < 0 || slot < 0 || (slot >> 3) >= m->width)
+        return 0;
+    unsigned char *bits = NMAP_BITS(m, i);
+    bits[slot >> 3] &= (unsigned char)~(1 << (slot & 7));
+    for (Py_ssize_t k = 0; k < m->width; k++)
+        if (bits[k])
+            return 0;
+    PyObject *k = NMAP_KEY(m, i);
+    NMAP_KEY(m, i) = NMAP_DUMMY;
+    m->used--;
+    Py_DECREF(k);
+    return 0;
+}
+
+/* Start loading the slot where ``key``'s probe begins (a hint: the loops touch keys a few
+ * positions ahead, so the table's cache misses overlap instead of queueing). */
+static inline void
+nmap_prefetch(NMap *m, PyObject *key)
+{
+    if (m->cap && PyBytes_CheckExact(key)) {
+        Py_hash_t h = PyObject_Hash(key); /* cached in the bytes object after the first call */
+        if (h != -1)
+            __builtin_prefetch(m->slots + (Py_ssize_t)((size_t)h & ((size_t)m->cap - 1)) * m->stride);
+        else
+            PyErr_Clear(); /* the real lookup raises it */
+    }
+}
+
+/* How far ahead of the current key the loops prefetch. */
+#define PREFETCH_AHEAD 6
+
+/* The bits of ``key`` (NULL when absent, with no error set unless one occurred). */
+static const unsigned char *
+nmap_bits(NMap *m, PyObject *key)
+{
+    Py_hash_t h = nmap_hash(key);
+    if (h == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t i = nmap_find(m, key, h);
+    return i < 0 ? NULL : NMAP_BITS(m, i);
+}
+
+static PyObject *mask_int(const unsigned char *b, Py_ssize_t width);
+
+static PyObject *
+nmap_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
+        PyErr_SetString(PyExc_TypeError, "MaskMap() takes no arguments");
+        return NULL;
+    }
+    NMap *m = (NMap *)type->tp_alloc(type, 0);
+    if (m == NULL)
+        return NULL;
+    m->width = 8;
+    m->stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + 8;
+    return (PyObject *)m;
+}
+
+static void
+nmap_dealloc(NMap *m)
+{
+    for (Py_ssize_t i = 0; i < m->cap; i++) {
+        PyObject *k = NMAP_KEY(m, i);
+        if (k != NULL && k != NMAP_DUMMY)
+            Py_DECREF(k);
+    }
+    PyMem_Free(m->slots);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyObject *
+nmap_py_reserve(NMap *m, PyObject *arg)
+{
+    Py_ssize_t slot = PyLong_AsSsize_t(arg);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    if (slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "MaskMap.reserve: a slot is >= 0");
+        return NULL;
+    }
+    if (slot >= 8 * m->width) {
+        Py_ssize_t width = ((slot >> 6) + 1) * 8;
+        if (m->cap) {
+            if (nmap_rebuild(m, m->cap, width) < 0)
+                return NULL;
+        }
+        else {
+            m->width = width;
+            m->stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + width;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nmap_py_add(NMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "MaskMap.add(key, slot)");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[1]);
+    if ((slot == -1 && PyErr_Occurred()) || nmap_add(m, args[0], slot) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nmap_py_discard(NMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "MaskMap.discard(key, slot)");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[1]);
+    if ((slot == -1 && PyErr_Occurred()) || nmap_discard(m, args[0], slot) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nmap_py_get(NMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "MaskMap.get(key, default=0)");
+        return NULL;
+    }
+    if (!PyBytes_CheckExact(args[0])) /* never added: absent */
+        return nargs == 2 ? Py_NewRef(args[1]) : PyLong_FromLong(0);
+    const unsigned char *b = nmap_bits(m, args[0]);
+    if (b == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return nargs == 2 ? Py_NewRef(args[1]) : PyLong_FromLong(0);
+    }
+    return mask_int(b, m->width);
+}
+
+static PyObject *
+nmap_py_as_dict(NMap *m, PyObject *unused)
+{
+    PyObject *out = PyDict_New();
+    for (Py_ssize_t i = 0; out != NULL && i < m->cap; i++) {
+        PyObject *k = NMAP_KEY(m, i);
+        if (k == NULL || k == NMAP_DUMMY)
+            continue;
+        PyObject *v = mask_int(NMAP_BITS(m, i), m->width);
+        if (v == NULL || PyDict_SetItem(out, k, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static Py_ssize_t
+nmap_len(NMap *m)
+{
+    return m->used;
+}
+
+static int
+nmap_contains(NMap *m, PyObject *key)
+{
+    if (!PyBytes_CheckExact(key))
+        return 0;
+    const unsigned char *b = nmap_bits(m, key);
+    return b != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *
+nmap_repr(NMap *m)
+{
+    return PyUnicode_FromFormat("<MaskMap keys=%zd width=%zd>", m->used, m->width);
+}
+
+static PyObject *
+nmap_get_width(NMap *m, void *unused)
+{
+    return PyLong_FromSsize_t(m->width);
+}
+
+static PySequenceMethods nmap_as_sequence = {
+    .sq_length = (lenfunc)nmap_len,
+    .sq_contains = (objobjproc)nmap_contains,
+};
+
+static PyMethodDef nmap_methods[] = {
+    {"reserve", (PyCFunction)nmap_py_reserve, METH_O,
+     "Make room for bit ``slot`` in every entry."},
+    {"add", (PyCFunction)(void (*)(void))nmap_py_add, METH_FASTCALL,
+     "Set bit ``slot`` of ``key``'s mask (``slot`` must be reserved)."},
+    {"discard", (PyCFunction)(void (*)(void))nmap_py_discard, METH_FASTCALL,
+     "Clear bit ``slot`` of ``key``'s mask; a key left without bits is dropped."},
+    {"get", (PyCFunction)(void (*)(void))nmap_py_get, METH_FASTCALL,
+     "The mask of ``key`` as an int (``default`` when no bit is set)."},
+    {"as_dict", (PyCFunction)nmap_py_as_dict, METH_NOARGS, "Every key's mask as an int."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef nmap_getset[] = {
+    {"width", (getter)nmap_get_width, NULL, "Bytes of bits per key (8 per 64 worker slots).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject NMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream.index._table_native.MaskMap",
+    .tp_basicsize = sizeof(NMap),
+    .tp_dealloc = (destructor)nmap_dealloc,
+    .tp_repr = (reprfunc)nmap_repr,
+    .tp_as_sequence = &nmap_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MaskMap(): kvstream.index.domain.MaskMap in one C hash table (bytes keys, the "
+              "worker bits inline); the same methods and contract.",
+    .tp_methods = nmap_methods,
+    .tp_getset = nmap_getset,
+    .tp_new = nmap_new,
+};
+
 /* ------------------------------------------------------------------ table state */
 
 /* A MaskMap's storage (kvstream/index/domain.py). */
 typedef struct {
     PyObject *index, *words, *free;
     Py_ssize_t width;
+    NMap *nm; /* the C MaskMap (index, words and free unused), or NULL */
 } Masks;
 
 typedef struct {
@@ -392,12 +760,18 @@ masks_release(Masks *m)
     Py_XDECREF(m->index);
     Py_XDECREF(m->words);
     Py_XDECREF(m->free);
+    Py_XDECREF(m->nm);
 }
 
 static int
 masks_get(PyObject *obj, Masks *m)
 {
     memset(m, 0, sizeof(*m));
+    if (Py_IS_TYPE(obj, &NMapType)) {
+        m->nm = (NMap *)Py_NewRef(obj);
+        m->width = m->nm->width;
+        return 0;
+    }
     PyObject *w;
     if (!(m->index = PyObject_GetAttr(obj, s_index)) || !(m->words = PyObject_GetAttr(obj, s_words))
         || !(m->free = PyObject_GetAttr(obj, s_free)) || !(w = PyObject_GetAttr(obj, s_width)))
@@ -419,6 +793,8 @@ masks_get(PyObject *obj, Masks *m)
 static int
 masks_add(Masks *m, PyObject *h, Py_ssize_t slot)
 {
+    if (m->nm != NULL)
+        return nmap_add(m->nm, h, slot);
     Py_ssize_t e;
     PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
     if (eobj != NULL) {
@@ -475,6 +851,8 @@ masks_add(Masks *m, PyObject *h, Py_ssize_t slot)
 static int
 masks_discard(Masks *m, PyObject *h, Py_ssize_t slot)
 {
+    if (m->nm != NULL)
+        return nmap_discard(m->nm, h, slot);
     PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
     if (eobj == NULL)
         return PyErr_Occurred() ? -1 : 0;
@@ -627,8 +1005,13 @@ store_run(PyObject *module, PyObject *args)
     if (column_reserve(parent, nodes + end - start) < 0 || column_reserve(refs, nodes + end - start) < 0
         || column_reserve(kid, nodes + end - start) < 0)
         goto error;
+    NMap *nm = ok && t.masks != Py_None ? t.m.nm : NULL;
+    for (Py_ssize_t k = i; nm != NULL && k < end && k < i + PREFETCH_AHEAD; k++)
+        nmap_prefetch(nm, PyList_GET_ITEM(hashes, k));
     for (; i < end; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
+        if (nm != NULL && i + PREFETCH_AHEAD < end)
+            nmap_prefetch(nm, PyList_GET_ITEM(hashes, i + PREFETCH_AHEAD));
         Py_ssize_t n = free->n ? (Py_ssize_t)free->v[free->n - 1] : nodes;
         if (n < 0 || (free->n && n >= nodes)) {
             PyErr_SetString(PyExc_ValueError, "store_run: a free node id is out of range");
@@ -764,8 +1147,13 @@ remove_run(PyObject *module, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "remove_run: start out of range");
         goto error;
     }
+    NMap *nm = t.masks != Py_None ? t.m.nm : NULL;
+    for (Py_ssize_t k = start; nm != NULL && k < end && k < start + PREFETCH_AHEAD; k++)
+        nmap_prefetch(nm, PyList_GET_ITEM(hashes, k));
     for (i = start; i < end; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
+        if (nm != NULL && i + PREFETCH_AHEAD < end)
+            nmap_prefetch(nm, PyList_GET_ITEM(hashes, i + PREFETCH_AHEAD));
         PyObject *nobj = PyDict_GetItemWithError(t.ids, h); /* borrowed */
         if (nobj == NULL) {
             if (PyErr_Occurred())
@@ -829,24 +1217,38 @@ typedef struct {
     Py_ssize_t width;
     unsigned char *scratch; /* width bytes per recursion level */
     Py_ssize_t *depth_of;   /* slot_depths: the deepest depth per slot (else pairs to out) */
+    NMap *nm;               /* the C MaskMap (index and words unused), or NULL */
 } Search;
 
 /* The mask of hashes[i] (and-ed with allowed) into dst; 1 when non-zero. */
 static int
 search_get(Search *s, Py_ssize_t i, unsigned char *dst)
 {
-    PyObject *eobj = PyDict_GetItemWithError(s->index, PyList_GET_ITEM(s->hashes, i));
     Py_ssize_t w = s->width;
-    if (eobj == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        memset(dst, 0, (size_t)w);
-        return 0;
+    if (s->nm != NULL) {
+        PyObject *key = PyList_GET_ITEM(s->hashes, i);
+        const unsigned char *b = PyBytes_CheckExact(key) ? nmap_bits(s->nm, key) : NULL;
+        if (b == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            memset(dst, 0, (size_t)w);
+            return 0;
+        }
+        memcpy(dst, b, (size_t)w);
     }
-    Py_ssize_t e = PyLong_AsSsize_t(eobj);
-    if (e == -1 && PyErr_Occurred())
-        return -1;
-    memcpy(dst, s->words + e * w, (size_t)w);
+    else {
+        PyObject *eobj = PyDict_GetItemWithError(s->index, PyList_GET_ITEM(s->hashes, i));
+        if (eobj == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            memset(dst, 0, (size_t)w);
+            return 0;
+        }
+        Py_ssize_t e = PyLong_AsSsize_t(eobj);
+        if (e == -1 && PyErr_Occurred())
+            return -1;
+        memcpy(dst, s->words + e * w, (size_t)w);
+    }
     int any = 0;
     for (Py_ssize_t k = 0; k < w; k++) {
         if (s->allowed != NULL)
@@ -963,8 +1365,15 @@ run_search(PyObject *args, int per_slot)
         masks_release(&m);
         return NULL;
     }
-    Search s = {hashes, m.index, NULL, (const unsigned char *)PyByteArray_AS_STRING(m.words),
-                NULL, m.width, NULL, NULL};
+    Search s = {hashes,
+                m.index,
+                NULL,
+                m.nm != NULL ? NULL : (const unsigned char *)PyByteArray_AS_STRING(m.words),
+                NULL,
+                m.width,
+                NULL,
+                NULL,
+                m.nm};
     PyObject *out = NULL;
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     if (allowed != Py_None) {
@@ -1199,12 +1608,13 @@ PyInit__table_native(void)
     INTERN(s_words, "words");
     INTERN(s_width, "width");
 #undef INTERN
-    if (PyType_Ready(&ColumnType) < 0)
+    if (PyType_Ready(&ColumnType) < 0 || PyType_Ready(&NMapType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(mod, "Column", (PyObject *)&ColumnType) < 0) {
+    if (PyModule_AddObjectRef(mod, "Column", (PyObject *)&ColumnType) < 0
+        || PyModule_AddObjectRef(mod, "MaskMap", (PyObject *)&NMapType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -12,6 +12,8 @@ n request blocks, instead of one walk per worker (O(workers x n)).
 The masks live in a :class:`MaskMap`: block key -> an entry of fixed-width bit words, so
 adding or dropping a worker's bit changes bytes in place (no new int per update, one dict
 probe) and the optional C loops (:mod:`kvstream.index._table_native`) read them directly.
+With the extension built a domain keeps the extension's ``MaskMap`` instead: the same
+contract in one open-addressing table whose slots hold the key and its bits together.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import TypeVar
+from typing import Any, Final, TypeVar
 
 from kvstream.index.types import DomainKey
 
@@ -121,6 +123,13 @@ class MaskMap:
         return f"<MaskMap keys={len(self.index)} width={self.width}>"
 
 
+#: The mask map a domain keeps: the C extension's ``MaskMap`` when built (one open-addressing
+#: table with the bits inline: an update is one probe sequence, no int object; fixed at import,
+#: so tests that switch ``_native`` off run the Python loops on the same maps), else
+#: :class:`MaskMap`. Both have this class's methods and contract (bytes keys).
+_MASK_MAP: Final[Any] = _native.MaskMap if _native is not None else MaskMap
+
+
 class HashDomain:
     """The shared block -> workers bitmask map of one :class:`DomainKey`.
 
@@ -131,7 +140,7 @@ class HashDomain:
 
     def __init__(self, key: DomainKey) -> None:
         self.key = key
-        self.masks = MaskMap()
+        self.masks: MaskMap = _MASK_MAP()
         self.members = 0
 
     def depths(self, hashes: Sequence[bytes], allowed: int) -> list[tuple[int, int]]:
