@@ -35,10 +35,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import operator
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstream.cache import (
@@ -208,22 +209,49 @@ def _fewer_collections() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------- replay
 
+_ROW_INDEX = operator.attrgetter("row.index")
 _FIRST_TOKEN = 0  # heap event kinds; the first token of a request sorts before its finish
 _FINISH = 1
 
 
-@dataclass(eq=False)
 class _Request:
-    row: TraceRow
-    rid: str
-    prompt: Any
-    worker: int
-    arrival: float
-    blocks: int
-    predicted: int  # the index's prediction at routing time
-    fresh: bool = False  # admitted right at routing, nothing changed in between
-    hashes: list[bytes] = field(default_factory=list)
-    hashed: HashedPrompt | None = None  # the prompt's block hashes, until admission
+    """A routed request from routing until it finishes (a plain slotted class: one is built
+    per request)."""
+
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "fresh",
+        "hashed",
+        "hashes",
+        "predicted",
+        "prompt",
+        "rid",
+        "row",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        row: TraceRow,
+        rid: str,
+        prompt: Any,
+        worker: int,
+        arrival: float,
+        blocks: int,
+        predicted: int,
+        hashed: HashedPrompt | None,
+    ) -> None:
+        self.row = row
+        self.rid = rid
+        self.prompt = prompt
+        self.worker = worker
+        self.arrival = arrival
+        self.blocks = blocks
+        self.predicted = predicted  # the index's prediction at routing time
+        self.fresh = False  # admitted right at routing, nothing changed in between
+        self.hashes: Sequence[bytes] = ()  # the prompt's block hashes, from admission on
+        self.hashed = hashed  # the prompt's hashed blocks, until admission
 
 
 class _Replay:
@@ -363,7 +391,7 @@ class _Replay:
                     now,
                     nblocks,
                     0 if chosen is None else chosen.match.usable_blocks,  # predicted_blocks
-                    hashed=hashed,
+                    hashed,
                 )
                 router.load.start(
                     req.rid,
@@ -386,22 +414,29 @@ class _Replay:
         """Process first tokens and completions up to ``until`` (simulated seconds)."""
         heap = self.heap
         load = self.router.load
+        managers, queues, running, dirty = self.managers, self.queues, self.running, self.dirty
+        output = self.opts.output_to_cache
+        tokens = self.tokens
+        pop = heapq.heappop
         while heap and heap[0][0] <= until:
-            t, _, kind, req = heapq.heappop(heap)
+            t, _, kind, req = pop(heap)
             self.now = max(self.now, t)
             if kind == _FIRST_TOKEN:
                 load.prefilled(req.rid)
                 continue
             w = req.worker
-            mgr = self.managers[w]
-            if self.opts.output_to_cache and req.row.output_length:
-                with contextlib.suppress(CacheFullError):  # no room: the output is not cached
-                    mgr.append_tokens(req.rid, self.tokens.output(req.row))
+            mgr = managers[w]
+            row = req.row
+            if output and row.output_length:
+                try:  # noqa: SIM105 - cheaper than contextlib.suppress on the hot path
+                    mgr.append_tokens(req.rid, tokens.output(row))
+                except CacheFullError:
+                    pass  # no room: the output is not cached
             mgr.free_request(req.rid)
             load.finish(req.rid)
-            self.running[w] -= 1
-            self.dirty.add(w)
-            if self.queues[w]:
+            running[w] -= 1
+            dirty.add(w)
+            if queues[w]:
                 await self._admit(w, t)
 
     async def _admit(self, w: int, now: float) -> None:
@@ -446,40 +481,39 @@ class _Replay:
                 result.predicted_more += 1
             else:
                 result.predicted_less += 1
-            n = req.row.input_length
+            row = req.row
+            n = row.input_length
+            blocks = req.blocks
+            hit_tokens = hit * bs
             ws = result.workers[w]
             ws.requests += 1
-            ws.prompt_blocks += req.blocks
+            ws.prompt_blocks += blocks
             ws.hit_blocks += hit
-            ws.prefill_tokens += n - hit * bs
+            ws.prefill_tokens += n - hit_tokens
             result.requests += 1
             result.prompt_tokens += n
-            result.prompt_blocks += req.blocks
+            result.prompt_blocks += blocks
             result.hit_blocks += hit
-            result.hit_tokens += hit * bs
+            result.hit_tokens += hit_tokens
             req.hashes = mgr.block_hashes(req.rid)
             self.served.append(req)
-            start = max(now, self.busy[w])
-            first = start + (n - hit * bs) / self.rate
+            busy = self.busy[w]
+            start = now if now >= busy else busy  # max(now, busy), as floats compare
+            first = start + (n - hit_tokens) / self.rate
             self.busy[w] = first
-            result.queue_s.append(start - req.arrival)
-            result.ttft_s.append(first - req.arrival)
+            arrival = req.arrival
+            queued = start - arrival
+            ttft = first - arrival
+            result.queue_s.append(queued)
+            result.ttft_s.append(ttft)
             result.per_request.append(
-                RequestRecord(
-                    req.row.index,
-                    w,
-                    req.arrival,
-                    start - req.arrival,
-                    first - req.arrival,
-                    req.blocks,
-                    hit,
-                )
+                RequestRecord(row.index, w, arrival, queued, ttft, blocks, hit)
             )
             self.running[w] += 1
-            self.seq += 1
-            heapq.heappush(self.heap, (first, self.seq, _FIRST_TOKEN, req))
-            finish = first + req.row.output_length * self.decode_s
-            heapq.heappush(self.heap, (finish, self.seq, _FINISH, req))
+            self.seq = seq = self.seq + 1
+            heap = self.heap
+            heapq.heappush(heap, (first, seq, _FIRST_TOKEN, req))
+            heapq.heappush(heap, (first + row.output_length * self.decode_s, seq, _FINISH, req))
             req.prompt = req.hashed = None  # the tokens are no longer needed
             self.dirty.add(w)
 
@@ -504,14 +538,14 @@ class _Replay:
         seen: set[bytes] = set()
         hits = 0
         bs = self.bs
-        for req in sorted(self.served, key=lambda r: r.row.index):
+        for req in sorted(self.served, key=_ROW_INDEX):
             hs = req.hashes
             cap = min(len(hs), (req.row.input_length - 1) // bs)
             k = 0
             while k < cap and hs[k] in seen:
                 k += 1
             hits += k
-            seen.update(hs)
+            seen.update(hs[k:])  # (the first k are in already)
         return hits
 
 

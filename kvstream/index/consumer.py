@@ -89,6 +89,19 @@ class IndexConsumer:
 
     def drain(self) -> int:
         """Apply what a memory source has buffered without waiting; returns how many."""
+        poll_batch = getattr(self.source, "poll_batch", None)
+        if poll_batch is not None and type(self).apply is IndexConsumer.apply:
+            # the batches themselves: what apply() would do with their items, without them
+            index = self.index
+            n = 0
+            while True:
+                batch = poll_batch()
+                if batch is None:
+                    return n
+                index.apply(batch)
+                self.batches += 1
+                self._since_snapshot += 1
+                n += 1
         poll = getattr(self.source, "poll", None)
         if poll is None:
             return 0

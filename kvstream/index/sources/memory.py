@@ -96,19 +96,27 @@ class MemorySource(EventSource):
 
     def poll(self) -> SourceItem | None:
         """The next batch if one is there (never waits; call :meth:`start` first)."""
+        batch = self.poll_batch()
+        return None if batch is None else SourceItem(batch)
+
+    def poll_batch(self) -> EventBatch | None:
+        """:meth:`poll`'s batch itself rather than an item (a memory source's items never
+        skip events), with the same bookkeeping; for :meth:`IndexConsumer.drain
+        <kvstream.index.consumer.IndexConsumer.drain>`."""
         sub = self._sub
         if sub is None:
             raise RuntimeError("start() the memory source before polling it")
         before = sub.missed
         batch = sub.poll()
-        self.stats.missed += sub.missed - before
+        if sub.missed != before:
+            self.stats.missed += sub.missed - before
         if batch is None:
             if not self.follow or self.sink.is_shut_down:
                 self.ended = True
             return None
         self._read += 1
         self.stats.batches += 1
-        return SourceItem(batch)
+        return batch
 
     async def read(self, timeout_s: float | None = None) -> SourceItem | None:
         """The next batch, waiting up to ``timeout_s`` in follow mode."""
