@@ -413,22 +413,29 @@ class KVCacheManager:
         tpb = self._tpb
         planner = plan_import if importing else plan_prompt
         tiers = self._tiers
+        pools = self._pools
         while True:
-            plans = [
-                planner(
-                    pool,
-                    w,
-                    tokens_per_block=tpb,
-                    hashes=hashes,
-                    n=n,
-                    lower=None if tiers is None else partial(tiers.level_of, gid),
-                )
-                for gid, (pool, w) in enumerate(zip(self._pools, self._windows, strict=True))
-            ]
+            if tiers is None:
+                plans = [
+                    planner(pool, w, tokens_per_block=tpb, hashes=hashes, n=n)
+                    for pool, w in zip(pools, self._windows, strict=True)
+                ]
+            else:
+                plans = [
+                    planner(
+                        pool,
+                        w,
+                        tokens_per_block=tpb,
+                        hashes=hashes,
+                        n=n,
+                        lower=partial(tiers.level_of, gid),
+                    )
+                    for gid, (pool, w) in enumerate(zip(pools, self._windows, strict=True))
+                ]
             for gid, plan in enumerate(plans):
-                if plan.cost > self._pools[gid].num_free:
+                if plan.cost > pools[gid].num_free:
                     self._rejected += 1
-                    raise CacheFullError(request_id, gid, plan.cost, self._pools[gid].num_free)
+                    raise CacheFullError(request_id, gid, plan.cost, pools[gid].num_free)
             staged = self._stage_disk_hits(plans)
             if staged is not None:
                 break
@@ -441,7 +448,12 @@ class KVCacheManager:
             mm_items=items,
             priority=priority,
         )
-        if self._recorder.enabled:
+        if self._recorder.enabled and not (
+            lora_id is None
+            and lora_name is None
+            and cache_salt is None
+            and priority == PRIORITY_DEFAULT
+        ):  # (else the defaults: no extra stored-event arguments)
             extra: dict[str, Any] = {
                 "lora_id": lora_id,
                 "lora_name": lora_name,
@@ -451,19 +463,25 @@ class KVCacheManager:
             req.event_extra = {k: v for k, v in extra.items() if v is not None}
         nb = -(-n // tpb)
         for gid, plan in enumerate(plans):
-            pool = self._pools[gid]
-            pool.touch_many(plan.hits)
+            pool = pools[gid]
+            hits = plan.hits
+            pool.touch_many(hits)
             if plan.pins:
                 pool.touch_many(plan.pins.values())
-            slots = {}
-            if tiers is not None:  # out of the host tier before an eviction can reuse them
-                slots = {i: tiers.take_host(gid, h) for i, h, lv in plan.onboard if lv == HOST}
-            fresh = pool.allocate_many(nb - max(plan.k, plan.first) + len(plan.onboard))
-            onboarded = iter(self._onboard_targets(plan, fresh[: len(plan.onboard)], slots))
-            table: list[Block | None] = [None] * plan.first
-            table += [b if b is not None else next(onboarded) for b in plan.hits]
-            table += fresh[len(plan.onboard) :]
-            if plan.onboard:
+            if not plan.onboard:
+                fresh = pool.allocate_many(nb - max(plan.k, plan.first))
+                table: list[Block | None] = [None] * plan.first
+                table += hits
+                table += fresh
+            else:
+                slots = {}
+                if tiers is not None:  # out of the host tier before an eviction can reuse them
+                    slots = {i: tiers.take_host(gid, h) for i, h, lv in plan.onboard if lv == HOST}
+                fresh = pool.allocate_many(nb - max(plan.k, plan.first) + len(plan.onboard))
+                onboarded = iter(self._onboard_targets(plan, fresh[: len(plan.onboard)], slots))
+                table = [None] * plan.first
+                table += [b if b is not None else next(onboarded) for b in hits]
+                table += fresh[len(plan.onboard) :]
                 self._onboard(
                     req=req,
                     gid=gid,
@@ -487,7 +505,7 @@ class KVCacheManager:
                     tokens_base=0,
                 )
         req.num_tokens = n
-        req.tokens = bytearray(raw)
+        req.token_parts.append(raw)
         req.tail = raw[len(hashes) * tpb * 4 :]
         req.chain = chain
         req.hashes = hashes
@@ -599,7 +617,7 @@ class KVCacheManager:
             groups = req.groups
             if not any(first_needed_block(s, windows[g], tpb) > groups[g].released for g in swa):
                 req.tail += raw
-                req.tokens += raw
+                req.token_parts.append(raw)
                 req.num_tokens = total
                 return 0
 
@@ -655,7 +673,7 @@ class KVCacheManager:
                 tokens_base=done,
             )
         req.num_tokens = total
-        req.tokens += raw
+        req.token_parts.append(raw)
         req.tail = pending[filled * tpb * 4 :]
         req.chain = chain
         return filled
@@ -794,7 +812,7 @@ class KVCacheManager:
         return KVTransfer(
             request_id=request_id,
             layout=self.config.layout_fingerprint(),
-            token_ids=bytes(req.tokens[: 4 * stop]),
+            token_ids=req.token_bytes()[: 4 * stop],
             groups=tuple(groups),
             lora_id=req.lora_id,
             lora_name=req.lora_name,
@@ -874,7 +892,7 @@ class KVCacheManager:
                 gid=gid,
                 table=gs.blocks,
                 hashes=req.hashes,
-                tokens=bytes(req.tokens),
+                tokens=req.token_bytes(),
                 lo=lo,
                 hi=len(req.hashes),
                 tokens_base=0,
@@ -923,7 +941,7 @@ class KVCacheManager:
             raise TransferError(f"expected a KVTransfer, got {type(transfer).__name__}")
         if transfer.layout != self.config.layout_fingerprint():
             raise TransferError(self._layout_mismatch(transfer))
-        if transfer.token_ids != bytes(req.tokens):
+        if transfer.token_ids != req.token_bytes():
             raise TransferError(
                 f"transfer carries {transfer.num_tokens} tokens that differ from request "
                 f"{req.request_id!r}'s {req.num_tokens}"

@@ -8,6 +8,7 @@ its pool and only then applies them, so a request that does not fit changes noth
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 
 from kvstream.cache.block import Block
 from kvstream.cache.block_pool import BlockPool
@@ -16,6 +17,8 @@ from kvstream.cache.request import GroupState
 from kvstream.cache.windows import first_needed_block, reuse_boundary
 
 __all__ = ["LowerTierLookup", "Plan", "plan_append", "plan_import", "plan_prompt"]
+
+_REF_CNT = attrgetter("ref_cnt")
 
 #: Where below the GPU a block hash is cached (1 host, 2 disk), 0 when nowhere.
 LowerTierLookup = Callable[[bytes], int]
@@ -72,16 +75,20 @@ def plan_prompt(
     if lower is None and window is None:
         # full attention, GPU only (the common case, kept cheap): the leading cached blocks
         # up to the cap are hits, any later cached block is pinned
-        k = 0
         stop = min(cap, len(found))
-        while k < stop and found[k] is not None:
-            k += 1
+        try:
+            k = found.index(None, 0, stop)  # the first miss (a scan in C)
+        except ValueError:
+            k = stop
         plan.k = k
-        plan.hits = found[:k]
+        plan.hits = hits = found[:k]
         rest = found[k:]
+        # the blocks no request holds cost one free block each (they leave the LRU queue)
+        cost = -(-n // tpb) - k + list(map(_REF_CNT, hits)).count(0)
         if rest.count(None) != len(rest):
-            plan.pins = {i: b for i, b in enumerate(rest, k) if b is not None}
-        plan.cost = _prompt_cost(plan, -(-n // tpb))
+            plan.pins = pins = {i: b for i, b in enumerate(rest, k) if b is not None}
+            cost += list(map(_REF_CNT, pins.values())).count(0)
+        plan.cost = cost
         return plan
     levels = [0] * len(hashes)
     if lower is not None:

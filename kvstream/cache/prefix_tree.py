@@ -54,10 +54,12 @@ class PrefixTree:
         by_hash = self._by_hash
         linked = self.linked
         skipped: list[int] = []
+        prev: Block | None = None  # the block committed at position i - 1 by this call
         for i in range(lo, hi):
             h = hashes[i]
             if h in by_hash:
                 skipped.append(i)
+                prev = None
                 continue
             block = table[i]
             if block is None:
@@ -65,7 +67,8 @@ class PrefixTree:
             if block.block_hash is not None:
                 raise CacheInvariantError(f"{block!r} is already committed")
             if linked and i:
-                parent = by_hash.get(hashes[i - 1])
+                # the parent is the block just committed (no lookup), else the tree's
+                parent = prev if prev is not None else by_hash.get(hashes[i - 1])
                 if parent is None:
                     raise CacheInvariantError(
                         f"parent {hashes[i - 1].hex()} of {h.hex()} is not committed"
@@ -74,6 +77,7 @@ class PrefixTree:
                 parent.num_children += 1
             block.block_hash = h
             by_hash[h] = block
+            prev = block
         return skipped
 
     def hashes(self) -> Iterator[bytes]:

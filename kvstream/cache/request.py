@@ -117,7 +117,7 @@ class RequestState:
         "priority",
         "request_id",
         "tail",
-        "tokens",
+        "token_parts",
     )
 
     def __init__(
@@ -142,8 +142,10 @@ class RequestState:
         self.num_tokens = 0
         #: Little-endian u32 bytes of the tokens after the last full block.
         self.tail = b""
-        #: Little-endian u32 bytes of every token (what a K/V export carries).
-        self.tokens = bytearray()
+        #: Little-endian u32 bytes of every token (what a K/V export carries), in pieces as
+        #: they came (prompt, then each append): joined only when read (token_bytes), so a
+        #: request that is never exported never copies its tokens.
+        self.token_parts: list[bytes] = []
         #: While K/V is being imported: per group, the first block the transfer must fill.
         self.importing: list[int] | None = None
         #: Hash chain state after the last full block.
@@ -151,6 +153,15 @@ class RequestState:
         #: Published hash of every full block, in order.
         self.hashes: list[bytes] = []
         self.groups: list[GroupState] = []
+
+    def token_bytes(self) -> bytes:
+        """Little-endian u32 bytes of every token so far (prompt plus appended)."""
+        parts = self.token_parts
+        if len(parts) == 1:
+            return parts[0]
+        joined = b"".join(parts)
+        self.token_parts = [joined]
+        return joined
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,4 +196,7 @@ class PrefixMatch:
     @property
     def reusable_tokens(self) -> int:
         """Prompt tokens every group can skip: the minimum of the group boundaries."""
-        return min(g.matched_tokens for g in self.groups)
+        groups = self.groups
+        if len(groups) == 1:
+            return groups[0].matched_tokens
+        return min(g.matched_tokens for g in groups)
