@@ -827,8 +827,9 @@ b3_group_add(b3_group *g, size_t len, const unsigned char *in, uint64_t ctr, uin
  * one chunk by b3_hash_split after the values of their parent-free chunks, computed in lanes
  * (b3_chunks_many, grouped by chunk length: whole chunks, and the length of the first short
  * last chunk; any other length one by one); shorter blocks as one message in msg (room for
- * 32 + 1024 bytes). Returns -1 (nothing written) when the scratch for the chaining values
- * cannot be allocated. */
+ * 32 + 1024 bytes). Returns -1 (nothing written) when no block has more than one chunk
+ * (hash_chain's per-block loop then runs: there is nothing to split) or the scratch for the
+ * chaining values cannot be allocated. */
 static int
 b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
                unsigned char *keys, unsigned char *msg)
@@ -845,6 +846,8 @@ b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
         if (len > B3_CHUNK_LEN)
             total += (len - 1) / B3_CHUNK_LEN;
     }
+    if (total == 0)
+        return -1;
     if (total > B3_SPLIT_STACK_CVS) {
         cvs = PyMem_RawMalloc(total * 8 * sizeof(uint32_t));
         if (cvs == NULL)
