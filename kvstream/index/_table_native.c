@@ -737,6 +737,37 @@ static PyTypeObject NMapType = {
     .tp_new = nmap_new,
 };
 
+/* ------------------------------------------------------------------ node ids */
+
+/* The int objects of node ids, shared by every table: ``ids`` values and ``more`` entries
+ * are node ids, and a stored block would otherwise allocate a new int for its id (ints are
+ * immutable, so sharing one per value changes nothing the tables can observe). Grows to the
+ * largest node id any table reached and lives as long as the module: one int per id, where
+ * each table already holds one per node. */
+static PyObject **node_ints;
+static Py_ssize_t node_ints_n;
+
+/* A new reference to the int ``n`` (a node id, >= 0). */
+static PyObject *
+node_int(Py_ssize_t n)
+{
+    if (n < node_ints_n)
+        return Py_NewRef(node_ints[n]);
+    if (n > (Py_ssize_t)1 << 40)
+        return PyLong_FromSsize_t(n); /* not a plausible node id: no cache */
+    Py_ssize_t cap = node_ints_n ? node_ints_n : 1024;
+    while (cap <= n)
+        cap *= 2;
+    PyObject **v = PyMem_Realloc(node_ints, (size_t)cap * sizeof(PyObject *));
+    if (v == NULL)
+        return PyErr_NoMemory();
+    node_ints = v;
+    for (; node_ints_n < cap; node_ints_n++)
+        if ((node_ints[node_ints_n] = PyLong_FromSsize_t(node_ints_n)) == NULL)
+            return NULL;
+    return Py_NewRef(node_ints[n]);
+}
+
 /* ------------------------------------------------------------------ table state */
 
 /* A MaskMap's storage (kvstream/index/domain.py). */
@@ -951,7 +982,7 @@ table_get(PyObject *obj, Table *t)
 static int
 add_more(PyObject *more, Py_ssize_t p, PyObject *nobj)
 {
-    PyObject *pobj = PyLong_FromSsize_t(p);
+    PyObject *pobj = node_int(p);
     if (pobj == NULL)
         return -1;
     int rc;
@@ -1017,7 +1048,7 @@ store_run(PyObject *module, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "store_run: a free node id is out of range");
             goto error;
         }
-        PyObject *nobj = PyLong_FromSsize_t(n);
+        PyObject *nobj = node_int(n);
         if (nobj == NULL)
             goto error;
         PyObject *got = PyDict_SetDefault(t.ids, h, nobj); /* borrowed */
@@ -1077,7 +1108,7 @@ unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
         t->kid->v[p] = -1; /* the only child: no side sets anywhere */
         return 0;
     }
-    PyObject *pobj = PyLong_FromSsize_t(p);
+    PyObject *pobj = node_int(p);
     if (pobj == NULL)
         return -1;
     PyObject *s = PyDict_GetItemWithError(t->more, pobj); /* borrowed */
@@ -1113,7 +1144,7 @@ unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
         }
     }
     else if (s != NULL) {
-        PyObject *nobj = PyLong_FromSsize_t(n);
+        PyObject *nobj = node_int(n);
         if (nobj == NULL || PySet_Discard(s, nobj) < 0)
             rc = -1;
         Py_XDECREF(nobj);
