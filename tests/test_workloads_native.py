@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstream.errors import ConfigError
 from kvstream.workloads import MooncakeTokens, TraceRow
 from kvstream.workloads import mooncake as mooncake_mod
 
@@ -130,6 +131,6 @@ def test_non_int_ids_take_the_python_path() -> None:
 
 def test_native_required_but_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mooncake_mod, "_mooncake_native", None)
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ConfigError, match="not available"):
         MooncakeTokens(native=True)
     assert not MooncakeTokens().native

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 from kvstream._types import TokenIds
+from kvstream.errors import ConfigError
 from kvstream.workloads.base import WorkloadRequest, pseudo_tokens
 from kvstream.workloads.traces import (
     DATA_DIR_ENV,
@@ -81,7 +82,8 @@ class MooncakeTokens:
     ``vocab_size ** 3`` (1.6e13 for the default vocabulary) to stay distinct.
 
     ``native`` picks the C prompt builder: None (default) when built, False never, True
-    required (ValueError when it is not available). Prompts are the same bytes either way.
+    required (ConfigError, a ValueError, when it is not available). Prompts are the same
+    bytes either way.
     """
 
     def __init__(
@@ -90,7 +92,7 @@ class MooncakeTokens:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         if native and _mooncake_native is None:
-            raise ValueError(
+            raise ConfigError(
                 "the Mooncake prompt C extension is not available "
                 "(not built, or KVSTREAM_NO_NATIVE is set)"
             )
