@@ -436,8 +436,12 @@ class KVCacheManager:
                 if plan.cost > pools[gid].num_free:
                     self._rejected += 1
                     raise CacheFullError(request_id, gid, plan.cost, pools[gid].num_free)
-            staged = self._stage_disk_hits(plans)
-            if staged is not None:
+            if tiers is None:
+                staged: dict[tuple[int, int], Any] = {}
+                break
+            staged_disk = self._stage_disk_hits(plans)
+            if staged_disk is not None:
+                staged = staged_disk
                 break
 
         req = RequestState(
@@ -1204,6 +1208,9 @@ class KVCacheManager:
 
     def _match_of(self, n: int, plans: Sequence[Plan]) -> PrefixMatch:
         tpb = self._tpb
+        if len(plans) == 1:
+            p = plans[0]
+            return PrefixMatch(n, (GroupMatch(0, p.k * tpb, len(p.hits), len(p.onboard)),))
         return PrefixMatch(
             n,
             tuple(

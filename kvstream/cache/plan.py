@@ -182,5 +182,7 @@ def plan_append(
             b = get(h)
             if b is not None:
                 plan.pins[done + j] = b
-    plan.cost = new_blocks + sum(1 for b in plan.pins.values() if b.ref_cnt == 0)
+    plan.cost = new_blocks
+    if plan.pins:
+        plan.cost += list(map(_REF_CNT, plan.pins.values())).count(0)
     return plan
