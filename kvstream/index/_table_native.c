@@ -24,6 +24,13 @@
  * nodes were created; the caller applies that block (a duplicate store or a ghost stored
  * again) in Python and calls again from stop + 1. The caller keeps the present/lower gauges.
  *
+ *   store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None
+ *
+ * store_run from hashes[0] of a store whose parent the table resolves without counting
+ * anything: the root (parent_hash None) or a block it holds (present), rooted as that block
+ * is. None, with nothing changed, for an unknown or ghost parent (the caller resolves it,
+ * counts it, and calls store_run). Saves the caller a Python round trip per store.
+ *
  *   remove_run(table, hashes, start) -> (stop, removed)
  *
  * The common removal, as GroupTable.remove does it: a block holding exactly one reference,
@@ -1007,6 +1014,10 @@ add_more(PyObject *more, Py_ssize_t p, PyObject *nobj)
     return rc;
 }
 
+/* The loop of store_run over a fetched table (which it releases): (stop, p, added). */
+static PyObject *store_loop(Table *tp, PyObject *hashes, Py_ssize_t start, Py_ssize_t p, int ok,
+                            unsigned long long inc);
+
 static PyObject *
 store_run(PyObject *module, PyObject *args)
 {
@@ -1024,6 +1035,53 @@ store_run(PyObject *module, PyObject *args)
         table_release(&t);
         return NULL;
     }
+    return store_loop(&t, hashes, start, p, ok, inc);
+}
+
+/* store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None: store_run from
+ * the start of a store whose parent is the root (``parent_hash`` None) or a block the table
+ * holds (present: no counter to bump, no ghost to drop afterwards), resolved here as
+ * GroupTable._store_parent does; None, with nothing changed, for any other parent (unknown,
+ * or a ghost), which the caller resolves. */
+static PyObject *
+store_chain(PyObject *module, PyObject *args)
+{
+    PyObject *obj, *parent_hash, *hashes, *inc_obj;
+    if (!PyArg_ParseTuple(args, "OOO!O!", &obj, &parent_hash, &PyList_Type, &hashes,
+                          &PyLong_Type, &inc_obj))
+        return NULL;
+    unsigned long long inc = PyLong_AsUnsignedLongLong(inc_obj);
+    if (inc == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Table t;
+    if (table_get(obj, &t) < 0) {
+        table_release(&t);
+        return NULL;
+    }
+    Py_ssize_t p = -1;
+    int ok = 1;
+    if (parent_hash != Py_None) {
+        PyObject *qobj = PyDict_GetItemWithError(t.ids, parent_hash); /* borrowed */
+        Py_ssize_t q = qobj == NULL ? -1 : PyLong_AsSsize_t(qobj);
+        if (q == -1 && PyErr_Occurred()) {
+            table_release(&t);
+            return NULL;
+        }
+        if (qobj == NULL || q < 0 || q >= t.refs->n || !t.refs->v[q]) {
+            table_release(&t);
+            Py_RETURN_NONE; /* unknown or a ghost: the caller's path */
+        }
+        p = q;
+        ok = PyByteArray_AS_STRING(t.rooted)[q] != 0;
+    }
+    return store_loop(&t, hashes, 0, p, ok, inc);
+}
+
+static PyObject *
+store_loop(Table *tp, PyObject *hashes, Py_ssize_t start, Py_ssize_t p, int ok,
+           unsigned long long inc)
+{
+    Table t = *tp; /* the references move over: released below */
     Py_ssize_t end = PyList_GET_SIZE(hashes);
     Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
     Py_ssize_t i = start, added = 0;
@@ -1607,6 +1665,10 @@ static PyMethodDef methods[] = {
     {"slots_new", (PyCFunction)(void (*)(void))slots_new, METH_FASTCALL,
      "slots_new(cls, *values) -> an instance of cls with its __slots__ set to values, in "
      "order, without calling __init__ (a fast constructor for frozen slotted dataclasses)."},
+    {"store_chain", store_chain, METH_VARARGS,
+     "store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None: store_run from "
+     "the start of a store under the root or a held block; None (nothing changed) for any "
+     "other parent (see the module source)."},
     {"store_run", store_run, METH_VARARGS,
      "store_run(table, hashes, start, p, ok, inc) -> (stop, p, added): link the blocks "
      "hashes[start:] the table does not hold (see the module source)."},

@@ -49,6 +49,12 @@ def store_run(
     """Link ``hashes[start:]`` under node ``p`` until a block the table holds:
     ``(stop index, last node, nodes added)``."""
 
+def store_chain(
+    table: Any, parent_hash: bytes | None, hashes: list[bytes], inc: int
+) -> tuple[int, int, int] | None:
+    """``store_run`` from ``hashes[0]`` under the root or a held parent; None (nothing
+    changed) when the parent is unknown or a ghost."""
+
 def remove_run(table: Any, hashes: list[bytes], start: int) -> tuple[int, int]:
     """Remove ``hashes[start:]`` while each is a childless block holding one GPU reference:
     ``(stop index, blocks removed)``."""

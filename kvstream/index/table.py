@@ -281,25 +281,26 @@ class GroupTable:
         """:meth:`store_hashes` of one cache level with the C loop for new blocks; blocks the
         table already holds are applied here, as the Python loop does."""
         assert _native is not None
-        p, ok = self._store_parent(parent_hash, st)
         inc = _INC[level if level < _LAST else _LAST]
         run = _native.store_run
         end = len(hashes)
-        i = total = 0
-        while True:
-            i, p, added = run(self, hashes, i, p, ok, inc)
-            total += added
-            if i >= end:
-                break
+        # the common store (under the root or a held block) resolves its parent in C
+        got = _native.store_chain(self, parent_hash, hashes, inc)
+        if got is None:  # an unknown or ghost parent: resolved and counted here
+            p, ok = self._store_parent(parent_hash, st)
+            i, p, total = run(self, hashes, 0, p, ok, inc)
+        else:
+            i, p, total = got
+        while i < end:
             n = self.ids[hashes[i]]
             self._store_existing(n, p, level, st)
-            ok = self.rooted[n]
-            p = n
-            i += 1
+            i, p, added = run(self, hashes, i + 1, n, self.rooted[n], inc)
+            total += added
         self.present += total
         if level != 0:
             self.lower += total
-        self._drop_bare_ghost(parent_hash)
+        if got is None:  # a held parent is no ghost: nothing to drop then
+            self._drop_bare_ghost(parent_hash)
 
     def _drop_bare_ghost(self, h: bytes | None) -> None:
         """Delete ``h``'s node when it is a ghost without children: the unknown parent of a
