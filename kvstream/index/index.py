@@ -49,6 +49,7 @@ it from one task or thread (the consumer's).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,14 @@ from kvstream.index.token_table import TokenGroupTable
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
+
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.index._match_native import fill as _fill
+    except ImportError:  # built without a C compiler: match() builds its results in Python
+        _fill = None  # type: ignore[assignment]
+else:
+    _fill = None  # type: ignore[assignment]
 
 
 class _Group:
@@ -712,7 +721,11 @@ class PrefixIndex:
             algo = k.hash_algo
             if len(chains) == 1:  # one chain: the common case, kept tight
                 hs = chains[0]
-                for slot, d in dom.slot_depths(hs, allowed):
+                found = dom.slot_depths(hs, allowed)
+                if _fill is not None and type(found) is list:
+                    # the loop below in C, but for tables with lower tiers (left to it)
+                    found = _fill(out, found, rows, new, n, tpb, algo, w0)
+                for slot, d in found:
                     key, table, _, trusted, note, pos, more = rows[slot]
                     m = new(
                         key,

@@ -1,0 +1,84 @@
+"""PrefixIndex.match's per-worker results built in C (``kvstream.index._match_native.fill``)
+equal the Python loop's: lower tiers, stale, repeated and unknown candidates included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from index_support import Producer, tokens
+
+from kvstream.index import PrefixIndex, WorkerKey
+from kvstream.index import index as index_module
+
+pytestmark = pytest.mark.skipif(index_module._fill is None, reason="the C extension is not built")
+
+
+def _build(seed: int) -> tuple[PrefixIndex, list[list[int]], list[WorkerKey]]:
+    rng = random.Random(seed)
+    idx = PrefixIndex()
+    prompts = [tokens(4 * rng.randint(1, 12) + 1, seed=s) for s in range(4)]
+    keys = []
+    for w in range(rng.randint(1, 6)):
+        p = Producer(f"w{w}", rank=w % 2)
+        keys.append(WorkerKey(f"w{w}", w % 2))
+        evs = [p.created(capacity=(1000, 1000))]
+        for prompt in rng.sample(prompts, rng.randint(0, 3)):
+            chain = p.chain(prompt[:-1])
+            cut = rng.randint(1, len(chain))
+            # some workers keep part of a prefix on the host tier (weighted below 1)
+            evs.append(p.stored(chain[:cut], level=1 if rng.random() < 0.3 else 0))
+        idx.apply(p.batch(*evs))
+        if rng.random() < 0.2:
+            idx.mark_stale(keys[-1], "test")
+    return idx, prompts, keys
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 100_000))
+def test_c_results_equal_the_python_loop(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    idx, prompts, keys = _build(seed)
+    rng = random.Random(seed)
+    shapes: list[list[WorkerKey] | None] = [
+        None,
+        [*keys, keys[0], WorkerKey("nobody", 0)],  # repeated and unknown candidates
+        rng.sample(keys, len(keys)),
+    ]
+    queries = [*prompts, tokens(30, seed=99)]
+    native = [idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries]
+    monkeypatch.setattr(index_module, "_fill", None)
+    idx._plans.clear()
+    idx._last_plan = None
+    python = [idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries]
+    assert native == python
+    assert any(m.matched_blocks for r in native for m in r.matches) or not idx.stats().blocks
+
+
+def test_fill_leaves_lower_tier_tables_to_the_caller() -> None:
+    """A table holding host-tier blocks is returned for weighing, not filled."""
+    p = Producer("w0")
+    idx = PrefixIndex()
+    prompt = tokens(41)
+    chain = p.chain(prompt[:-1])
+    idx.apply(p.batch(p.created(capacity=(100, 100)), p.stored(chain[:5], level=1)))
+    got = idx.match(prompt, tier_weights=(1.0, 0.5)).matches[0]
+    assert (got.matched_blocks, got.weighted_blocks) == (5, 2.5)
+    assert index_module._fill is not None
+    out: list[object] = [None]
+    found = [(0, 5)]
+    plan = idx._plan(0, None, None, None)
+    assert index_module._fill(out, found, plan.slots, tuple, 10, 4, "blake3_64", 1.0) == found
+    assert out == [None]
+
+
+def test_fill_rejects_malformed_input() -> None:
+    fill = index_module._fill
+    assert fill is not None
+    with pytest.raises(TypeError):
+        fill([], [(0,)], {}, tuple, 1, 1, "a", 1.0)
+    with pytest.raises(KeyError):
+        fill([], [(0, 1)], {}, tuple, 1, 1, "a", 1.0)
