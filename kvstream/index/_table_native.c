@@ -380,7 +380,8 @@ untrack_atoms(PyObject *module, PyObject *o)
 /* ------------------------------------------------------------------ MaskMap */
 
 /* kvstream.index.domain.MaskMap's contract in one open-addressing table: a slot holds the
- * key's hash, the key (a bytes object, owned) and its ``width`` bytes of worker bits inline,
+ * key's hash, the key (a bytes object, owned), its first 8 bytes and length (keys of up to 8
+ * bytes compare without reading the key object) and its ``width`` bytes of worker bits inline,
  * so an update costs one probe sequence and no int object (the Python MaskMap needs a dict
  * probe, the entry's int and a separate word array). Linear probing; deleted keys leave a
  * tombstone until the next rebuild. Not tracked by the GC: it holds only bytes. */
@@ -395,10 +396,14 @@ typedef struct {
 static PyTypeObject NMapType;
 static char nmap_dummy_obj;
 #define NMAP_DUMMY ((PyObject *)&nmap_dummy_obj)
-#define NMAP_HASH(m, i) (*(Py_hash_t *)((m)->slots + (i) * (m)->stride))
-#define NMAP_KEY(m, i) (*(PyObject **)((m)->slots + (i) * (m)->stride + sizeof(Py_hash_t)))
-#define NMAP_BITS(m, i) \
-    ((unsigned char *)((m)->slots + (i) * (m)->stride + sizeof(Py_hash_t) + sizeof(PyObject *)))
+/* slot layout: hash, key, the key's first 8 bytes (zero-padded), its length, the bits */
+#define NMAP_HDR 32
+#define NMAP_SLOT(m, i) ((m)->slots + (i) * (m)->stride)
+#define NMAP_HASH(m, i) (*(Py_hash_t *)NMAP_SLOT(m, i))
+#define NMAP_KEY(m, i) (*(PyObject **)(NMAP_SLOT(m, i) + 8))
+#define NMAP_HEAD(m, i) (*(uint64_t *)(NMAP_SLOT(m, i) + 16))
+#define NMAP_LEN(m, i) (*(Py_ssize_t *)(NMAP_SLOT(m, i) + 24))
+#define NMAP_BITS(m, i) ((unsigned char *)(NMAP_SLOT(m, i) + NMAP_HDR))
 
 static inline Py_hash_t
 nmap_hash(PyObject *key)
@@ -410,12 +415,26 @@ nmap_hash(PyObject *key)
     return PyObject_Hash(key);
 }
 
-static inline int
-nmap_same(PyObject *a, PyObject *b)
+/* A bytes key's first 8 bytes, zero-padded. */
+static inline uint64_t
+nmap_head(PyObject *key)
 {
-    return a == b
-           || (PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b)
-               && !memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)));
+    uint64_t v = 0;
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    memcpy(&v, PyBytes_AS_STRING(key), (size_t)(n < 8 ? n : 8));
+    return v;
+}
+
+/* True when slot i holds ``key`` (hash h, head, length n). Keys of up to 8 bytes (engines'
+ * 64-bit hashes) are compared in the slot, without reading the stored key object. */
+static inline int
+nmap_match(NMap *m, Py_ssize_t i, PyObject *key, Py_hash_t h, uint64_t head, Py_ssize_t n)
+{
+    PyObject *k = NMAP_KEY(m, i);
+    if (k == NMAP_DUMMY || NMAP_HASH(m, i) != h || NMAP_LEN(m, i) != n || NMAP_HEAD(m, i) != head)
+        return 0;
+    return k == key || n <= 8
+           || !memcmp(PyBytes_AS_STRING(k) + 8, PyBytes_AS_STRING(key) + 8, (size_t)(n - 8));
 }
 
 /* The slot of ``key`` (-1 when absent). */
@@ -425,11 +444,12 @@ nmap_find(NMap *m, PyObject *key, Py_hash_t h)
     if (!m->cap)
         return -1;
     size_t mask = (size_t)m->cap - 1;
+    uint64_t head = nmap_head(key);
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
     for (size_t i = (size_t)h & mask;; i = (i + 1) & mask) {
-        PyObject *k = NMAP_KEY(m, (Py_ssize_t)i);
-        if (k == NULL)
+        if (NMAP_KEY(m, (Py_ssize_t)i) == NULL)
             return -1;
-        if (k != NMAP_DUMMY && NMAP_HASH(m, (Py_ssize_t)i) == h && nmap_same(k, key))
+        if (nmap_match(m, (Py_ssize_t)i, key, h, head, n))
             return (Py_ssize_t)i;
     }
 }
@@ -438,7 +458,7 @@ nmap_find(NMap *m, PyObject *key, Py_hash_t h)
 static int
 nmap_rebuild(NMap *m, Py_ssize_t cap, Py_ssize_t width)
 {
-    Py_ssize_t stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + width;
+    Py_ssize_t stride = NMAP_HDR + width;
     char *slots = PyMem_Calloc((size_t)cap, (size_t)stride);
     if (slots == NULL) {
         PyErr_NoMemory();
@@ -459,9 +479,7 @@ nmap_rebuild(NMap *m, Py_ssize_t cap, Py_ssize_t width)
         size_t i = (size_t)h & mask;
         while (NMAP_KEY(m, (Py_ssize_t)i) != NULL)
             i = (i + 1) & mask;
-        NMAP_HASH(m, (Py_ssize_t)i) = h;
-        NMAP_KEY(m, (Py_ssize_t)i) = k;
-        memcpy(NMAP_BITS(m, (Py_ssize_t)i), NMAP_BITS(&old, j), (size_t)old.width);
+        memcpy(NMAP_SLOT(m, (Py_ssize_t)i), NMAP_SLOT(&old, j), (size_t)(NMAP_HDR + old.width));
     }
     PyMem_Free(old.slots);
     return 0;
@@ -487,6 +505,8 @@ nmap_add(NMap *m, PyObject *key, Py_ssize_t slot)
     }
     size_t mask = (size_t)m->cap - 1;
     Py_ssize_t free_at = -1;
+    uint64_t head = nmap_head(key);
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
     size_t i = (size_t)h & mask;
     for (;; i = (i + 1) & mask) {
         PyObject *k = NMAP_KEY(m, (Py_ssize_t)i);
@@ -497,7 +517,7 @@ nmap_add(NMap *m, PyObject *key, Py_ssize_t slot)
                 free_at = (Py_ssize_t)i;
             continue;
         }
-        if (NMAP_HASH(m, (Py_ssize_t)i) == h && nmap_same(k, key)) {
+        if (nmap_match(m, (Py_ssize_t)i, key, h, head, n)) {
             NMAP_BITS(m, (Py_ssize_t)i)[slot >> 3] |= (unsigned char)(1 << (slot & 7));
             return 0;
         }
@@ -510,6 +530,8 @@ nmap_add(NMap *m, PyObject *key, Py_ssize_t slot)
     m->used++;
     NMAP_HASH(m, at) = h;
     NMAP_KEY(m, at) = Py_NewRef(key);
+    NMAP_HEAD(m, at) = head;
+    NMAP_LEN(m, at) = n;
     unsigned char *bits = NMAP_BITS(m, at);
     memset(bits, 0, (size_t)m->width);
     bits[slot >> 3] = (unsigned char)(1 << (slot & 7));
@@ -579,7 +601,7 @@ nmap_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (m == NULL)
         return NULL;
     m->width = 8;
-    m->stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + 8;
+    m->stride = NMAP_HDR + 8;
     return (PyObject *)m;
 }
 
@@ -613,7 +635,7 @@ nmap_py_reserve(NMap *m, PyObject *arg)
         }
         else {
             m->width = width;
-            m->stride = (Py_ssize_t)(sizeof(Py_hash_t) + sizeof(PyObject *)) + width;
+            m->stride = NMAP_HDR + width;
         }
     }
     Py_RETURN_NONE;
