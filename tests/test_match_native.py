@@ -50,10 +50,14 @@ def test_c_results_equal_the_python_loop(seed: int, monkeypatch: pytest.MonkeyPa
     ]
     queries = [*prompts, tokens(30, seed=99)]
     native = [idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries]
-    monkeypatch.setattr(index_module, "_fill", None)
-    idx._plans.clear()
-    idx._last_plan = None
-    python = [idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries]
+    assert index_module._fill is not None
+    with monkeypatch.context() as mp:  # undone before hypothesis' next example
+        mp.setattr(index_module, "_fill", None)
+        idx._plans.clear()
+        idx._last_plan = None
+        python = [
+            idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries
+        ]
     assert native == python
     assert any(m.matched_blocks for r in native for m in r.matches) or not idx.stats().blocks
 
@@ -82,3 +86,54 @@ def test_fill_rejects_malformed_input() -> None:
         fill([], [(0,)], {}, tuple, 1, 1, "a", 1.0)
     with pytest.raises(KeyError):
         fill([], [(0, 1)], {}, tuple, 1, 1, "a", 1.0)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 100_000),
+    policy=st.sampled_from(["kv", "kv@2.5", "least-loaded"]),
+)
+def test_c_scores_equal_the_python_loop(
+    seed: int, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Router.route's scores built in C (``_match_native.score``) equal the Python loop's,
+    bit for bit, over random loads, stale workers, lower tiers and unknown candidates; so do
+    the picks and the adaptive signals that follow from them."""
+    from kvstream.index import Router, RouterConfig
+    from kvstream.index import router as router_module
+
+    idx, prompts, keys = _build(seed)
+    name, _, weight = policy.partition("@")
+    cands = [*keys, WorkerKey("nobody", 0)]
+
+    def run() -> list[object]:
+        router = Router(
+            idx,
+            cands,
+            RouterConfig(
+                policy=name,
+                overlap_weight=float(weight) if weight else None,
+                tier_weights=(1.0, 0.3),
+            ),
+        )
+        r = random.Random(seed)
+        out: list[object] = []
+        for i in range(30):
+            d = router.route(r.choice(prompts))
+            out.append(d)
+            router.load.start(f"r{i}", d.worker, r.randint(0, 9), prefill_blocks=r.random() * 5)
+            if r.random() < 0.4:
+                router.load.prefilled(f"r{r.randrange(i + 1)}")
+            if r.random() < 0.3:
+                router.load.finish(f"r{r.randrange(i + 1)}")
+        out.append(router.signals)
+        return out
+
+    assert router_module._score is not None
+    native = run()
+    with monkeypatch.context() as mp:  # undone before hypothesis' next example
+        mp.setattr(router_module, "_score", None)
+        python = run()
+    assert native == python

@@ -9,6 +9,8 @@
  * and at ``out[i]`` for every ``i`` in ``more``. Pairs whose table has lower-tier blocks are
  * returned (in order) for the caller to weigh block by block (``GroupTable.weighted``).
  *
+ * (and ``score``, below: Router.route's per-worker scores).
+ *
  * This is the loop of kvstream/index/index.py's PrefixIndex.match without the interpreter's
  * per-worker steps; that loop is the reference and the fallback (KVSTREAM_NO_NATIVE=1 or no C
  * compiler). tests/test_match_native.py checks both give identical results.
@@ -120,7 +122,115 @@ fail:
     return NULL;
 }
 
+/* score(matches, pending, blocks, requests, base, n_tokens, factor, default_tpb, new)
+ *     -> (scores, costs)
+ *
+ * Router.route's per-worker loop (kvstream/index/router.py, the reference and the fallback):
+ * for worker i, ``tpb = m.tokens_per_block or default_tpb``, ``prefill = max(n_tokens -
+ * (m.weighted_blocks * tpb if m.trusted else 0.0), 0.0) / tpb``, ``cost = factor * prefill +
+ * base[i]`` and the score ``new(m, requests[i], blocks[i], prefill, cost, pending[i])``, in
+ * the same double arithmetic as Python's. */
+static PyObject *s_tpb, *s_weighted, *s_trusted;
+
+static PyObject *
+score(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "score() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *matches = args[0], *pending = args[1], *blocks = args[2], *requests = args[3];
+    PyObject *base = args[4], *new = args[8];
+    if (!PyTuple_Check(matches) || !PyTuple_Check(pending) || !PyTuple_Check(blocks)
+        || !PyTuple_Check(requests) || !PyTuple_Check(base)) {
+        PyErr_SetString(PyExc_TypeError, "score(): the columns must be tuples");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(matches);
+    if (PyTuple_GET_SIZE(pending) != n || PyTuple_GET_SIZE(blocks) != n
+        || PyTuple_GET_SIZE(requests) != n || PyTuple_GET_SIZE(base) != n) {
+        PyErr_SetString(PyExc_ValueError, "score(): columns of different lengths");
+        return NULL;
+    }
+    double n_tokens = PyFloat_AsDouble(args[5]);
+    if (n_tokens == -1.0 && PyErr_Occurred())
+        return NULL;
+    double factor = PyFloat_AsDouble(args[6]);
+    if (factor == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *default_tpb = args[7];
+    PyObject *scores = PyList_New(n), *costs = PyList_New(n);
+    if (scores == NULL || costs == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyTuple_GET_ITEM(matches, i);
+        PyObject *t = PyObject_GetAttr(m, s_tpb);
+        if (t == NULL)
+            goto fail;
+        int truthy = PyObject_IsTrue(t);
+        if (truthy < 0) {
+            Py_DECREF(t);
+            goto fail;
+        }
+        double tpb = PyFloat_AsDouble(truthy ? t : default_tpb);
+        Py_DECREF(t);
+        if (tpb == -1.0 && PyErr_Occurred())
+            goto fail;
+        PyObject *tr = PyObject_GetAttr(m, s_trusted);
+        if (tr == NULL)
+            goto fail;
+        int trusted = PyObject_IsTrue(tr);
+        Py_DECREF(tr);
+        if (trusted < 0)
+            goto fail;
+        double used = 0.0;
+        if (trusted) {
+            PyObject *w = PyObject_GetAttr(m, s_weighted);
+            if (w == NULL)
+                goto fail;
+            double wb = PyFloat_AsDouble(w);
+            Py_DECREF(w);
+            if (wb == -1.0 && PyErr_Occurred())
+                goto fail;
+            used = wb * tpb;
+        }
+        double left = n_tokens - used;
+        double q = PyFloat_AsDouble(PyTuple_GET_ITEM(base, i));
+        if (q == -1.0 && PyErr_Occurred())
+            goto fail;
+        double prefill = (left > 0.0 ? left : 0.0) / tpb;
+        PyObject *p = PyFloat_FromDouble(prefill);
+        if (p == NULL)
+            goto fail;
+        PyObject *c = PyFloat_FromDouble(factor * prefill + q);
+        if (c == NULL) {
+            Py_DECREF(p);
+            goto fail;
+        }
+        PyObject *call[6] = {
+            m, PyTuple_GET_ITEM(requests, i), PyTuple_GET_ITEM(blocks, i), p, c,
+            PyTuple_GET_ITEM(pending, i),
+        };
+        PyObject *sc = PyObject_Vectorcall(new, call, 6, NULL);
+        Py_DECREF(p);
+        if (sc == NULL) {
+            Py_DECREF(c);
+            goto fail;
+        }
+        PyList_SET_ITEM(scores, i, sc);
+        PyList_SET_ITEM(costs, i, c);
+    }
+    return Py_BuildValue("(NN)", scores, costs);
+fail:
+    Py_XDECREF(scores);
+    Py_XDECREF(costs);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"score", (PyCFunction)(void (*)(void))score, METH_FASTCALL,
+     "score(matches, pending, blocks, requests, base, n_tokens, factor, default_tpb, new) "
+     "-> (scores, costs)"},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(out, found, rows, new, n, tpb, algo, w0) -> pairs left to weigh"},
     {NULL, NULL, 0, NULL},
@@ -135,7 +245,10 @@ PyMODINIT_FUNC
 PyInit__match_native(void)
 {
     s_lower = PyUnicode_InternFromString("lower");
-    if (s_lower == NULL)
+    s_tpb = PyUnicode_InternFromString("tokens_per_block");
+    s_weighted = PyUnicode_InternFromString("weighted_blocks");
+    s_trusted = PyUnicode_InternFromString("trusted");
+    if (s_lower == NULL || s_tpb == NULL || s_weighted == NULL || s_trusted == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

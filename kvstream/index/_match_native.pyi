@@ -1,4 +1,4 @@
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 def fill(
@@ -11,3 +11,14 @@ def fill(
     algo: str,
     w0: float,
 ) -> list[tuple[int, int]]: ...
+def score(
+    matches: Sequence[Any],
+    pending: Sequence[Any],
+    blocks: Sequence[Any],
+    requests: Sequence[Any],
+    base: Sequence[Any],
+    n_tokens: int,
+    factor: float,
+    default_tpb: int,
+    new: Callable[..., Any],
+) -> tuple[list[Any], list[float]]: ...

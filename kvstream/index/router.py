@@ -50,6 +50,7 @@ caller can see why a worker was chosen and what the index predicted it holds.
 from __future__ import annotations
 
 import enum
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,14 @@ from kvstream.index.matching import (
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
+
+if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+    try:
+        from kvstream.index._match_native import score as _score
+    except ImportError:  # built without a C compiler: route() scores in Python
+        _score = None  # type: ignore[assignment]
+else:
+    _score = None  # type: ignore[assignment]
 
 #: Decisions over which the utilisation estimate averages (an EWMA's 1/alpha).
 UTILISATION_HORIZON = 100
@@ -338,19 +347,28 @@ class Router:
             else [WorkerMatch(w, 0, 0.0, 0, None, None, False) for w in workers]
         )
         default_tpb = cfg.tokens_per_block or 1
-        scores: list[WorkerScore] = []
-        costs: list[float] = []
-        add_score = scores.append
-        add_cost = costs.append
-        new_score = _new_score
-        for m, p, b, r, q in zip(matches, pending, blocks, requests, base, strict=True):
-            tpb = m.tokens_per_block or default_tpb
-            # max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb, inlined
-            left = n_tokens - (m.weighted_blocks * tpb if m.trusted else 0.0)
-            prefill = (left if left > 0.0 else 0.0) / tpb
-            cost = factor * prefill + q
-            add_cost(cost)
-            add_score(new_score(m, r, b, prefill, cost, p))
+        scores: list[WorkerScore]
+        costs: list[float]
+        columns: tuple[Any, ...] = (matches, pending, requests)
+        if _score is not None and all(type(c) is tuple for c in columns):
+            # the loop below in C (the same double arithmetic)
+            scores, costs = _score(
+                matches, pending, blocks, requests, base, n_tokens, factor, default_tpb, _new_score
+            )
+        else:
+            scores = []
+            costs = []
+            add_score = scores.append
+            add_cost = costs.append
+            new_score = _new_score
+            for m, p, b, r, q in zip(matches, pending, blocks, requests, base, strict=True):
+                tpb = m.tokens_per_block or default_tpb
+                # max(n_tokens - m.usable_weighted * tpb, 0.0) / tpb, inlined
+                left = n_tokens - (m.weighted_blocks * tpb if m.trusted else 0.0)
+                prefill = (left if left > 0.0 else 0.0) / tpb
+                cost = factor * prefill + q
+                add_cost(cost)
+                add_score(new_score(m, r, b, prefill, cost, p))
 
         if policy is RoutingPolicy.ROUND_ROBIN:
             pick = turn % n
