@@ -496,9 +496,9 @@ nmap_add(NMap *m, PyObject *key, Py_ssize_t slot)
     Py_hash_t h = nmap_hash(key);
     if (h == -1 && PyErr_Occurred())
         return -1;
-    if ((m->fill + 1) * 2 > m->cap) { /* at most half full, tombstones included */
+    if ((m->fill + 1) * 10 > m->cap * 7) { /* at most 70% full, tombstones included */
         Py_ssize_t cap = 8;
-        while ((m->used + 1) * 4 > cap) /* a quarter full after the rebuild */
+        while ((m->used + 1) * 20 > cap * 7) /* at most 35% full after the rebuild */
             cap *= 2;
         if (nmap_rebuild(m, cap, m->width) < 0)
             return -1;
