@@ -50,7 +50,7 @@ it from one task or thread (the consumer's).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -725,22 +725,9 @@ class PrefixIndex:
                 if _fill is not None and type(found) is list:
                     # the loop below in C, but for tables with lower tiers (left to it)
                     found = _fill(out, found, rows, new, n, tpb, algo, w0)
+                ctx = (weights, w0, new, n, tpb, algo)
                 for slot, d in found:
-                    key, table, _, trusted, note, pos, more = rows[slot]
-                    m = new(
-                        key,
-                        d,
-                        table.weighted(hs, d, weights) if table.lower else d * w0,
-                        n,
-                        tpb,
-                        algo,
-                        trusted,
-                        note,
-                    )
-                    out[pos] = m
-                    if more:
-                        for i in more:
-                            out[i] = m
+                    _place(out, rows[slot], hs, d, ctx)
                 continue
             # one chain per LoRA scope (token mode): each worker's deepest
             depth: dict[int, int] = {}
@@ -750,22 +737,9 @@ class PrefixIndex:
                     if d > depth.get(slot, 0):
                         depth[slot] = d
                         pick[slot] = i
+            ctx = (weights, w0, new, n, tpb, algo)
             for slot, d in depth.items():
-                key, table, _, trusted, note, pos, more = rows[slot]
-                hs = chains[pick[slot]]
-                m = new(
-                    key,
-                    d,
-                    table.weighted(hs, d, weights) if table.lower else d * w0,
-                    n,
-                    tpb,
-                    algo,
-                    trusted,
-                    note,
-                )
-                out[pos] = m
-                for i in more:
-                    out[i] = m
+                _place(out, rows[slot], chains[pick[slot]], d, ctx)
         return MatchResult(tuple(out), _count_tokens(tokens))
 
     def _plan(
@@ -1083,6 +1057,30 @@ class _Plan:
             self.zeros.clear()
         self.zeros[lens] = row
         return row
+
+
+#: what every worker of one domain's match shares: tier weights, the first weight, the
+#: WorkerMatch constructor, blocks in the request, tokens per block, hash algorithm
+_Ctx = tuple[tuple[float, ...], float, Callable[..., WorkerMatch], int, int, str]
+
+
+def _place(out: list[Any], row: tuple[Any, ...], hs: list[bytes], d: int, ctx: _Ctx) -> None:
+    # One worker's WorkerMatch at depth d, at its position and its duplicates' in ``out``.
+    key, table, _, trusted, note, pos, more = row
+    weights, w0, new, n, tpb, algo = ctx
+    m = new(
+        key,
+        d,
+        table.weighted(hs, d, weights) if table.lower else d * w0,
+        n,
+        tpb,
+        algo,
+        trusted,
+        note,
+    )
+    out[pos] = m
+    for i in more:
+        out[i] = m
 
 
 def _count_tokens(tokens: Any) -> int:

@@ -211,20 +211,7 @@ class SinkQueue:
         """
         n = batch.num_events if isinstance(batch, DeferredBatch) else len(batch.events)
         with self._lock:
-            items = self._items
-            if not self._closed and (
-                not items
-                or (len(items) < self._max_batches and self._events + n <= self._max_events)
-            ):  # the common case, inlined: room in the queue
-                items.append(batch)
-                self._events += n
-                c = self.counters
-                c.batches_in += 1
-                c.events_in += n
-                if self._consumer_waiting and (
-                    len(items) >= self._want_batches or self._events >= self._want_events
-                ):
-                    self._signal()
+            if self._append_if_room(batch, n):
                 return True
             decided = self._offer(batch, n)
             if decided is not None:
@@ -246,25 +233,30 @@ class SinkQueue:
             self._drop(batch, n, DropReason.BLOCK_TIMEOUT)
             return False
 
+    def _append_if_room(self, batch: AnyBatch, n: int) -> bool:
+        # The common case of put/offer, under the lock: room in the queue (or an empty one).
+        items = self._items
+        if self._closed or (
+            items and (len(items) >= self._max_batches or self._events + n > self._max_events)
+        ):
+            return False
+        items.append(batch)
+        self._events += n
+        c = self.counters
+        c.batches_in += 1
+        c.events_in += n
+        if self._consumer_waiting and (
+            len(items) >= self._want_batches or self._events >= self._want_events
+        ):
+            self._signal()
+        return True
+
     def offer(self, batch: AnyBatch, n: int) -> bool | None:
         """Enqueue ``batch`` (``n`` events) if that needs no waiting: True/False when decided
         (accepted/dropped, as :meth:`put` decides), None when a ``block`` queue is full (then
         :meth:`put_async` waits for room). Never waits; any thread."""
         with self._lock:
-            items = self._items
-            if not self._closed and (
-                not items
-                or (len(items) < self._max_batches and self._events + n <= self._max_events)
-            ):  # the common case, inlined (as in put)
-                items.append(batch)
-                self._events += n
-                c = self.counters
-                c.batches_in += 1
-                c.events_in += n
-                if self._consumer_waiting and (
-                    len(items) >= self._want_batches or self._events >= self._want_events
-                ):
-                    self._signal()
+            if self._append_if_room(batch, n):
                 return True
             return self._offer(batch, n)
 
