@@ -298,17 +298,28 @@ sha256_padded(unsigned char *msg, size_t len, unsigned char out[32])
 
 /* One round with the message words in the order of that round's schedule row (the
  * permutation 2,6,3,10,7,0,4,13,1,11,12,5,9,14,15,8 applied r times), as constants so
- * that the unrolled rounds keep the message in registers. */
-#define B3_ROUND(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
-    do {                                                                             \
-        B3_G(0, 4, 8, 12, m[s0], m[s1]);                                             \
-        B3_G(1, 5, 9, 13, m[s2], m[s3]);                                             \
-        B3_G(2, 6, 10, 14, m[s4], m[s5]);                                            \
-        B3_G(3, 7, 11, 15, m[s6], m[s7]);                                            \
-        B3_G(0, 5, 10, 15, m[s8], m[s9]);                                            \
-        B3_G(1, 6, 11, 12, m[s10], m[s11]);                                          \
-        B3_G(2, 7, 8, 13, m[s12], m[s13]);                                           \
-        B3_G(3, 4, 9, 14, m[s14], m[s15]);                                           \
+ * that the unrolled rounds keep the message in registers; G is B3_G for one state, or a
+ * lane-sliced G (v[i]: word i of every lane) for the SIMD kernels. */
+#define B3_LROUND(G, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
+    do {                                                                                 \
+        G(0, 4, 8, 12, m[s0], m[s1]);                                                    \
+        G(1, 5, 9, 13, m[s2], m[s3]);                                                    \
+        G(2, 6, 10, 14, m[s4], m[s5]);                                                   \
+        G(3, 7, 11, 15, m[s6], m[s7]);                                                   \
+        G(0, 5, 10, 15, m[s8], m[s9]);                                                   \
+        G(1, 6, 11, 12, m[s10], m[s11]);                                                 \
+        G(2, 7, 8, 13, m[s12], m[s13]);                                                  \
+        G(3, 4, 9, 14, m[s14], m[s15]);                                                  \
+    } while (0)
+#define B3_LROUNDS(G)                                                         \
+    do {                                                                      \
+        B3_LROUND(G, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
+        B3_LROUND(G, 2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);   \
+        B3_LROUND(G, 3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);   \
+        B3_LROUND(G, 10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);   \
+        B3_LROUND(G, 12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);   \
+        B3_LROUND(G, 9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);   \
+        B3_LROUND(G, 11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);   \
     } while (0)
 
 /* The first 8 output words of BLAKE3's compression (all a chaining value or a 32-byte root
@@ -331,13 +342,7 @@ b3_compress(const uint32_t cv[8], const unsigned char block[64], uint8_t block_l
     v[13] = (uint32_t)(counter >> 32);
     v[14] = block_len;
     v[15] = flags;
-    B3_ROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    B3_ROUND(2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);
-    B3_ROUND(3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);
-    B3_ROUND(10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);
-    B3_ROUND(12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);
-    B3_ROUND(9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);
-    B3_ROUND(11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);
+    B3_LROUNDS(B3_G);
     for (i = 0; i < 8; i++)
         out[i] = v[i] ^ v[i + 8];
 }
@@ -528,30 +533,6 @@ b3_chunks_one(const unsigned char *const *in, size_t len, const uint64_t *ctr, s
 }
 
 static b3_chunks_fn b3_chunks_many = b3_chunks_one;
-
-/* The 16 message words of a round in its schedule order (as B3_ROUND), G applied to the
- * vectors of a lane-sliced state v (v[i]: word i of every lane) by the macro G. */
-#define B3_LROUND(G, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
-    do {                                                                                 \
-        G(0, 4, 8, 12, m[s0], m[s1]);                                                    \
-        G(1, 5, 9, 13, m[s2], m[s3]);                                                    \
-        G(2, 6, 10, 14, m[s4], m[s5]);                                                   \
-        G(3, 7, 11, 15, m[s6], m[s7]);                                                   \
-        G(0, 5, 10, 15, m[s8], m[s9]);                                                   \
-        G(1, 6, 11, 12, m[s10], m[s11]);                                                 \
-        G(2, 7, 8, 13, m[s12], m[s13]);                                                  \
-        G(3, 4, 9, 14, m[s14], m[s15]);                                                  \
-    } while (0)
-#define B3_LROUNDS(G)                                                         \
-    do {                                                                      \
-        B3_LROUND(G, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
-        B3_LROUND(G, 2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);   \
-        B3_LROUND(G, 3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);   \
-        B3_LROUND(G, 10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);   \
-        B3_LROUND(G, 12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);   \
-        B3_LROUND(G, 9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);   \
-        B3_LROUND(G, 11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);   \
-    } while (0)
 
 #ifdef HAVE_X86_SHA
 static int
