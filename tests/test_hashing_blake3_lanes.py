@@ -15,7 +15,6 @@ Skipped when the extension is not built (no C compiler) or KVSTREAM_NO_NATIVE is
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 from blake3 import blake3
@@ -32,17 +31,6 @@ if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
 #: Tokens per block around the chunk boundaries of a ``32 + 4 * n``-byte message: one chunk
 #: (<= 248), just over, exactly 2 / 3 / 4 chunks (504, 760, 1016), a short last chunk (512).
 SIZES = [1, 2, 247, 248, 249, 250, 256, 503, 504, 505, 512, 759, 760, 761, 1016, 1024, 2040]
-
-
-@pytest.fixture(params=["simd", "portable"])
-def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """Run a test with the SIMD code (when the CPU has it) and with the portable C."""
-    before = native.has_sha_ni()
-    native.set_simd(request.param == "simd")
-    try:
-        yield request.param == "simd"
-    finally:
-        native.set_simd(before)
 
 
 def _reference(parent: bytes, blocks: list[bytes]) -> list[bytes]:

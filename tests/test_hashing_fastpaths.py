@@ -17,7 +17,6 @@ Skipped when the extension is not built (no C compiler) or KVSTREAM_NO_NATIVE is
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,17 +36,6 @@ if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
 
 #: Where CBOR's head grows (24, 2**8, 2**16) and where CPython's digits do (2**30).
 EDGES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
-
-
-@pytest.fixture(params=["simd", "portable"])
-def simd(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """Run a test with the SIMD code (when the CPU has it) and with the portable C."""
-    before = native.has_sha_ni()
-    native.set_simd(request.param == "simd")
-    try:
-        yield request.param == "simd"
-    finally:
-        native.set_simd(before)
 
 
 class _Int(int):
