@@ -323,6 +323,20 @@ class KVCacheManager:
         hashes, chain = self._hash_blocks(root, raw, 0, ())
         return HashedPrompt(raw, root, tuple(hashes), chain)
 
+    def hash_prompts(self, prompts: Sequence[Any]) -> list[HashedPrompt]:
+        """:meth:`hash_prompt` of several prompts (no LoRA, salt or multimodal items): equal
+        to ``[hash_prompt(p) for p in prompts]``, with the requests' chains hashed side by
+        side where the hasher can (:meth:`~kvstream.hashing.BlockHasher.chain_raw_many`).
+        Raises RequestError/HashingError for bad tokens, before hashing any."""
+        raws = [self._check_prompt(p, ())[0] for p in prompts]
+        root = self._root(None, None, None)
+        hasher, tpb = self._hasher, self._tpb
+        out: list[HashedPrompt] = []
+        for raw, (hashes, keys) in zip(raws, hasher.chain_raw_many(root, raws, tpb), strict=True):
+            chain = hasher.resume(root, keys[-1], root.depth + len(hashes)) if hashes else root
+            out.append(HashedPrompt(raw, root, tuple(hashes), chain))
+        return out
+
     def add_request(
         self,
         request_id: str,

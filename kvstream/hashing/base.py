@@ -332,6 +332,23 @@ class BlockHasher(ABC):
         )
         return out
 
+    def chain_raw_many(
+        self, state: ChainState, raws: Sequence[bytes], tokens_per_block: int
+    ) -> list[tuple[list[bytes], list[Any]]]:
+        """:meth:`chain_raw` of several packed requests with the same root ``state``, each
+        returning its last chain key: equal to ``[chain_raw(state, raw, tokens_per_block,
+        every=n) for raw in raws]`` with ``n`` the full blocks of that ``raw`` (``([], [])``
+        for a request without a full block). The requests' chains are independent, so an
+        algorithm may hash them side by side; this default hashes them one after the other.
+        """
+        step = 4 * tokens_per_block
+        return [
+            self.chain_raw(state, raw, tokens_per_block, every=len(raw) // step)
+            if len(raw) >= step
+            else ([], [])
+            for raw in raws
+        ]
+
     def _c_args(
         self, state: ChainState, tokens_per_block: int
     ) -> tuple[bytes, int, bytes | None, bytes | None] | None:
