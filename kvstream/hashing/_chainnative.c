@@ -29,7 +29,8 @@
  * A KIND_BLAKE3 chain hashes first, for all its blocks, the chunks that do not hold the
  * parent key (a 512-token block's message is 2080 bytes: chunks 1 and 2 of 3), eight chunks
  * at a time on AVX2 (one by one otherwise); only each block's first chunk and its tree nodes
- * stay on the chain's sequential path (b3_chain_split).
+ * stay on the chain's sequential path (b3_chain_split). Several requests' chains (chain_many)
+ * are independent: on AVX2 their sequential paths run eight requests side by side.
  *
  * Entry points:
  *
@@ -44,6 +45,12 @@
  *       the first hashed block (the caller passes it only at chain depth 0). keys
  *       holds the full 32-byte key after every block whose absolute index i has
  *       (i + 1) % every == 0 (every > 0).
+ *   chain_many(kind, raws, block_tokens, parent, width=32, offset=0)
+ *         -> list[(published: list[bytes], keys: list[bytes])]
+ *       KIND_BLAKE3 only: chain(kind, raw, block_tokens, parent, width=width, offset=offset,
+ *       every=n) of every raw in raws (n its full blocks; ([], []) for a raw without one, not
+ *       validated), the requests hashed side by side: their parent-free chunks eight at a
+ *       time, then, on AVX2, eight requests a step, one per lane (b3_chain_many).
  *   pack(tokens, drop_last=False) -> bytes | None
  *       a list/tuple of ints as u32 LE bytes; None when an item is not an int in 0..2**32-1
  *       (the caller then takes its validating path). Exact ints are read from their digits.
@@ -804,38 +811,19 @@ b3_group_add(b3_group *g, size_t len, const unsigned char *in, uint64_t ctr, uin
         b3_group_flush(g, len);
 }
 
-/* KIND_BLAKE3's chain of blocks[0..nb) from parent, keys to keys + 32 * i: blocks of more than
- * one chunk by b3_hash_split after the values of their parent-free chunks, computed in lanes
+/* The chaining values of the chunks of blocks[0..nb) that do not hold the parent key (all but
+ * each block's first 1024 message bytes) to cvs, block by block, computed in lanes
  * (b3_chunks_many, grouped by chunk length: whole chunks, and the length of the first short
- * last chunk; any other length one by one); shorter blocks as one message in msg (room for
- * 32 + 1024 bytes). Returns -1 (nothing written) when no block has more than one chunk
- * (hash_chain's per-block loop then runs: there is nothing to split) or the scratch for the
- * chaining values cannot be allocated. */
-static int
-b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
-               unsigned char *keys, unsigned char *msg)
+ * last chunk; any other length one by one). */
+static void
+b3_free_chunks(const blk_t *blocks, Py_ssize_t nb, uint32_t *cvs)
 {
-    uint32_t cv_stack[8 * B3_SPLIT_STACK_CVS];
-    uint32_t *cvs = cv_stack, *at;
-    size_t total = 0, short_len = 0;
+    size_t short_len = 0;
     b3_group full, part;
+    uint32_t *at = cvs;
     Py_ssize_t b;
-    const unsigned char *prev = parent;
 
-    for (b = 0; b < nb; b++) {
-        const size_t len = KEY_LEN + 4 * (size_t)blocks[b].n;
-        if (len > B3_CHUNK_LEN)
-            total += (len - 1) / B3_CHUNK_LEN;
-    }
-    if (total == 0)
-        return -1;
-    if (total > B3_SPLIT_STACK_CVS) {
-        cvs = PyMem_RawMalloc(total * 8 * sizeof(uint32_t));
-        if (cvs == NULL)
-            return -1;
-    }
     full.k = part.k = 0;
-    at = cvs;
     for (b = 0; b < nb; b++) {
         const size_t len = KEY_LEN + 4 * (size_t)blocks[b].n;
         size_t j;
@@ -856,6 +844,36 @@ b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
     }
     b3_group_flush(&full, B3_CHUNK_LEN);
     b3_group_flush(&part, short_len);
+}
+
+/* KIND_BLAKE3's chain of blocks[0..nb) from parent, keys to keys + 32 * i: blocks of more than
+ * one chunk by b3_hash_split after the values of their parent-free chunks (b3_free_chunks);
+ * shorter blocks as one message in msg (room for 32 + 1024 bytes). Returns -1 (nothing
+ * written) when no block has more than one chunk (hash_chain's per-block loop then runs: there
+ * is nothing to split) or the scratch for the chaining values cannot be allocated. */
+static int
+b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
+               unsigned char *keys, unsigned char *msg)
+{
+    uint32_t cv_stack[8 * B3_SPLIT_STACK_CVS];
+    uint32_t *cvs = cv_stack, *at;
+    size_t total = 0;
+    Py_ssize_t b;
+    const unsigned char *prev = parent;
+
+    for (b = 0; b < nb; b++) {
+        const size_t len = KEY_LEN + 4 * (size_t)blocks[b].n;
+        if (len > B3_CHUNK_LEN)
+            total += (len - 1) / B3_CHUNK_LEN;
+    }
+    if (total == 0)
+        return -1;
+    if (total > B3_SPLIT_STACK_CVS) {
+        cvs = PyMem_RawMalloc(total * 8 * sizeof(uint32_t));
+        if (cvs == NULL)
+            return -1;
+    }
+    b3_free_chunks(blocks, nb, cvs);
     /* the sequential part: each block's first chunk and tree on its parent's key */
     at = cvs;
     for (b = 0; b < nb; b++) {
@@ -875,6 +893,263 @@ b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
     if (cvs != cv_stack)
         PyMem_RawFree(cvs);
     return 0;
+}
+
+/* ------------------------------------------- BLAKE3 chains of several requests side by side
+ *
+ * chain_many(): the requests' chains are independent and every block message has the same
+ * length (32 + 4 * block_tokens bytes), BLAKE3's hash_many pattern. First the parent-free
+ * chunks of every block of every request, eight at a time (b3_free_chunks); then, on AVX2,
+ * eight requests advance together, one block each per step, one request per 32-bit lane:
+ * each lane's first chunk (on its parent key) and tree nodes in eight-wide compressions. A
+ * lane whose request ends takes the next one (longest first, so the lanes run out together);
+ * when fewer than B3_LANES_MIN lanes are left, their requests finish one block at a time. */
+
+/* Below this many live lanes an eight-wide step costs more than that many blocks one by one. */
+#define B3_LANES_MIN 3
+
+/* BLAKE3(parent[i] || tok[i][0:len - 32]) to out[i] for the eight lanes i (len > 32); with
+ * cvs, the chaining values of chunks 1.. of lane i are read from cvs[i] (8 words per chunk)
+ * instead of computed. */
+typedef void (*b3_hash8_fn)(const unsigned char *const *parent, const unsigned char *const *tok,
+                            size_t len, const uint32_t *const *cvs, unsigned char *const *out);
+
+#ifdef HAVE_X86_SHA
+/* The 64 message bytes at offset off (a multiple of 64) of parent || tok, len bytes long: in
+ * place, or zero-padded in pad (the first block, which holds the parent, and a short last). */
+static inline const unsigned char *
+b3_lane_block(const unsigned char *parent, const unsigned char *tok, size_t len, size_t off,
+              unsigned char pad[64])
+{
+    size_t n;
+    if (off > 0 && off + 64 <= len)
+        return tok + off - KEY_LEN;
+    n = len - off < 64 ? len - off : 64;
+    memset(pad, 0, 64);
+    if (off == 0) {
+        memcpy(pad, parent, KEY_LEN);
+        memcpy(pad + KEY_LEN, tok, n - KEY_LEN);
+    }
+    else {
+        memcpy(pad, tok + off - KEY_LEN, n);
+    }
+    return pad;
+}
+
+/* One compression in each of eight lanes, lane-sliced: h[j], m[j] hold word j of every lane. */
+__attribute__((target("avx2"))) static inline void
+x8_compress(__m256i h[8], const __m256i m[16], __m256i cnt_lo, __m256i cnt_hi, uint32_t len,
+            uint32_t flags)
+{
+    const __m256i rot16 = _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13,
+                                           2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const __m256i rot8 = _mm256_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12,
+                                          1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
+    __m256i v[16];
+    int i;
+    for (i = 0; i < 8; i++)
+        v[i] = h[i];
+    for (i = 0; i < 4; i++)
+        v[8 + i] = _mm256_set1_epi32((int)SHA_IV[i]);
+    v[12] = cnt_lo;
+    v[13] = cnt_hi;
+    v[14] = _mm256_set1_epi32((int)len);
+    v[15] = _mm256_set1_epi32((int)flags);
+    B3_LROUNDS(X8_G);
+    for (i = 0; i < 8; i++)
+        h[i] = _mm256_xor_si256(v[i], v[i + 8]);
+}
+
+/* A parent node in each of eight lanes: left and right (h) chaining values, lane-sliced. */
+__attribute__((target("avx2"))) static inline void
+x8_parent(const __m256i left[8], __m256i h[8], uint32_t flags)
+{
+    __m256i m[16];
+    const __m256i zero = _mm256_setzero_si256();
+    int i;
+    for (i = 0; i < 8; i++) {
+        m[i] = left[i];
+        m[8 + i] = h[i];
+        h[i] = _mm256_set1_epi32((int)SHA_IV[i]);
+    }
+    x8_compress(h, m, zero, zero, 64, B3_PARENT | flags);
+}
+
+/* b3_hash8_fn on AVX2: the chunks in order, the tree merged as b3_hash merges it. */
+__attribute__((target("avx2"))) static void
+b3_hash8_avx2(const unsigned char *const *parent, const unsigned char *const *tok, size_t len,
+              const uint32_t *const *cvs, unsigned char *const *out)
+{
+    const size_t nchunks = (len + B3_CHUNK_LEN - 1) / B3_CHUNK_LEN;
+    __m256i stack[64][8], h[8], m[16];
+    unsigned char pad[8][64];
+    size_t c, depth = 0;
+    int i;
+
+    for (c = 0; c < nchunks; c++) {
+        const size_t start = c * B3_CHUNK_LEN;
+        const size_t clen = len - start < B3_CHUNK_LEN ? len - start : B3_CHUNK_LEN;
+        const size_t nblk = (clen + 63) / 64;
+        const __m256i cnt_lo = _mm256_set1_epi32((int)(uint32_t)c);
+        const __m256i cnt_hi = _mm256_set1_epi32((int)(uint32_t)((uint64_t)c >> 32));
+        size_t j;
+        if (c > 0 && cvs != NULL) {
+            for (i = 0; i < 8; i++)
+                h[i] = _mm256_loadu_si256((const __m256i *)(cvs[i] + 8 * (c - 1)));
+            x8_transpose(h);
+        }
+        else {
+            for (i = 0; i < 8; i++)
+                h[i] = _mm256_set1_epi32((int)SHA_IV[i]);
+            for (j = 0; j < nblk; j++) {
+                const size_t off = start + 64 * j;
+                const int last = j + 1 == nblk;
+                const uint32_t flags = (j == 0 ? B3_CHUNK_START : 0) |
+                                       (last ? B3_CHUNK_END : 0) |
+                                       (last && nchunks == 1 ? B3_ROOT : 0);
+                for (i = 0; i < 8; i++) {
+                    const unsigned char *src = b3_lane_block(parent[i], tok[i], len, off, pad[i]);
+                    m[i] = _mm256_loadu_si256((const __m256i *)src);
+                    m[i + 8] = _mm256_loadu_si256((const __m256i *)(src + 32));
+                }
+                x8_transpose(m);
+                x8_transpose(m + 8);
+                x8_compress(h, m, cnt_lo, cnt_hi, (uint32_t)(len - off < 64 ? len - off : 64),
+                            flags);
+            }
+        }
+        if (nchunks == 1)
+            break;
+        if (c + 1 < nchunks) {
+            uint64_t total;
+            for (total = c + 1; (total & 1) == 0; total >>= 1)
+                x8_parent(stack[--depth], h, 0);
+            memcpy(stack[depth++], h, sizeof h);
+        }
+        else {
+            while (depth > 0) {
+                depth--;
+                x8_parent(stack[depth], h, depth == 0 ? B3_ROOT : 0);
+            }
+        }
+    }
+    x8_transpose(h); /* h[i]: lane i's key */
+    for (i = 0; i < 8; i++)
+        _mm256_storeu_si256((__m256i *)out[i], h[i]);
+}
+#endif
+
+/* The lane kernel, NULL where the CPU has none (or set_simd(False)): one chain at a time. */
+static b3_hash8_fn b3_hash8 = NULL;
+
+/* One request of chain_many: its nb full blocks, their keys, and (messages of more than one
+ * chunk, lanes) the chaining values of their parent-free chunks. */
+typedef struct {
+    const blk_t *blk;
+    Py_ssize_t nb;
+    unsigned char *keys;
+    const uint32_t *cvs;
+} b3_req;
+
+static int
+b3_req_longer(const void *a, const void *b)
+{
+    const Py_ssize_t x = (*(b3_req *const *)a)->nb, y = (*(b3_req *const *)b)->nb;
+    return (x < y) - (x > y);
+}
+
+/* Blocks [b, nb) of request r one at a time: keys after its parent-free chunks' values where
+ * it has them, else as whole messages (msg: room for 32 + 4 * its block's ids). */
+static void
+b3_finish(const b3_req *r, Py_ssize_t b, size_t per_block, const unsigned char *parent,
+          unsigned char *msg)
+{
+    for (; b < r->nb; b++) {
+        const unsigned char *prev = b ? r->keys + (size_t)KEY_LEN * (b - 1) : parent;
+        unsigned char *key = r->keys + (size_t)KEY_LEN * b;
+        const size_t tlen = 4 * (size_t)r->blk[b].n;
+        if (r->cvs != NULL) {
+            b3_hash_split(prev, r->blk[b].tok, tlen, r->cvs + 8 * per_block * (size_t)b, key);
+        }
+        else {
+            memcpy(msg, prev, KEY_LEN);
+            memcpy(msg + KEY_LEN, r->blk[b].tok, tlen);
+            b3_hash(msg, KEY_LEN + tlen, key);
+        }
+    }
+}
+
+/* The chains of reqs[0..n) (each with nb >= 1 blocks of tpb ids, total blocks together,
+ * contiguous from reqs[0].blk), all from parent. Portable (no lane kernel): b3_chain_split per
+ * request. Lanes: cvs, room for 8 words per parent-free chunk of every block (NULL for
+ * messages of one chunk); order: scratch for n pointers. msg: room for 32 + max(4 * tpb, 1024)
+ * bytes. */
+static void
+b3_chain_many(b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
+              const unsigned char *parent, uint32_t *cvs, b3_req **order, unsigned char *msg)
+{
+    const size_t tlen = 4 * (size_t)tpb;
+    const size_t per_block = (KEY_LEN + tlen - 1) / B3_CHUNK_LEN;
+    struct {
+        const b3_req *r;
+        Py_ssize_t b; /* the block it hashes next */
+    } lane[8];
+    unsigned char spare[8][KEY_LEN]; /* where idle lanes' keys go */
+    Py_ssize_t next = 0, i;
+    int live = 0, k;
+
+    if (b3_hash8 == NULL) {
+        for (i = 0; i < n; i++)
+            if (b3_chain_split(reqs[i].blk, reqs[i].nb, parent, reqs[i].keys, msg) < 0)
+                b3_finish(&reqs[i], 0, per_block, parent, msg);
+        return;
+    }
+    if (cvs != NULL && n > 0) {
+        const uint32_t *at = cvs;
+        b3_free_chunks(reqs[0].blk, total, cvs);
+        for (i = 0; i < n; i++) {
+            reqs[i].cvs = at;
+            at += 8 * per_block * (size_t)reqs[i].nb;
+        }
+    }
+    for (i = 0; i < n; i++)
+        order[i] = &reqs[i];
+    qsort(order, (size_t)n, sizeof *order, b3_req_longer);
+    while (live < 8 && next < n) {
+        lane[live].r = order[next++];
+        lane[live++].b = 0;
+    }
+    while (live >= B3_LANES_MIN) {
+        const unsigned char *par[8], *tok[8];
+        const uint32_t *cv[8];
+        unsigned char *out[8];
+        for (k = 0; k < 8; k++) {
+            const int j = k < live ? k : 0; /* idle lanes repeat lane 0 */
+            const b3_req *r = lane[j].r;
+            const Py_ssize_t b = lane[j].b;
+            par[k] = b ? r->keys + (size_t)KEY_LEN * (b - 1) : parent;
+            tok[k] = r->blk[b].tok;
+            cv[k] = r->cvs != NULL ? r->cvs + 8 * per_block * (size_t)b : NULL;
+            out[k] = k < live ? r->keys + (size_t)KEY_LEN * b : spare[k];
+        }
+        b3_hash8(par, tok, KEY_LEN + tlen, per_block ? cv : NULL, out);
+        for (k = 0; k < live; k++)
+            lane[k].b++;
+        for (k = 0; k < live;) {
+            if (lane[k].b < lane[k].r->nb) {
+                k++;
+            }
+            else if (next < n) {
+                lane[k].r = order[next++];
+                lane[k++].b = 0;
+            }
+            else {
+                lane[k] = lane[--live]; /* the moved lane is looked at next */
+            }
+        }
+    }
+    for (k = 0; k < live; k++)
+        b3_finish(lane[k].r, lane[k].b, per_block, parent, msg);
 }
 
 /* ================================================================================ chains */
@@ -1443,6 +1718,179 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(chain_many_doc,
+             "chain_many(kind, raws, block_tokens, parent, width=32, offset=0) -> "
+             "list[(published, keys)]\n\n"
+             "The chains of several requests from one parent key (see the module docstring).");
+
+static PyObject *
+cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"kind", "raws", "block_tokens", "parent", "width", "offset", NULL};
+    int kind;
+    PyObject *raws_obj, *parent_obj, *seq = NULL, *result = NULL;
+    Py_ssize_t block_tokens, width = 32, offset = 0, n = 0, n_views = 0, n_reqs = 0, i, b;
+    Py_ssize_t total = 0;
+    Py_buffer parent = {0};
+    Py_buffer *views = NULL;
+    b3_req *reqs = NULL, **order = NULL;
+    Py_ssize_t *req_of = NULL; /* raws[i]'s request, -1: no full block */
+    blk_t *blocks = NULL;
+    uint32_t *cvs = NULL;
+    unsigned char *keys = NULL, *msg = NULL;
+    size_t step, per_block;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnO|nn", kwlist, &kind, &raws_obj,
+                                     &block_tokens, &parent_obj, &width, &offset))
+        return NULL;
+    if (kind != KIND_BLAKE3) {
+        PyErr_Format(HashingError, "chain_many hashes KIND_BLAKE3 chains only, got kind %d",
+                     kind);
+        return NULL;
+    }
+    if (width < 1 || offset < 0 || offset + width > KEY_LEN) {
+        PyErr_SetString(HashingError, "bad width/offset");
+        return NULL;
+    }
+    if (block_tokens < 1 || block_tokens > (PY_SSIZE_T_MAX - 2 * B3_CHUNK_LEN) / 4) {
+        PyErr_Format(HashingError, "block_tokens must be >= 1, got %zd", block_tokens);
+        return NULL;
+    }
+    step = 4 * (size_t)block_tokens;
+    per_block = (KEY_LEN + step - 1) / B3_CHUNK_LEN;
+    if (get_buffer(parent_obj, &parent, "parent") < 0)
+        return NULL;
+    if (parent.len != KEY_LEN) {
+        PyErr_Format(HashingError, "parent must be %d bytes, got %zd", KEY_LEN, parent.len);
+        goto done;
+    }
+    seq = PySequence_Fast(raws_obj, "raws must be a sequence of bytes-like objects");
+    if (seq == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(HashingError, "raws must be a sequence of bytes-like objects");
+        }
+        goto done;
+    }
+    n = PySequence_Fast_GET_SIZE(seq);
+    views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    reqs = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(b3_req));
+    order = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(b3_req *));
+    req_of = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(Py_ssize_t));
+    if (views == NULL || reqs == NULL || order == NULL || req_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        Py_ssize_t nb;
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, i), &views[i], "raws[i]") < 0)
+            goto done;
+        n_views = i + 1;
+        nb = (Py_ssize_t)((size_t)views[i].len / step);
+        req_of[i] = -1;
+        if (nb == 0) /* nothing to hash: ([], []), as chain_raw_many's default */
+            continue;
+        if (views[i].len % 4) {
+            PyErr_Format(HashingError, "raws[%zd] must hold whole u32 ids, got %zd bytes", i,
+                         views[i].len);
+            goto done;
+        }
+        req_of[i] = n_reqs;
+        reqs[n_reqs++].nb = nb;
+        total += nb;
+    }
+    keys = PyMem_Malloc((size_t)KEY_LEN * (total ? (size_t)total : 1));
+    blocks = PyMem_Malloc((total ? (size_t)total : 1) * sizeof(blk_t));
+    msg = PyMem_Malloc(KEY_LEN + (step > B3_CHUNK_LEN ? step : B3_CHUNK_LEN));
+    if (b3_hash8 != NULL && per_block > 0 && total > 0)
+        cvs = PyMem_Malloc((size_t)total * per_block * 8 * sizeof(uint32_t));
+    if (keys == NULL || blocks == NULL || msg == NULL ||
+        (b3_hash8 != NULL && per_block > 0 && total > 0 && cvs == NULL)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        unsigned char *key_at = keys;
+        blk_t *blk_at = blocks;
+        Py_ssize_t r = 0;
+        for (i = 0; i < n; i++) {
+            if (req_of[i] < 0)
+                continue;
+            reqs[r].blk = blk_at;
+            reqs[r].keys = key_at;
+            reqs[r].cvs = NULL;
+            for (b = 0; b < reqs[r].nb; b++, blk_at++) {
+                blk_at->tok = (const unsigned char *)views[i].buf + step * (size_t)b;
+                blk_at->n = block_tokens;
+            }
+            key_at += (size_t)KEY_LEN * (size_t)reqs[r++].nb;
+        }
+    }
+    if ((size_t)total * (size_t)block_tokens >= NOGIL_MIN_TOKENS) {
+        Py_BEGIN_ALLOW_THREADS
+        b3_chain_many(reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        b3_chain_many(reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+    }
+
+    result = PyList_New(n);
+    if (result == NULL)
+        goto done;
+    for (i = 0; i < n; i++) {
+        const b3_req *r = req_of[i] < 0 ? NULL : &reqs[req_of[i]];
+        const Py_ssize_t nb = r == NULL ? 0 : r->nb;
+        PyObject *published = PyList_New(nb), *last = PyList_New(0), *pair;
+        if (published == NULL || last == NULL) {
+            Py_XDECREF(published);
+            Py_XDECREF(last);
+            Py_CLEAR(result);
+            goto done;
+        }
+        for (b = 0; b < nb; b++) {
+            PyObject *pb = PyBytes_FromStringAndSize(
+                (const char *)r->keys + (size_t)KEY_LEN * b + offset, width);
+            if (pb == NULL)
+                break;
+            PyList_SET_ITEM(published, b, pb);
+        }
+        if (b == nb && nb > 0) {
+            PyObject *k = PyBytes_FromStringAndSize(
+                (const char *)r->keys + (size_t)KEY_LEN * (nb - 1), KEY_LEN);
+            if (k == NULL || PyList_Append(last, k) < 0)
+                b = -1;
+            Py_XDECREF(k);
+        }
+        pair = b == nb ? PyTuple_Pack(2, published, last) : NULL;
+        Py_DECREF(published);
+        Py_DECREF(last);
+        if (pair == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, pair);
+    }
+
+done:
+    PyMem_Free(keys);
+    PyMem_Free(blocks);
+    PyMem_Free(cvs);
+    PyMem_Free(msg);
+    PyMem_Free(order);
+    PyMem_Free(reqs);
+    PyMem_Free(req_of);
+    if (views != NULL) {
+        for (i = 0; i < n_views; i++)
+            PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+    }
+    Py_XDECREF(seq);
+    if (parent.obj)
+        PyBuffer_Release(&parent);
+    return result;
+}
+
 /* ================================================================================= pack */
 
 PyDoc_STRVAR(pack_doc,
@@ -1770,6 +2218,7 @@ cn_set_simd(PyObject *self, PyObject *arg)
     }
     b3_compress_impl = on && cpu_has_sse41() ? b3_compress_sse41 : b3_compress;
     b3_chunks_many = on && cpu_has_avx2() ? b3_chunks8_avx2 : b3_chunks_one;
+    b3_hash8 = on && cpu_has_avx2() ? b3_hash8_avx2 : NULL;
     b3_first_chunk = on && cpu_has_sse41() ? b3_first_chunk_sse41 : b3_first_chunk_one;
     cbor_tokens = on && cpu_has_sse41() ? cbor_tokens_sse41 : cbor_tokens_scalar;
     pickle_tokens = on && cpu_has_sse41() ? pickle_tokens_sse41 : pickle_tokens_scalar;
@@ -1781,6 +2230,8 @@ cn_set_simd(PyObject *self, PyObject *arg)
 
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))cn_chain, METH_VARARGS | METH_KEYWORDS, chain_doc},
+    {"chain_many", (PyCFunction)(void (*)(void))cn_chain_many, METH_VARARGS | METH_KEYWORDS,
+     chain_many_doc},
     {"pack", (PyCFunction)(void (*)(void))cn_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},
     {"fingerprints", cn_fingerprints, METH_VARARGS, fingerprints_doc},
     {"same_prefix", cn_same_prefix, METH_VARARGS, same_prefix_doc},
@@ -1833,8 +2284,10 @@ PyInit__chainnative(void)
     }
     if (cpu_has_sse41())
         b3_first_chunk = b3_first_chunk_sse41;
-    if (cpu_has_avx2())
+    if (cpu_has_avx2()) {
         b3_chunks_many = b3_chunks8_avx2;
+        b3_hash8 = b3_hash8_avx2;
+    }
 #endif
     m = PyModule_Create(&moduledef);
     if (m == NULL)

@@ -6,8 +6,9 @@ compiler is present) hashes a whole request's chain in one call for ``v2_sha256(
 in C), ``blake3(_64)`` and ``sglang_sha256_64`` (``u32`` pages): SHA-256 on the x86 SHA
 extensions when the CPU has them (portable C otherwise), BLAKE3's compression on SSE4.1
 registers (portable C otherwise) with the chunks of a block that do not hold the parent key
-hashed for the whole request first, eight at a time on AVX2, vLLM's canonical CBOR token arrays
-four ids per step with SSE4.1. The hashers in :mod:`.trtllm`, :mod:`.vllm`,
+hashed for the whole request first, eight at a time on AVX2 (and for several requests at once,
+``chain_many``: the requests' chains eight side by side, one per AVX2 lane), vLLM's canonical
+CBOR token arrays four ids per step with SSE4.1. The hashers in :mod:`.trtllm`, :mod:`.vllm`,
 :mod:`.vllm_pickle`, :mod:`.native` and :mod:`.sglang` use it by default and keep their
 pure-Python loops as the reference and the fallback (``native=False`` per hasher;
 ``KVSTREAM_NO_NATIVE=1`` before import for all). Values are identical either way

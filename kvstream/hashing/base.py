@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 _U64_MAX = 2**64 - 1
+_tuple_new = tuple.__new__
 
 #: A chain call's per-block input after validation: one entry per block, or None when the
 #: call gave none (see :func:`per_block_args`).
@@ -159,6 +160,9 @@ class BlockHasher(ABC):
     _c: Any = None
     #: Its chain kind for this algorithm (``accel.KIND_*``); used only with :attr:`_c`.
     _c_kind: ClassVar[int] = -1
+    #: Whether :attr:`_c` hashes several requests' chains of this kind side by side
+    #: (``_chainnative.chain_many``, for :meth:`chain_raw_many`).
+    _c_many: ClassVar[bool] = False
 
     @abstractmethod
     def root(
@@ -338,9 +342,29 @@ class BlockHasher(ABC):
         """:meth:`chain_raw` of several packed requests with the same root ``state``, each
         returning its last chain key: equal to ``[chain_raw(state, raw, tokens_per_block,
         every=n) for raw in raws]`` with ``n`` the full blocks of that ``raw`` (``([], [])``
-        for a request without a full block). The requests' chains are independent, so an
-        algorithm may hash them side by side; this default hashes them one after the other.
+        for a request without a full block). HashingError for a state of another algorithm or
+        ``tokens_per_block < 1``.
+
+        The requests' chains are independent, so they may be hashed side by side: in one C
+        call when the hasher's C chain has a lane implementation for its kind
+        (:attr:`_c_many`; BLAKE3: eight requests a step on AVX2), else one after the other.
         """
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+            raise HashingError(
+                f"tokens_per_block must be an int, got {type(tokens_per_block).__name__}"
+            )
+        if tokens_per_block < 1:
+            raise HashingError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        c = self._c
+        if c is not None and self._c_many:
+            args = self._c_args(state, tokens_per_block)
+            if args is not None and args[2] is None and args[3] is None:
+                out: list[tuple[list[bytes], list[Any]]] = c.chain_many(
+                    self._c_kind, raws, tokens_per_block, args[0], self.width, args[1]
+                )
+                return out
         step = 4 * tokens_per_block
         return [
             self.chain_raw(state, raw, tokens_per_block, every=len(raw) // step)
@@ -383,8 +407,10 @@ class BlockHasher(ABC):
     def resume(self, root: ChainState, key: Any, depth: int) -> ChainState:
         """The chain state after ``depth`` blocks of a request whose root is ``root``, the
         last of them with chain key ``key`` (a key :meth:`chain_raw` returned)."""
-        self._check_state(root)
-        return root._replace(key=key, depth=depth)
+        if type(root) is not ChainState or root.algo != self.name:
+            self._check_state(root)
+        # tuple.__new__, not _replace: a cache calls this per prompt and per appended output
+        return _tuple_new(ChainState, (root.algo, key, depth, root.scope))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} width={self.width}>"

@@ -79,6 +79,7 @@ class Blake3Hasher(BlockHasher):
     """
 
     _c_kind = KIND_BLAKE3
+    _c_many = True
 
     def __init__(self, width: int = 32, *, native: bool | None = None) -> None:
         if width not in (8, 32):
