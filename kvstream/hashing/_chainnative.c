@@ -915,16 +915,20 @@ typedef void (*b3_hash8_fn)(const unsigned char *const *parent, const unsigned c
                             size_t len, const uint32_t *const *cvs, unsigned char *const *out);
 
 #ifdef HAVE_X86_SHA
-/* The 64 message bytes at offset off (a multiple of 64) of parent || tok, len bytes long: in
- * place, or zero-padded in pad (the first block, which holds the parent, and a short last). */
-static inline const unsigned char *
+/* The 64 message bytes at offset off (a multiple of 64) of parent || tok, len bytes long, as
+ * two 32-byte halves: in place (the first block: the parent, then tok), or zero-padded in pad
+ * (a block past the end of the message). */
+static inline void
 b3_lane_block(const unsigned char *parent, const unsigned char *tok, size_t len, size_t off,
-              unsigned char pad[64])
+              unsigned char pad[64], const unsigned char **lo, const unsigned char **hi)
 {
     size_t n;
-    if (off > 0 && off + 64 <= len)
-        return tok + off - KEY_LEN;
-    n = len - off < 64 ? len - off : 64;
+    if (off + 64 <= len) {
+        *lo = off ? tok + off - KEY_LEN : parent;
+        *hi = tok + off;
+        return;
+    }
+    n = len - off;
     memset(pad, 0, 64);
     if (off == 0) {
         memcpy(pad, parent, KEY_LEN);
@@ -933,7 +937,8 @@ b3_lane_block(const unsigned char *parent, const unsigned char *tok, size_t len,
     else {
         memcpy(pad, tok + off - KEY_LEN, n);
     }
-    return pad;
+    *lo = pad;
+    *hi = pad + 32;
 }
 
 /* One compression in each of eight lanes, lane-sliced: h[j], m[j] hold word j of every lane. */
@@ -1008,9 +1013,10 @@ b3_hash8_avx2(const unsigned char *const *parent, const unsigned char *const *to
                                        (last ? B3_CHUNK_END : 0) |
                                        (last && nchunks == 1 ? B3_ROOT : 0);
                 for (i = 0; i < 8; i++) {
-                    const unsigned char *src = b3_lane_block(parent[i], tok[i], len, off, pad[i]);
-                    m[i] = _mm256_loadu_si256((const __m256i *)src);
-                    m[i + 8] = _mm256_loadu_si256((const __m256i *)(src + 32));
+                    const unsigned char *lo, *hi;
+                    b3_lane_block(parent[i], tok[i], len, off, pad[i], &lo, &hi);
+                    m[i] = _mm256_loadu_si256((const __m256i *)lo);
+                    m[i + 8] = _mm256_loadu_si256((const __m256i *)hi);
                 }
                 x8_transpose(m);
                 x8_transpose(m + 8);
