@@ -1086,12 +1086,12 @@ b3_finish(const b3_req *r, Py_ssize_t b, size_t per_block, const unsigned char *
 }
 
 /* The chains of reqs[0..n) (each with nb >= 1 blocks of tpb ids, total blocks together,
- * contiguous from reqs[0].blk), all from parent. Portable (no lane kernel): b3_chain_split per
- * request. Lanes: cvs, room for 8 words per parent-free chunk of every block (NULL for
- * messages of one chunk); order: scratch for n pointers. msg: room for 32 + max(4 * tpb, 1024)
- * bytes. */
+ * contiguous from reqs[0].blk), all from parent. Without a lane kernel (hash8 NULL):
+ * b3_chain_split per request. With one: cvs, room for 8 words per parent-free chunk of every
+ * block (NULL only for messages of one chunk); order: scratch for n pointers. msg: room for
+ * 32 + max(4 * tpb, 1024) bytes. */
 static void
-b3_chain_many(b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
+b3_chain_many(b3_hash8_fn hash8, b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
               const unsigned char *parent, uint32_t *cvs, b3_req **order, unsigned char *msg)
 {
     const size_t tlen = 4 * (size_t)tpb;
@@ -1104,7 +1104,7 @@ b3_chain_many(b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
     Py_ssize_t next = 0, i;
     int live = 0, k;
 
-    if (b3_hash8 == NULL) {
+    if (hash8 == NULL) {
         for (i = 0; i < n; i++)
             if (b3_chain_split(reqs[i].blk, reqs[i].nb, parent, reqs[i].keys, msg) < 0)
                 b3_finish(&reqs[i], 0, per_block, parent, msg);
@@ -1138,7 +1138,7 @@ b3_chain_many(b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
             cv[k] = r->cvs != NULL ? r->cvs + 8 * per_block * (size_t)b : NULL;
             out[k] = k < live ? r->keys + (size_t)KEY_LEN * b : spare[k];
         }
-        b3_hash8(par, tok, KEY_LEN + tlen, per_block ? cv : NULL, out);
+        hash8(par, tok, KEY_LEN + tlen, per_block ? cv : NULL, out);
         for (k = 0; k < live; k++)
             lane[k].b++;
         for (k = 0; k < live;) {
@@ -1745,6 +1745,7 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     uint32_t *cvs = NULL;
     unsigned char *keys = NULL, *msg = NULL;
     size_t step, per_block;
+    const b3_hash8_fn hash8 = b3_hash8; /* read once: set_simd may run while the GIL is out */
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnO|nn", kwlist, &kind, &raws_obj,
                                      &block_tokens, &parent_obj, &width, &offset))
@@ -1808,10 +1809,10 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     keys = PyMem_Malloc((size_t)KEY_LEN * (total ? (size_t)total : 1));
     blocks = PyMem_Malloc((total ? (size_t)total : 1) * sizeof(blk_t));
     msg = PyMem_Malloc(KEY_LEN + (step > B3_CHUNK_LEN ? step : B3_CHUNK_LEN));
-    if (b3_hash8 != NULL && per_block > 0 && total > 0)
+    if (hash8 != NULL && per_block > 0 && total > 0)
         cvs = PyMem_Malloc((size_t)total * per_block * 8 * sizeof(uint32_t));
     if (keys == NULL || blocks == NULL || msg == NULL ||
-        (b3_hash8 != NULL && per_block > 0 && total > 0 && cvs == NULL)) {
+        (hash8 != NULL && per_block > 0 && total > 0 && cvs == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1834,11 +1835,11 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if ((size_t)total * (size_t)block_tokens >= NOGIL_MIN_TOKENS) {
         Py_BEGIN_ALLOW_THREADS
-        b3_chain_many(reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+        b3_chain_many(hash8, reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
         Py_END_ALLOW_THREADS
     }
     else {
-        b3_chain_many(reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+        b3_chain_many(hash8, reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
     }
 
     result = PyList_New(n);
