@@ -16,7 +16,10 @@ blocks of 512 tokens for conversation), packed once before timing. Rows, each ov
   across a message's chunks): ``blake3(key + block).digest()`` chained block by block over the
   same bytes (BLAKE3 algorithms only; skipped when the package is missing).
 
-Also ``resume``: the chain state after a prompt, built once per prompt as a cache does
+Then the cache's calls, as the replay makes them (a metadata-only ``KVCacheManager`` of the
+replay's block size and algorithm; prompts as ``TokenIds``): ``hash_prompt`` per prompt against
+``hash_prompts`` of groups of G (its token checks, roots and ``HashedPrompt``s included). And
+``resume``: the chain state after a prompt, built once per prompt as a cache does
 (``BlockHasher.resume``), against ``namedtuple._replace`` (what ``resume`` did before).
 
 Process CPU time, best of ``--repeat`` rounds, the rows alternated within each round so that
@@ -34,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec
 from kvstream.cli.replay_run import ReplayOptions, _block_size, load_rows
 from kvstream.hashing import BlockHasher, ChainState, get_hasher
 from kvstream.workloads import MooncakeTokens
@@ -93,7 +97,8 @@ def main() -> int:
     opts = ReplayOptions(trace=args.trace, limit=args.limit)
     rows = load_rows(opts)
     toks = MooncakeTokens(seed=opts.seed)
-    raws = [toks.prompt(r).raw for r in rows]
+    prompts = [toks.prompt(r) for r in rows]
+    raws = [p.raw for p in prompts]
     tpb = _block_size(opts, rows)
     hasher = get_hasher(args.algo)
     root = hasher.root()
@@ -119,6 +124,19 @@ def main() -> int:
     use_pkg = _blake3 is not None and args.algo.startswith("blake3")
     if use_pkg:
         rows_run["blake3 package, block by block"] = lambda: package(root, raws, tpb)
+    mgr = KVCacheManager(
+        CacheConfig(
+            tokens_per_block=tpb,
+            groups=[LayerGroupSpec(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=64)],
+            hash_algo=args.algo,
+            metadata_only=True,
+        )
+    )
+    rows_run["cache: hash_prompt (one at a time)"] = lambda: [mgr.hash_prompt(p) for p in prompts]
+    for g in groups:
+        rows_run[f"cache: hash_prompts/{g}"] = lambda g=g: [
+            mgr.hash_prompts(prompts[i : i + g]) for i in range(0, len(prompts), g)
+        ]
     rows_run["resume (tuple.__new__)"] = lambda: resumes(hasher, root, keys, False)
     rows_run["resume as before (_replace)"] = lambda: resumes(hasher, root, keys, True)
 
@@ -137,10 +155,14 @@ def main() -> int:
     pkg = best.get("blake3 package, block by block")
     print(f"{'row':34} {'CPU s':>8} {'us/block':>9} {'x chain_raw':>12} {'x package':>10}")
     for name, t in best.items():
-        if name.startswith("resume"):
+        if name.startswith(("resume", "cache")):
             continue
         vs_pkg = f"{t / pkg:10.2f}" if pkg else f"{'-':>10}"
         print(f"{name:34} {t:8.3f} {t / blocks * 1e6:9.2f} {t / base:12.2f} {vs_pkg}")
+    one = best["cache: hash_prompt (one at a time)"]
+    for name, t in best.items():
+        if name.startswith("cache"):
+            print(f"{name:34} {t:8.3f} {t / blocks * 1e6:9.2f} {t / one:12.2f} {'':>10}")
     new, old = best["resume (tuple.__new__)"], best["resume as before (_replace)"]
     print(
         f"resume x{len(keys):,}: {new * 1e9 / len(keys):.0f} ns/call, "
