@@ -29,6 +29,14 @@
  *     .split(raw, step)                tuple of instances whose _raw are the consecutive
  *                                      ``step``-byte slices of ``raw`` (the last may be
  *                                      shorter): TokenIds per block
+ *   EmittedEvents(event, stored, removed, block, tokens, run_type, fallback)
+ *     .events(records)                 emitter.emitted_batch's loop in one call: the tuple of
+ *                                      events of an EventEmitter's buffered records. A
+ *                                      ``stored`` record whose blocks are a ``run_type``
+ *                                      (BlockRun) without per-block attributes, and a non-empty
+ *                                      ``removed`` record, are built here with the factories
+ *                                      (the same objects as trusted.py's builders make of the
+ *                                      same values); any other record is ``fallback(record)``
  *
  * The callers' contract (as trusted.py's) is that every value is already valid; the factories
  * check only what keeps the interpreter safe (argument types, lengths).
@@ -72,6 +80,28 @@ set_slot(PyObject *descr, PyObject *obj, PyObject *value)
     return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
 }
 
+/* The offset of a slot_descriptor()'s value in an instance, or -1 when it is not a plain
+ * object slot (then set_slot() is the way to write it). */
+static Py_ssize_t
+slot_offset(PyObject *descr)
+{
+    PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+
+    return m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : -1;
+}
+
+/* Store ``value`` in the slot of a fresh instance (tp_alloc zeroes it, so there is no old
+ * value): what member_set does, without its call and checks. */
+static inline int
+init_slot(PyObject *descr, Py_ssize_t off, PyObject *obj, PyObject *value)
+{
+    if (off < 0)
+        return set_slot(descr, obj, value);
+    Py_INCREF(value);
+    *(PyObject **)((char *)obj + off) = value;
+    return 0;
+}
+
 /* ------------------------------------------------------------------------- ModelFactory */
 
 typedef struct {
@@ -79,6 +109,7 @@ typedef struct {
     PyTypeObject *cls;
     PyObject *template;                           /* every field in order: build()'s base */
     PyObject *d_fields_set, *d_extra, *d_private; /* pydantic's slot descriptors */
+    Py_ssize_t off_fields_set, off_extra, off_private; /* their offsets (slot_offset) */
     int is_block; /* the template has every field blocks() writes */
 } ModelFactory;
 
@@ -111,6 +142,9 @@ mf_init(ModelFactory *self, PyObject *args, PyObject *kwds)
     self->d_private = slot_descriptor((PyTypeObject *)cls, "__pydantic_private__");
     if (self->d_private == NULL)
         return -1;
+    self->off_fields_set = slot_offset(self->d_fields_set);
+    self->off_extra = slot_offset(self->d_extra);
+    self->off_private = slot_offset(self->d_private);
     self->template = PyDict_Copy(tmpl);
     if (self->template == NULL)
         return -1;
@@ -191,8 +225,9 @@ make(ModelFactory *self, PyObject *dict, PyObject *fields_set)
     if (fs == NULL)
         goto fail;
     if (PyObject_GenericSetDict(obj, dict, NULL) < 0 ||
-        set_slot(self->d_fields_set, obj, fs) < 0 || set_slot(self->d_extra, obj, Py_None) < 0 ||
-        set_slot(self->d_private, obj, Py_None) < 0) {
+        init_slot(self->d_fields_set, self->off_fields_set, obj, fs) < 0 ||
+        init_slot(self->d_extra, self->off_extra, obj, Py_None) < 0 ||
+        init_slot(self->d_private, self->off_private, obj, Py_None) < 0) {
         Py_DECREF(fs);
         goto fail;
     }
@@ -413,6 +448,7 @@ typedef struct {
     PyObject_HEAD
     PyTypeObject *cls;
     PyObject *d_raw;
+    Py_ssize_t off_raw; /* slot_offset(d_raw) */
 } TokenFactory;
 
 static int
@@ -434,6 +470,7 @@ tf_init(TokenFactory *self, PyObject *args, PyObject *kwds)
     self->d_raw = slot_descriptor((PyTypeObject *)cls, "_raw");
     if (self->d_raw == NULL)
         return -1;
+    self->off_raw = slot_offset(self->d_raw);
     Py_INCREF(cls);
     self->cls = (PyTypeObject *)cls;
     return 0;
@@ -470,7 +507,7 @@ wrap_raw(TokenFactory *self, PyObject *raw)
 
     if (obj == NULL)
         return NULL;
-    if (set_slot(self->d_raw, obj, raw) < 0) {
+    if (init_slot(self->d_raw, self->off_raw, obj, raw) < 0) {
         Py_DECREF(obj);
         return NULL;
     }
@@ -562,6 +599,375 @@ static PyTypeObject TokenFactoryType = {
     .tp_members = tf_members,
 };
 
+/* ------------------------------------------------------------------------ EmittedEvents */
+
+/* emitter.emitted_batch's loop: the events of an EventEmitter's buffered records. A ``stored``
+ * record whose blocks are a BlockRun without per-block attributes and a non-empty ``removed``
+ * record are built here, exactly as trusted.py's builders would build them from the same
+ * values; any other record goes to ``fallback(record)`` (the validated path). */
+typedef struct {
+    PyObject_HEAD
+    ModelFactory *event, *stored, *removed, *block;
+    TokenFactory *tokens;
+    PyTypeObject *run_type;
+    PyObject *d_hashes, *d_tokens, *d_attrs; /* BlockRun's slot descriptors */
+    PyObject *fallback;
+} EmittedEvents;
+
+static PyObject *s_data = NULL, *s_type = NULL, *s_blocks = NULL, *s_parent_hash = NULL,
+                *s_cache_level = NULL, *s_stored = NULL, *s_removed = NULL;
+static PyObject *stored_fields_set = NULL;  /* frozenset({"type", "parent_hash", "blocks"}) */
+static PyObject *removed_fields_set = NULL; /* frozenset({"type", "block_hashes", "cache_level"}) */
+
+static int
+ee_init(EmittedEvents *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"event",    "stored",   "removed",  "block",
+                             "tokens",   "run_type", "fallback", NULL};
+    PyObject *ev, *st, *rm, *bl, *tk, *run, *fb;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!O:EmittedEvents", kwlist,
+                                     &ModelFactoryType, &ev, &ModelFactoryType, &st,
+                                     &ModelFactoryType, &rm, &ModelFactoryType, &bl,
+                                     &TokenFactoryType, &tk, &PyType_Type, &run, &fb))
+        return -1;
+    if (((ModelFactory *)ev)->cls == NULL || ((ModelFactory *)st)->cls == NULL ||
+        ((ModelFactory *)rm)->cls == NULL || ((TokenFactory *)tk)->cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "EmittedEvents: a factory was not initialised");
+        return -1;
+    }
+    if (!((ModelFactory *)bl)->is_block) {
+        PyErr_SetString(PyExc_TypeError, "EmittedEvents: block must be a block model's factory");
+        return -1;
+    }
+    if (!PyCallable_Check(fb)) {
+        PyErr_SetString(PyExc_TypeError, "EmittedEvents: fallback must be callable");
+        return -1;
+    }
+    Py_CLEAR(self->d_hashes);
+    Py_CLEAR(self->d_tokens);
+    Py_CLEAR(self->d_attrs);
+    if ((self->d_hashes = slot_descriptor((PyTypeObject *)run, "hashes")) == NULL ||
+        (self->d_tokens = slot_descriptor((PyTypeObject *)run, "tokens")) == NULL ||
+        (self->d_attrs = slot_descriptor((PyTypeObject *)run, "attrs")) == NULL)
+        return -1;
+#define EE_SET(field, value)                                                                   \
+    do {                                                                                       \
+        Py_INCREF(value);                                                                      \
+        Py_XSETREF(self->field, (void *)(value));                                              \
+    } while (0)
+    EE_SET(event, ev);
+    EE_SET(stored, st);
+    EE_SET(removed, rm);
+    EE_SET(block, bl);
+    EE_SET(tokens, tk);
+    EE_SET(run_type, run);
+    EE_SET(fallback, fb);
+#undef EE_SET
+    return 0;
+}
+
+static int
+ee_traverse(EmittedEvents *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->event);
+    Py_VISIT(self->stored);
+    Py_VISIT(self->removed);
+    Py_VISIT(self->block);
+    Py_VISIT(self->tokens);
+    Py_VISIT(self->run_type);
+    Py_VISIT(self->d_hashes);
+    Py_VISIT(self->d_tokens);
+    Py_VISIT(self->d_attrs);
+    Py_VISIT(self->fallback);
+    return 0;
+}
+
+static int
+ee_clear(EmittedEvents *self)
+{
+    Py_CLEAR(self->event);
+    Py_CLEAR(self->stored);
+    Py_CLEAR(self->removed);
+    Py_CLEAR(self->block);
+    Py_CLEAR(self->tokens);
+    Py_CLEAR(self->run_type);
+    Py_CLEAR(self->d_hashes);
+    Py_CLEAR(self->d_tokens);
+    Py_CLEAR(self->d_attrs);
+    Py_CLEAR(self->fallback);
+    return 0;
+}
+
+static void
+ee_dealloc(EmittedEvents *self)
+{
+    PyObject_GC_UnTrack(self);
+    ee_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline PyObject *
+get_slot(PyObject *descr, PyObject *obj)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* The model built from ``factory``'s template with n (key, value) pairs set, its fields set
+ * ``fields_set``: what factory.build() makes of a dict holding exactly those pairs. */
+static PyObject *
+build_pairs(ModelFactory *factory, PyObject *fields_set, int n, PyObject **kv)
+{
+    PyObject *dict = PyDict_Copy(factory->template), *obj;
+    int i;
+
+    if (dict == NULL)
+        return NULL;
+    for (i = 0; i < n; i++) {
+        if (PyDict_SetItem(dict, kv[2 * i], kv[2 * i + 1]) < 0) {
+            Py_DECREF(dict);
+            return NULL;
+        }
+    }
+    obj = make(factory, dict, fields_set);
+    Py_DECREF(dict);
+    return obj;
+}
+
+/* The StoredBlock objects of a BlockRun without attributes: a new tuple, or NULL with no error
+ * set when the run is not one this path builds (the caller then falls back), or NULL with an
+ * error. */
+static PyObject *
+run_blocks(EmittedEvents *self, PyObject *run)
+{
+    PyObject *hashes = NULL, *tokens = NULL, *attrs = NULL, *out = NULL, *raw = NULL;
+    Py_ssize_t n, e, at = 0;
+
+    if ((hashes = get_slot(self->d_hashes, run)) == NULL ||
+        (tokens = get_slot(self->d_tokens, run)) == NULL ||
+        (attrs = get_slot(self->d_attrs, run)) == NULL)
+        goto done;
+    if (!PyList_CheckExact(hashes) || !PyList_CheckExact(tokens) || !PyDict_CheckExact(attrs) ||
+        PyDict_GET_SIZE(attrs) != 0 || PyList_GET_SIZE(hashes) == 0)
+        goto done; /* not this path */
+    n = PyList_GET_SIZE(hashes);
+    out = PyTuple_New(n);
+    if (out == NULL)
+        goto done;
+    for (e = 0; e < PyList_GET_SIZE(tokens); e++) {
+        PyObject *entry = PyList_GET_ITEM(tokens, e);
+        Py_ssize_t k, j, size, step = 0;
+
+        if (PyTuple_CheckExact(entry)) { /* (packed TokenIds, k): k blocks of equal length */
+            PyObject *packed;
+
+            if (PyTuple_GET_SIZE(entry) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)))
+                goto not_this;
+            packed = PyTuple_GET_ITEM(entry, 0);
+            k = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+            if (k == -1 && PyErr_Occurred())
+                goto fail;
+            if (Py_TYPE(packed) == self->tokens->cls && self->tokens->off_raw >= 0) {
+                raw = *(PyObject **)((char *)packed + self->tokens->off_raw);
+                if (raw == NULL)
+                    goto not_this;
+                Py_INCREF(raw);
+            }
+            else if ((raw = PyObject_GetAttrString(packed, "_raw")) == NULL)
+                goto fail;
+            size = PyBytes_CheckExact(raw) ? PyBytes_GET_SIZE(raw) : -1;
+            if (k <= 0 || size <= 0 || size % k || (size / k) % 4 || at + k > n)
+                goto not_this;
+            step = size / k;
+        }
+        else {
+            k = 1;
+            if (at + 1 > n)
+                goto not_this;
+        }
+        for (j = 0; j < k; j++, at++) {
+            PyObject *kv[4], *tok, *obj;
+
+            if (raw == NULL) {
+                Py_INCREF(entry);
+                tok = entry;
+            }
+            else {
+                PyObject *chunk = k == 1 ? Py_NewRef(raw)
+                                         : PyBytes_FromStringAndSize(
+                                               PyBytes_AS_STRING(raw) + j * step, step);
+                if (chunk == NULL)
+                    goto fail;
+                tok = wrap_raw(self->tokens, chunk);
+                Py_DECREF(chunk);
+                if (tok == NULL)
+                    goto fail;
+            }
+            kv[0] = s_block_hash;
+            kv[1] = PyList_GET_ITEM(hashes, at);
+            kv[2] = s_token_ids;
+            kv[3] = tok;
+            obj = build_pairs(self->block, base_fields_set, 2, kv);
+            Py_DECREF(tok);
+            if (obj == NULL)
+                goto fail;
+            PyTuple_SET_ITEM(out, at, obj);
+        }
+        Py_CLEAR(raw);
+    }
+    if (at != n)
+        goto not_this;
+    goto done;
+not_this:
+    Py_CLEAR(out);
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(raw);
+    Py_XDECREF(hashes);
+    Py_XDECREF(tokens);
+    Py_XDECREF(attrs);
+    return out;
+}
+
+/* The payload of one record built here, a new reference; NULL with no error set when the
+ * record is not one this path builds, NULL with an error on failure. */
+static PyObject *
+record_payload(EmittedEvents *self, PyObject *data)
+{
+    PyObject *kind, *kv[6];
+    int eq;
+
+    kind = PyDict_GetItemWithError(data, s_type);
+    if (kind == NULL || !PyUnicode_CheckExact(kind))
+        return NULL;
+    if ((eq = PyUnicode_Compare(kind, s_stored)) == 0) {
+        PyObject *run = PyDict_GetItemWithError(data, s_blocks), *parent, *blocks, *built;
+
+        if (run == NULL || Py_TYPE(run) != self->run_type)
+            return NULL;
+        parent = PyDict_GetItemWithError(data, s_parent_hash);
+        if (parent == NULL)
+            return NULL;
+        blocks = run_blocks(self, run);
+        if (blocks == NULL)
+            return NULL;
+        kv[0] = s_type, kv[1] = s_stored, kv[2] = s_parent_hash, kv[3] = parent;
+        kv[4] = s_blocks, kv[5] = blocks;
+        built = build_pairs(self->stored, stored_fields_set, 3, kv);
+        Py_DECREF(blocks);
+        return built;
+    }
+    if (eq == -1 && PyErr_Occurred())
+        return NULL;
+    if (PyUnicode_Compare(kind, s_removed) == 0) {
+        PyObject *hashes = PyDict_GetItemWithError(data, block_param_names[B_HASHES]), *level,
+                 *tuple, *built;
+
+        if (hashes == NULL || !PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) == 0)
+            return NULL;
+        level = PyDict_GetItemWithError(data, s_cache_level);
+        if (level == NULL)
+            return NULL;
+        tuple = PyList_AsTuple(hashes);
+        if (tuple == NULL)
+            return NULL;
+        kv[0] = s_type, kv[1] = s_removed, kv[2] = block_param_names[B_HASHES], kv[3] = tuple;
+        kv[4] = s_cache_level, kv[5] = level;
+        built = build_pairs(self->removed, removed_fields_set, 3, kv);
+        Py_DECREF(tuple);
+        return built;
+    }
+    return NULL;
+}
+
+/* One record's event (a new reference). */
+static PyObject *
+record_event(EmittedEvents *self, PyObject *rec)
+{
+    PyObject *data, *payload, *dict, *obj;
+
+    if (!PyDict_CheckExact(rec))
+        return PyObject_CallOneArg(self->fallback, rec);
+    data = PyDict_GetItemWithError(rec, s_data);
+    payload = data != NULL && PyDict_CheckExact(data) ? record_payload(self, data) : NULL;
+    if (payload == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_CallOneArg(self->fallback, rec);
+    }
+    /* {**rec, "data": payload} over the event template; fields set: rec's keys */
+    dict = PyDict_Copy(self->event->template);
+    if (dict == NULL || PyDict_Update(dict, rec) < 0 || PyDict_SetItem(dict, s_data, payload) < 0) {
+        Py_XDECREF(dict);
+        Py_DECREF(payload);
+        return NULL;
+    }
+    Py_DECREF(payload);
+    obj = make(self->event, dict, rec);
+    Py_DECREF(dict);
+    return obj;
+}
+
+static PyObject *
+ee_call(EmittedEvents *self, PyObject *records)
+{
+    PyObject *it, *rec, *out, *tuple;
+
+    if (self->event == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "EmittedEvents was not initialised");
+        return NULL;
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    it = PyObject_GetIter(records);
+    if (it == NULL)
+        goto fail;
+    while ((rec = PyIter_Next(it)) != NULL) {
+        PyObject *ev = record_event(self, rec);
+
+        Py_DECREF(rec);
+        if (ev == NULL || PyList_Append(out, ev) < 0) {
+            Py_XDECREF(ev);
+            Py_DECREF(it);
+            goto fail;
+        }
+        Py_DECREF(ev);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        goto fail;
+    tuple = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return tuple;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef ee_methods[] = {
+    {"events", (PyCFunction)ee_call, METH_O,
+     "events(records): the events of an emitter's records, as a tuple (see "
+     "emitter.emitted_batch)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EmittedEventsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream.events._trusted_native.EmittedEvents",
+    .tp_basicsize = sizeof(EmittedEvents),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "EmittedEvents(event, stored, removed, block, tokens, run_type, fallback): the "
+              "events of an EventEmitter's buffered records, built without re-validation.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ee_init,
+    .tp_traverse = (traverseproc)ee_traverse,
+    .tp_clear = (inquiry)ee_clear,
+    .tp_dealloc = (destructor)ee_dealloc,
+    .tp_methods = ee_methods,
+};
+
 static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
@@ -599,7 +1005,40 @@ PyInit__trusted_native(void)
         if (base_fields_set == NULL)
             return NULL;
     }
-    if (PyType_Ready(&ModelFactoryType) < 0 || PyType_Ready(&TokenFactoryType) < 0)
+    {
+        struct {
+            PyObject **var;
+            const char *text;
+        } names[] = {{&s_data, "data"},         {&s_type, "type"},
+                     {&s_blocks, "blocks"},     {&s_parent_hash, "parent_hash"},
+                     {&s_cache_level, "cache_level"}, {&s_stored, "stored"},
+                     {&s_removed, "removed"}};
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+            if (*names[i].var == NULL &&
+                (*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL)
+                return NULL;
+        }
+    }
+    if (stored_fields_set == NULL) {
+        PyObject *names = PyTuple_Pack(3, s_type, s_parent_hash, s_blocks);
+        if (names == NULL)
+            return NULL;
+        stored_fields_set = PyFrozenSet_New(names);
+        Py_DECREF(names);
+        if (stored_fields_set == NULL)
+            return NULL;
+    }
+    if (removed_fields_set == NULL) {
+        PyObject *names = PyTuple_Pack(3, s_type, block_param_names[B_HASHES], s_cache_level);
+        if (names == NULL)
+            return NULL;
+        removed_fields_set = PyFrozenSet_New(names);
+        Py_DECREF(names);
+        if (removed_fields_set == NULL)
+            return NULL;
+    }
+    if (PyType_Ready(&ModelFactoryType) < 0 || PyType_Ready(&TokenFactoryType) < 0 ||
+        PyType_Ready(&EmittedEventsType) < 0)
         return NULL;
     m = PyModule_Create(&moduledef);
     if (m == NULL)
@@ -613,6 +1052,12 @@ PyInit__trusted_native(void)
     Py_INCREF(&TokenFactoryType);
     if (PyModule_AddObject(m, "TokenFactory", (PyObject *)&TokenFactoryType) < 0) {
         Py_DECREF(&TokenFactoryType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&EmittedEventsType);
+    if (PyModule_AddObject(m, "EmittedEvents", (PyObject *)&EmittedEventsType) < 0) {
+        Py_DECREF(&EmittedEventsType);
         Py_DECREF(m);
         return NULL;
     }

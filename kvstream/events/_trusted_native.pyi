@@ -5,6 +5,7 @@ Unvalidated construction of model objects; :mod:`kvstream.events.trusted` holds 
 pure-Python reference and documents the contract (every value already valid).
 """
 
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 _T = TypeVar("_T")
@@ -44,3 +45,20 @@ class TokenFactory(Generic[_T]):
     def split(self, raw: bytes, step: int) -> tuple[_T, ...]:
         """One instance per consecutive ``step``-byte slice of ``raw`` (the last may be
         shorter)."""
+
+class EmittedEvents:
+    """The events of an EventEmitter's buffered records (``emitter.emitted_batch``'s loop)."""
+
+    def __init__(
+        self,
+        event: ModelFactory[Any],
+        stored: ModelFactory[Any],
+        removed: ModelFactory[Any],
+        block: ModelFactory[Any],
+        tokens: TokenFactory[Any],
+        run_type: type[Any],
+        fallback: Callable[[dict[str, Any]], Any],
+    ) -> None: ...
+    def events(self, records: Iterable[dict[str, Any]]) -> tuple[Any, ...]:
+        """Stored records of attribute-free block runs and non-empty removed records built
+        with the factories; any other record as ``fallback(record)`` returns it."""

@@ -91,7 +91,12 @@ from kvstream.events.model import (
     SourceId,
     Stored,
 )
-from kvstream.events.trusted import token_blocks, trusted_builder, trusted_stored_blocks
+from kvstream.events.trusted import (
+    native_events_builder,
+    token_blocks,
+    trusted_builder,
+    trusted_stored_blocks,
+)
 
 __all__ = [
     "DeferredBatch",
@@ -1171,11 +1176,22 @@ def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]
 
     The emitter validated every value it recorded (hash widths, ids, groups, tokens), so the
     ``stored`` events of plain blocks and the ``removed`` events, nearly all of a cache's
-    traffic, are built without re-validating (:mod:`kvstream.events.trusted`); any other
-    record (blocks with attributes, created/updated/cleared/lost) is validated as before.
+    traffic, are built without re-validating (:mod:`kvstream.events.trusted`; the whole loop
+    in one C call where the extension is built); any other record (blocks with attributes,
+    created/updated/cleared/lost) is validated as before.
     """
     if type(ts_ns) is not int or not 0 <= ts_ns <= _I64_MAX:
         return EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))
+    events = _events(records)
+    return _BUILD_BATCH({"source": source, "ts_ns": ts_ns, "events": events})
+
+
+def _validated_event(rec: dict[str, Any]) -> KVCacheEvent:
+    return KVCacheEvent(**model_input((rec,))[0])
+
+
+def _py_events(records: Iterable[dict[str, Any]]) -> tuple[KVCacheEvent, ...]:
+    # emitted_batch's events in Python: the reference of the C loop, and its fallback
     events: list[KVCacheEvent] = []
     append = events.append
     for rec in records:
@@ -1200,8 +1216,11 @@ def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]
             )
             append(_BUILD_EVENT({**rec, "data": gone}))
             continue
-        append(KVCacheEvent(**model_input((rec,))[0]))
-    return _BUILD_BATCH({"source": source, "ts_ns": ts_ns, "events": tuple(events)})
+        append(_validated_event(rec))
+    return tuple(events)
+
+
+_events: Final = native_events_builder(BlockRun, _validated_event) or _py_events
 
 
 def _run_tokens(run: BlockRun) -> tuple[TokenIds, ...]:

@@ -16,7 +16,7 @@ the default when it is) and the pure-Python code here (the reference, and the fa
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol, TypeVar
 
 from kvstream._types import PRIORITY_DEFAULT as _PRIORITY_DEFAULT
@@ -33,6 +33,7 @@ else:
 
 __all__ = [
     "NATIVE_AVAILABLE",
+    "native_events_builder",
     "token_blocks",
     "trusted",
     "trusted_builder",
@@ -243,3 +244,26 @@ def _py_token_blocks(raw: bytes, step: int) -> tuple[TokenIds, ...]:
 token_blocks: Final[Callable[[bytes, int], tuple[TokenIds, ...]]] = (
     _py_token_blocks if _trusted_native is None else _trusted_native.TokenFactory(TokenIds).split
 )
+
+
+def native_events_builder(
+    run_type: type[Any], fallback: Callable[[dict[str, Any]], KVCacheEvent]
+) -> Callable[[Iterable[dict[str, Any]]], tuple[KVCacheEvent, ...]] | None:
+    """The C loop of :func:`kvstream.events.emitter.emitted_batch` (None without the C
+    extension): called with an emitter's buffered records, it returns their events, a
+    ``stored`` record whose ``blocks`` is a ``run_type`` (the emitter's BlockRun) without
+    per-block attributes and a non-empty ``removed`` record built with this module's
+    factories, any other record as ``fallback(record)`` returns it."""
+    if _trusted_native is None:
+        return None
+    builder = _trusted_native.EmittedEvents(
+        _FACTORIES[KVCacheEvent],
+        _FACTORIES[Stored],
+        _FACTORIES[Removed],
+        _FACTORIES[StoredBlock],
+        _trusted_native.TokenFactory(TokenIds),
+        run_type,
+        fallback,
+    )
+    events: Callable[[Iterable[dict[str, Any]]], tuple[KVCacheEvent, ...]] = builder.events
+    return events
