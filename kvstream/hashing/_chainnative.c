@@ -1790,7 +1790,9 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     for (i = 0; i < n; i++) {
         Py_ssize_t nb;
-        if (get_buffer(PySequence_Fast_GET_ITEM(seq, i), &views[i], "raws[i]") < 0)
+        char what[48];
+        PyOS_snprintf(what, sizeof what, "raws[%zd]", i);
+        if (get_buffer(PySequence_Fast_GET_ITEM(seq, i), &views[i], what) < 0)
             goto done;
         n_views = i + 1;
         nb = (Py_ssize_t)((size_t)views[i].len / step);
