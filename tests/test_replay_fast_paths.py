@@ -97,6 +97,9 @@ def test_replay_results_equal_the_reference_paths(
     monkeypatch.setattr(Manager, "_hash_blocks", fold_extend)
     monkeypatch.setattr(emitter, "emitted_batch", validated)
     monkeypatch.setattr(replay_run, "_REPLAY_GC_THRESHOLDS", gc.get_threshold())
+    # one prompt built and hashed at its turn, not PROMPTS_AHEAD of them in one call
+    monkeypatch.setattr(replay_run, "PROMPTS_AHEAD", 1)
+    monkeypatch.setattr(Manager, "hash_prompts", lambda m, ps: [m.hash_prompt(p) for p in ps])
     for cls, name, kw in (
         (Router, "route", "block_hashes"),
         (PrefixIndex, "match", "block_hashes"),
@@ -107,6 +110,41 @@ def test_replay_results_equal_the_reference_paths(
     assert fast.requests == 1000
     assert fast.prediction_accuracy == 1.0
     assert comparable(fast) == comparable(ref)
+
+
+@pytest.mark.parametrize(("trace", "capacity"), [("conversation", 5859), ("synthetic", 40)])
+def test_replay_ceiling_equals_the_reference(trace: str, capacity: int) -> None:
+    """The ceiling, counted as prompts are prepared ahead, equals its definition: over the
+    served requests in arrival order, each one's leading full blocks (the last prompt token
+    excluded) already seen as full blocks of earlier requests."""
+    from kvstream.workloads import MooncakeTokens, load_trace
+
+    rows = load_trace(trace, limit=600)
+    opts = ReplayOptions(trace=trace, limit=600, capacity_blocks=capacity)
+    got = asyncio.run(run_replay(opts, rows=rows))
+    toks = MooncakeTokens(seed=opts.seed)
+    hasher = get_hasher(opts.hash_algo)
+    bs = got.block_size
+    seen: set[bytes] = set()
+    want = served = 0
+    for row in sorted(rows, key=lambda r: r.index):
+        if -(-row.input_length // bs) > capacity:
+            continue  # unservable: in neither ratio
+        served += 1
+        raw, chain, hashes = toks.prompt(row).raw, hasher.root(), []
+        for j in range(len(raw) // (4 * bs)):  # one extend() per full block
+            h, chain = hasher.extend(chain, TokenIds.from_bytes(raw[4 * bs * j : 4 * bs * (j + 1)]))
+            hashes.append(h)
+        k = 0
+        while k < (row.input_length - 1) // bs and hashes[k] in seen:
+            k += 1
+        want += k
+        seen.update(hashes)
+    assert got.requests == served
+    assert got.unservable == len(rows) - served
+    assert got.unservable > 0 or trace == "conversation"
+    assert want > 0
+    assert got.ceiling_blocks == want
 
 
 def test_gc_thresholds_are_restored() -> None:

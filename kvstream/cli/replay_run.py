@@ -35,10 +35,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
-import operator
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -209,7 +208,8 @@ def _fewer_collections() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------- replay
 
-_ROW_INDEX = operator.attrgetter("row.index")
+#: Servable rows whose prompts are built and hashed in one call, ahead of their turn.
+PROMPTS_AHEAD = 32
 _FIRST_TOKEN = 0  # heap event kinds; the first token of a request sorts before its finish
 _FINISH = 1
 
@@ -223,7 +223,6 @@ class _Request:
         "blocks",
         "fresh",
         "hashed",
-        "hashes",
         "predicted",
         "prompt",
         "rid",
@@ -250,7 +249,6 @@ class _Request:
         self.blocks = blocks
         self.predicted = predicted  # the index's prediction at routing time
         self.fresh = False  # admitted right at routing, nothing changed in between
-        self.hashes: Sequence[bytes] = ()  # the prompt's block hashes, from admission on
         self.hashed = hashed  # the prompt's hashed blocks, until admission
 
 
@@ -309,7 +307,11 @@ class _Replay:
         self.busy = [0.0] * opts.workers  # when each worker's prefill queue drains
         self.heap: list[tuple[float, int, int, _Request]] = []
         self.seq = 0
-        self.served: list[_Request] = []
+        self.served = 0  # requests admitted
+        # the ceiling (see ReplayResult.ceiling_blocks): blocks an unlimited cache shared by
+        # everyone would reuse, and the full blocks it has seen, counted by _prepare
+        self.ceiling_hits = 0
+        self.seen: set[bytes] = set()
         self.dirty: set[int] = set()  # workers with events not yet handed to the pipeline
         self.now = 0.0
         self.rate = opts.prefill_tokens_per_s
@@ -332,7 +334,7 @@ class _Replay:
             await transport.aclose()
         result.wall_s = time.perf_counter() - t0
         result.simulated_s = self.now
-        result.ceiling_blocks = self._ceiling()
+        result.ceiling_blocks = self.ceiling_hits
         result.batches = transport.consumer.batches
         st = self.index.stats()
         result.events = st.counters.events + st.counters.lost_markers
@@ -343,7 +345,7 @@ class _Replay:
             m.close()  # frees its blocks without a cyclic collection
         if self.router.config.policy is RoutingPolicy.KV:
             result.router_signals = self.router.signals
-        if len(self.served) + result.unservable != len(rows):
+        if self.served + result.unservable != len(rows):
             raise RuntimeError("replay lost track of a request")  # never expected
         return result
 
@@ -359,6 +361,7 @@ class _Replay:
         router, transport = self.router, self.transport
         consumer = transport.consumer
         heap = self.heap
+        ahead: deque[tuple[Any, HashedPrompt]] = deque()  # the next servable rows' prompts
         for i, row in enumerate(rows):
             now = row.timestamp_ms / 1000.0
             if heap and heap[0][0] <= now:  # (the checks spare a coroutine per call)
@@ -375,9 +378,10 @@ class _Replay:
                     await self._publish_dirty()
                 if not transport.memory or transport.published != consumer.batches:
                     await transport.sync(lag)  # (a memory sink has nothing else to apply)
-                prompt = self.tokens.prompt(row)
+                if not ahead:
+                    self._prepare(i, ahead)
                 # hashed once: the router matches the cache's own hashes (tokens[:-1])
-                hashed = self.managers[0].hash_prompt(prompt)
+                prompt, hashed = ahead.popleft()
                 decision = router.route(
                     prompt, block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs]
                 )
@@ -495,8 +499,7 @@ class _Replay:
             result.prompt_blocks += blocks
             result.hit_blocks += hit
             result.hit_tokens += hit_tokens
-            req.hashes = mgr.block_hashes(req.rid)
-            self.served.append(req)
+            self.served += 1
             busy = self.busy[w]
             start = now if now >= busy else busy  # max(now, busy), as floats compare
             first = start + (n - hit_tokens) / self.rate
@@ -523,30 +526,49 @@ class _Replay:
         await self.transport.publish(self.managers[w].flush_events())
 
     async def _publish_dirty(self) -> None:
-        for w in sorted(self.dirty):
-            await self._publish(w)
+        """:meth:`_publish` every worker with events, in worker order."""
+        dirty = self.dirty
+        ws = sorted(dirty) if len(dirty) > 1 else list(dirty)
+        dirty.clear()  # (publishing applies batches to the index; it admits nothing)
+        publish, managers = self.transport.publish, self.managers
+        for w in ws:
+            await publish(managers[w].flush_events())
+
+    def _prepare(self, i: int, ahead: deque[tuple[Any, HashedPrompt]]) -> None:
+        """Build and hash the prompts of the next :data:`PROMPTS_AHEAD` servable rows from
+        row ``i`` (servable itself) in one :meth:`~kvstream.cache.KVCacheManager.hash_prompts`
+        call, so the hasher may hash their chains side by side; they wait in ``ahead`` until
+        their turn (a prompt is a function of its row alone). Every servable row is served,
+        so the ceiling counts them here, in arrival order, while their hashes are fresh."""
+        rows, bs, cap = self.rows, self.bs, self.opts.capacity_blocks
+        prompt = self.tokens.prompt
+        prompts = []
+        lengths = []
+        for j in range(i, len(rows)):
+            row = rows[j]
+            if -(-row.input_length // bs) <= cap:
+                prompts.append(prompt(row))
+                lengths.append(row.input_length)
+                if len(prompts) == PROMPTS_AHEAD:
+                    break
+        hashed = self.managers[0].hash_prompts(prompts)
+        seen = self.seen
+        hits = 0
+        for n, h in zip(lengths, hashed, strict=True):
+            hs = h.hashes
+            # its leading full blocks (the last prompt token excluded) already seen
+            k, end = 0, (n - 1) // bs
+            while k < end and hs[k] in seen:
+                k += 1
+            hits += k
+            seen.update(hs[k:])  # (the first k are in already)
+        self.ceiling_hits += hits
+        ahead.extend(zip(prompts, hashed, strict=True))
 
     def _sample(self, t: float) -> None:
         self.result.timeline.append(
             LoadSample(t, tuple(self.running), tuple(len(q) for q in self.queues))
         )
-
-    def _ceiling(self) -> int:
-        """Blocks an unlimited cache shared by everyone would reuse, over the served
-        requests in arrival order: per request, its leading full blocks (the last prompt
-        token excluded) already seen as full blocks of earlier requests."""
-        seen: set[bytes] = set()
-        hits = 0
-        bs = self.bs
-        for req in sorted(self.served, key=_ROW_INDEX):
-            hs = req.hashes
-            cap = min(len(hs), (req.row.input_length - 1) // bs)
-            k = 0
-            while k < cap and hs[k] in seen:
-                k += 1
-            hits += k
-            seen.update(hs[k:])  # (the first k are in already)
-        return hits
 
 
 def _trace_file(trace: str) -> str:

@@ -1,8 +1,11 @@
 """Prometheus metrics of pipelines (prometheus-client).
 
 Counters and gauges are plain integers kept by each sink queue and read at scrape time by a
-custom collector, so the hot path pays nothing for them; only the export latency histogram is
-observed live (once per export attempt). Every series carries ``pipeline`` and ``sink`` labels.
+custom collector, so the hot path pays nothing for them. The export latency histogram is
+observed once per export attempt into plain bucket counts (:class:`LatencyHistogram`: one
+bisect and two additions, where a prometheus-client ``Histogram`` takes its locks for the sum
+and the bucket), exported by the same collector. Every series carries ``pipeline`` and
+``sink`` labels.
 
 =============================================== ======= ========================================
 metric                                          type    meaning
@@ -29,16 +32,23 @@ from __future__ import annotations
 
 import threading
 import weakref
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .queue import SinkQueue
 
-__all__ = ["LATENCY_BUCKETS", "MetricsSource", "PipelineMetrics"]
+__all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "MetricsSource", "PipelineMetrics"]
 
 #: Export latency buckets (seconds): 100 us .. 30 s.
 LATENCY_BUCKETS = (
@@ -62,6 +72,42 @@ LATENCY_BUCKETS = (
 )
 
 
+#: The buckets' ``le`` labels, as prometheus-client writes them.
+_LE: tuple[str, ...] = tuple(
+    floatToGoString(b)  # type: ignore[no-untyped-call]
+    for b in (*LATENCY_BUCKETS, float("inf"))
+)
+
+
+class LatencyHistogram:
+    """Export latencies of one pipeline's sink, bucketed by :data:`LATENCY_BUCKETS` (upper
+    bounds, inclusive, as Prometheus buckets are) plus +Inf, and their sum.
+
+    :meth:`observe` is called from the pipeline's event loop only; a scrape reads the counts
+    from its own thread without a lock, and may see an observation in the sum and not yet in
+    its bucket (a prometheus-client histogram updates the two under separate locks too)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Record one export attempt of ``seconds``."""
+        self.sum += seconds
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts per upper bound (the last one ``+Inf``: every observation)."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for le, n in zip(_LE, list(self.counts), strict=True):
+            total += n
+            out.append((le, total))
+        return out
+
+
 class MetricsSource(Protocol):
     """What a pipeline exposes to the collector."""
 
@@ -76,6 +122,13 @@ class _SharedCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: dict[str, weakref.ReferenceType[MetricsSource]] = {}
+        # by (pipeline, sink): kept after a pipeline unregisters, and shared by a later
+        # pipeline of the same name, as a labelled prometheus-client histogram's children are
+        self._latency: dict[tuple[str, str], LatencyHistogram] = {}
+
+    def latency(self, pipeline: str, sink: str) -> LatencyHistogram:
+        with self._lock:
+            return self._latency.setdefault((pipeline, sink), LatencyHistogram())
 
     def add(self, name: str, source: MetricsSource) -> None:
         with self._lock:  # a later pipeline of the same name replaces the earlier one
@@ -93,10 +146,24 @@ class _SharedCollector(Collector):
         return [(n, s) for n, s in out if s is not None]
 
     def describe(self) -> list[Metric]:
-        return list(self._families([]))
+        return [*self._families([]), self._latency_family({})]
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self._live())
+        yield from self._families(self._live())
+        with self._lock:
+            latency = dict(self._latency)
+        yield self._latency_family(latency)
+
+    @staticmethod
+    def _latency_family(hists: dict[tuple[str, str], LatencyHistogram]) -> Metric:
+        family = HistogramMetricFamily(
+            "kvstream_pipeline_export_latency_seconds",
+            "Duration of one export attempt.",
+            labels=["pipeline", "sink"],
+        )
+        for labels, h in hists.items():
+            family.add_metric(list(labels), h.buckets(), h.sum)
+        return family
 
     @staticmethod
     def _families(sources: list[tuple[str, MetricsSource]]) -> Iterator[Metric]:
@@ -144,13 +211,6 @@ class _RegistryState:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.collector = _SharedCollector()
         registry.register(self.collector)
-        self.latency = Histogram(
-            "kvstream_pipeline_export_latency_seconds",
-            "Duration of one export attempt.",
-            ["pipeline", "sink"],
-            registry=registry,
-            buckets=LATENCY_BUCKETS,
-        )
 
 
 _states: weakref.WeakKeyDictionary[CollectorRegistry, _RegistryState] = weakref.WeakKeyDictionary()
@@ -179,8 +239,7 @@ class PipelineMetrics:
 
     def latency_observer(self, sink_name: str) -> Callable[[float], None]:
         """A function recording one export attempt's duration for ``sink_name``."""
-        child = self._state.latency.labels(self._name, sink_name)
-        return child.observe
+        return self._state.collector.latency(self._name, sink_name).observe
 
     def unregister(self) -> None:
         """Stop reporting this pipeline (its latency series stay in the histogram)."""

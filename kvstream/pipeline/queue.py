@@ -25,11 +25,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvstream.clock import Clock
 from kvstream.events.deferred import AnyBatch, DeferredBatch
+from kvstream.events.model import EventBatch
 
 from .config import OverflowPolicy, SinkPolicy
 from .lost import LossLedger, batch_first_id, batch_len, make_marker_batch
@@ -260,19 +261,26 @@ class SinkQueue:
                 return True
             return self._offer(batch, n)
 
-    def awaiting_work(self) -> bool:
-        """True when the sink task waits for work with nothing queued and no lost markers
-        owed: a batch handed over now would be the next (and only) thing it exports."""
+    def deliver_now(
+        self, export: Callable[[Sequence[EventBatch]], bool], batch: EventBatch, n: int
+    ) -> bool:
+        """Hand ``batch`` (``n`` events) straight to the sink when the sink task waits for work
+        with nothing queued and no lost markers owed (it would be the next and only thing the
+        task exports): ``export((batch,))`` (a synchronous export that returns False, having
+        done nothing, when it cannot take the batch without waiting) and, when it took it,
+        count the batch as accepted, delivered and settled, as a one-batch chunk through the
+        queue would be. The check, the export and the counts happen under the queue's lock,
+        so no batch is offered in between. False, having done nothing, otherwise (then queue
+        it). See :meth:`~kvstream.pipeline.worker.SinkWorker.deliver_now`."""
         with self._lock:
-            return (
-                self._consumer_waiting and not self._items and not self.ledger and not self._closed
-            )
-
-    def delivered_now(self, n: int) -> None:
-        """A batch of ``n`` events was handed over and delivered at once, without being
-        queued (:meth:`~kvstream.pipeline.worker.SinkWorker.deliver_now`): counted as
-        accepted, delivered and settled, as a one-batch chunk through the queue would be."""
-        with self._lock:
+            if (
+                not self._consumer_waiting
+                or self._items
+                or self.ledger
+                or self._closed
+                or not export((batch,))
+            ):
+                return False
             c = self.counters
             c.batches_in += 1
             c.events_in += n
@@ -280,6 +288,7 @@ class SinkQueue:
             c.events_out += n
             c.settled_batches += 1
             self._marker_not_before = 0.0
+            return True
 
     async def put_async(self, batch: AnyBatch, timeout_s: float | None = None) -> bool:
         """Enqueue from a coroutine on the sink task's loop; ``block`` waits without blocking

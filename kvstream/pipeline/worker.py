@@ -108,23 +108,18 @@ class SinkWorker:
         configured, the sink was started, the batch is built (not deferred) and this task
         waits for work with nothing queued and no lost markers owed. The batch would then be
         the next chunk exported, alone, and delivered by one attempt: it is counted the same
-        (accepted, delivered, settled, one latency observation, progress set), in the same
-        order, one event-loop round trip sooner.
+        (accepted, delivered, settled, one latency observation, progress set), one event-loop
+        round trip sooner. The check, the export and the counts are one step under the
+        queue's lock (:meth:`~kvstream.pipeline.queue.SinkQueue.deliver_now`).
         """
         export_now = self._export_now
-        if (
-            export_now is None
-            or not self._started
-            or isinstance(batch, DeferredBatch)
-            or not self.queue.awaiting_work()
-        ):
+        if export_now is None or not self._started or isinstance(batch, DeferredBatch):
             return False
         t0 = time.perf_counter()
-        if not export_now((batch,)):
+        if not self.queue.deliver_now(export_now, batch, n):
             return False
         if self._observe is not None:
             self._observe(time.perf_counter() - t0)
-        self.queue.delivered_now(n)
         self._marker_backoff.reset()
         self.last_error = None  # data flows (as after any delivered data chunk)
         self.progress.set()
