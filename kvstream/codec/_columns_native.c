@@ -30,6 +30,9 @@
  *   packed_ids(encoding, data, count) -> bytes | None
  *       The ids of uncompressed packed token data (encoding 2 BIT_PLANES, 3 VARINT,
  *       4 DELTA_VARINT), or None when they are not exactly `count` valid ids.
+ *   model_columns(events, stored_type, removed_type, stored_code, removed_code)
+ *       ColumnBatch.from_batch's columns of validated models (stored/removed events only;
+ *       None for anything else), see below.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1236,6 +1239,201 @@ py_configure(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* model_columns(events, stored_type, removed_type, stored_code, removed_code) -> tuple | None
+ *
+ * ColumnBatch.from_batch's loop for a batch of validated models whose events are all
+ * ``stored`` (data of exactly stored_type) or ``removed`` (removed_type): (event_ids,
+ * hash_algos, group_ids, window_sizes, kinds, payloads), each payload the tuple columnar.py
+ * builds; None for any other batch (the Python loop, the reference, then builds it).
+ */
+static PyObject *s_event_id, *s_hash_algo, *s_layer_group_id, *s_window_size, *s_data,
+    *s_parent_hash, *s_blocks, *s_block_hash, *s_cache_level, *s_token_ids, *s_block_hashes;
+
+static int
+intern_model_names(void)
+{
+    if (s_event_id != NULL)
+        return 0;
+#define INTERN(v, name)                                  \
+    if ((v = PyUnicode_InternFromString(name)) == NULL) \
+        return -1;
+    INTERN(s_event_id, "event_id")
+    INTERN(s_hash_algo, "hash_algo")
+    INTERN(s_layer_group_id, "layer_group_id")
+    INTERN(s_window_size, "window_size")
+    INTERN(s_data, "data")
+    INTERN(s_parent_hash, "parent_hash")
+    INTERN(s_blocks, "blocks")
+    INTERN(s_block_hash, "block_hash")
+    INTERN(s_cache_level, "cache_level")
+    INTERN(s_token_ids, "token_ids")
+    INTERN(s_block_hashes, "block_hashes")
+#undef INTERN
+    return 0;
+}
+
+/* append the attribute `name` of `obj` to `list`; -1 on error */
+static int
+append_attr(PyObject *list, PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int rc = PyList_Append(list, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* the payload of a stored event: (parent_hash, hashes, level or levels, tokens of the first
+ * block, blocks); NULL with no error set when `blocks` is not a non-empty tuple */
+static PyObject *
+model_stored_payload(PyObject *data)
+{
+    PyObject *blocks = PyObject_GetAttr(data, s_blocks);
+    if (blocks == NULL)
+        return NULL;
+    if (!PyTuple_Check(blocks) || PyTuple_GET_SIZE(blocks) == 0) {
+        Py_DECREF(blocks);
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    PyObject *parent = NULL, *hashes = NULL, *levels = NULL, *level = NULL, *first = NULL;
+    PyObject *ntok = NULL, *out = NULL;
+    hashes = PyList_New(n);
+    levels = PyList_New(n);
+    if (hashes == NULL || levels == NULL)
+        goto done;
+    int uniform = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyTuple_GET_ITEM(blocks, i);
+        PyObject *h = PyObject_GetAttr(b, s_block_hash);
+        if (h == NULL)
+            goto done;
+        PyList_SET_ITEM(hashes, i, h);
+        PyObject *c = PyObject_GetAttr(b, s_cache_level);
+        if (c == NULL)
+            goto done;
+        PyList_SET_ITEM(levels, i, c);
+        if (uniform && i > 0) {
+            int eq = PyObject_RichCompareBool(c, PyList_GET_ITEM(levels, 0), Py_EQ);
+            if (eq < 0)
+                goto done;
+            uniform = eq;
+        }
+    }
+    /* one level for all, as `levels.count(levels[0]) == len(levels)` decides */
+    level = uniform ? Py_NewRef(PyList_GET_ITEM(levels, 0)) : Py_NewRef(levels);
+    first = PyObject_GetAttr(PyTuple_GET_ITEM(blocks, 0), s_token_ids);
+    if (first == NULL)
+        goto done;
+    Py_ssize_t nt = PyObject_Size(first);
+    if (nt < 0)
+        goto done;
+    ntok = PyLong_FromSsize_t(nt);
+    parent = PyObject_GetAttr(data, s_parent_hash);
+    if (ntok == NULL || parent == NULL)
+        goto done;
+    out = PyTuple_Pack(5, parent, hashes, level, ntok, blocks);
+done:
+    Py_XDECREF(parent);
+    Py_XDECREF(hashes);
+    Py_XDECREF(levels);
+    Py_XDECREF(level);
+    Py_XDECREF(first);
+    Py_XDECREF(ntok);
+    Py_DECREF(blocks);
+    return out;
+}
+
+/* the payload of a removed event: (list of block hashes, cache_level) */
+static PyObject *
+model_removed_payload(PyObject *data)
+{
+    PyObject *hs = PyObject_GetAttr(data, s_block_hashes);
+    if (hs == NULL)
+        return NULL;
+    PyObject *list = PySequence_List(hs);
+    Py_DECREF(hs);
+    if (list == NULL)
+        return NULL;
+    PyObject *level = PyObject_GetAttr(data, s_cache_level);
+    if (level == NULL) {
+        Py_DECREF(list);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(2, list, level);
+    Py_DECREF(list);
+    Py_DECREF(level);
+    return out;
+}
+
+static PyObject *
+py_model_columns(PyObject *self, PyObject *args)
+{
+    PyObject *events, *stored_type, *removed_type, *stored_code, *removed_code;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO:model_columns", &PyTuple_Type, &events, &PyType_Type,
+                          &stored_type, &PyType_Type, &removed_type, &stored_code,
+                          &removed_code))
+        return NULL;
+    if (intern_model_names() < 0)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(events);
+    PyObject *cols[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *data = NULL, *out = NULL;
+    for (int c = 0; c < 6; c++)
+        if ((cols[c] = PyList_New(0)) == NULL)
+            goto fail;
+    PyObject *eids = cols[0], *algos = cols[1], *gids = cols[2], *windows = cols[3];
+    PyObject *kinds = cols[4], *payloads = cols[5];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ev = PyTuple_GET_ITEM(events, i);
+        data = PyObject_GetAttr(ev, s_data);
+        if (data == NULL)
+            goto fail;
+        PyObject *payload, *code;
+        if (Py_IS_TYPE(data, (PyTypeObject *)stored_type)) {
+            payload = model_stored_payload(data);
+            code = stored_code;
+        }
+        else if (Py_IS_TYPE(data, (PyTypeObject *)removed_type)) {
+            payload = model_removed_payload(data);
+            code = removed_code;
+        }
+        else {
+            goto decline;
+        }
+        Py_CLEAR(data);
+        if (payload == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto decline;
+        }
+        int rc = PyList_Append(payloads, payload);
+        Py_DECREF(payload);
+        if (rc < 0 || PyList_Append(kinds, code) < 0 || append_attr(eids, ev, s_event_id) < 0 ||
+            append_attr(algos, ev, s_hash_algo) < 0 ||
+            append_attr(gids, ev, s_layer_group_id) < 0 ||
+            append_attr(windows, ev, s_window_size) < 0)
+            goto fail;
+    }
+    out = PyTuple_New(6);
+    if (out == NULL)
+        goto fail;
+    for (int c = 0; c < 6; c++)
+        PyTuple_SET_ITEM(out, c, cols[c]); /* steals */
+    return out;
+decline:
+    Py_XDECREF(data);
+    for (int c = 0; c < 6; c++)
+        Py_XDECREF(cols[c]);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(data);
+    for (int c = 0; c < 6; c++)
+        Py_XDECREF(cols[c]);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"configure", py_configure, METH_VARARGS,
      "configure(widths, unknown_widths, priority_max, attention): the model's rules."},
@@ -1245,6 +1443,8 @@ static PyMethodDef methods[] = {
      "planes_ids(buf, count, high_bits, low_off, planes_off) -> uint32 LE ids of bit planes."},
     {"packed_ids", py_packed_ids, METH_VARARGS,
      "packed_ids(encoding, data, count) -> uint32 LE ids, or None when invalid."},
+    {"model_columns", py_model_columns, METH_VARARGS,
+     "model_columns(events, Stored, Removed, stored_code, removed_code) -> columns, or None."},
     {NULL, NULL, 0, NULL},
 };
 

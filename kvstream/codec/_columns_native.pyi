@@ -23,3 +23,14 @@ def decode(buf: bytes | memoryview, offset: int, version: int) -> tuple[Any, ...
 def packed_ids(encoding: int, data: bytes | memoryview, count: int) -> bytes | None:
     """Uncompressed packed ids (2 BIT_PLANES, 3 VARINT, 4 DELTA_VARINT) as little-endian
     uint32 bytes; None unless ``data`` holds exactly ``count`` valid ids."""
+
+def model_columns(
+    events: tuple[Any, ...],
+    stored_type: type[Any],
+    removed_type: type[Any],
+    stored_code: int,
+    removed_code: int,
+) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any], list[Any]] | None:
+    """:meth:`ColumnBatch.from_batch`'s ``(event_ids, hash_algos, group_ids, window_sizes,
+    kinds, payloads)`` of validated events whose data are all exactly ``stored_type`` or
+    ``removed_type``; None for any other batch (the Python loop builds those)."""

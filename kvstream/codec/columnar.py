@@ -128,6 +128,8 @@ def _load_native() -> Any:
 
 
 _native: Any = _load_native()
+#: ColumnBatch.from_batch's loop in C for batches of stored and removed events (None: Python)
+_model_columns: Any = getattr(_native, "model_columns", None)
 #: Whether the C decoder of schema v3/v4 records is in use (else fastavro for every record).
 NATIVE: Final = _native is not None
 #: The writer fingerprints whose records the C decoder reads: the shipped v3 and v4 layouts.
@@ -272,6 +274,18 @@ class ColumnBatch:
         out._batch = batch
         out._body = None
         out.has_blocks = True
+        if _model_columns is not None:
+            cols = _model_columns(batch.events, Stored, Removed, STORED, REMOVED)
+            if cols is not None:  # only stored and removed events: the loop below, in C
+                (
+                    out.event_ids,
+                    out.hash_algos,
+                    out.group_ids,
+                    out.window_sizes,
+                    out.kinds,
+                    out.payloads,
+                ) = cols
+                return out
         out.event_ids = event_ids = []
         out.hash_algos = hash_algos = []
         out.group_ids = group_ids = []

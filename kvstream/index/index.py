@@ -80,6 +80,7 @@ from kvstream.index.matching import (
     MatchResult,
     RequestHasher,
     WorkerMatch,
+    new_match_result,
     new_worker_match,
 )
 from kvstream.index.stats import IndexStats, SourceStats
@@ -702,9 +703,13 @@ class PrefixIndex:
             # read only, never kept: the caller's list needs no copy
             given = block_hashes if type(block_hashes) is list else list(block_hashes)
             chains_of = {k: [given] for k in by_domain}
-        # every chain of a domain has one key per full block: the same length
         dkeys = plan.dkeys
-        lens = tuple([len(chains_of[k][0]) for k in dkeys])
+        # every chain of a domain has one key per full block: the same length
+        lens = (
+            tuple([len(chains_of[k][0]) for k in dkeys])
+            if block_hashes is None
+            else (len(given),) * len(dkeys)
+        )
         out = plan.zeros.get(lens)
         if out is None:
             out = plan.zero_row(lens)
@@ -740,7 +745,7 @@ class PrefixIndex:
             ctx = (weights, w0, new, n, tpb, algo)
             for slot, d in depth.items():
                 _place(out, rows[slot], chains[pick[slot]], d, ctx)
-        return MatchResult(tuple(out), _count_tokens(tokens))
+        return new_match_result(tuple(out), _count_tokens(tokens))
 
     def _plan(
         self,

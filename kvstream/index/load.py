@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from kvstream.index.types import WorkerKey
@@ -53,7 +54,8 @@ class LoadTracker:
         """Record ``request_id`` as running on ``worker`` holding ``blocks`` blocks, with
         ``prefill_blocks`` of them still to compute (default: all ``blocks``) until
         :meth:`prefilled`; a request id already running is moved, not double counted."""
-        self.finish(request_id)
+        if request_id in self._requests:
+            self.finish(request_id)
         self._requests[request_id] = (worker, blocks)
         row = self._row(worker)
         row[0] += 1
@@ -120,8 +122,9 @@ class LoadTracker:
         decision, in one probe per worker)."""
         if not workers:
             return (), (), ()
-        get = self._loads.get
-        requests, blocks, pending, _ = zip(*[get(w, _IDLE) for w in workers], strict=True)
+        # every row has the same four fields: the transpose needs no strict check
+        rows = map(self._loads.get, workers, repeat(_IDLE))
+        requests, blocks, pending, _ = zip(*rows, strict=False)
         return pending, blocks, requests
 
     def __len__(self) -> int:

@@ -236,6 +236,11 @@ class MatchResult:
         return [m.as_dict() for m in self.matches]
 
 
+#: ``MatchResult(matches, num_tokens)`` positionally (one per match; see
+#: :func:`fast_constructor`)
+new_match_result: Callable[..., MatchResult] = fast_constructor(MatchResult)
+
+
 def weights_tuple(weights: Sequence[float]) -> tuple[float, ...]:
     """Validate tier weights (non-empty, each in 0..1e6)."""
     out = tuple(float(w) for w in weights)

@@ -288,17 +288,27 @@ class Router:
         """Every candidate's match for ``tokens`` (what :meth:`route` scores);
         ``block_hashes`` as :meth:`PrefixIndex.match` takes them."""
         cfg = self.config
-        # only when given: an index behind the router (e.g. a shard fan-out) need not know it
-        extra = {} if block_hashes is None else {"block_hashes": block_hashes}
+        workers = self._workers if self._workers is not None else self.index.workers()
+        if block_hashes is None:
+            # not passed: an index behind the router (e.g. a shard fan-out) need not know it
+            return self.index.match(
+                tokens,
+                layer_group_id=cfg.layer_group_id,
+                workers=workers,
+                request=request,
+                tier_weights=cfg.tier_weights,
+                hash_algo=cfg.hash_algo,
+                tokens_per_block=cfg.tokens_per_block,
+            )
         return self.index.match(
             tokens,
             layer_group_id=cfg.layer_group_id,
-            workers=self._workers if self._workers is not None else self.index.workers(),
+            workers=workers,
             request=request,
             tier_weights=cfg.tier_weights,
             hash_algo=cfg.hash_algo,
             tokens_per_block=cfg.tokens_per_block,
-            **extra,
+            block_hashes=block_hashes,
         )
 
     def route(
@@ -349,8 +359,12 @@ class Router:
         default_tpb = cfg.tokens_per_block or 1
         scores: list[WorkerScore]
         costs: list[float]
-        columns: tuple[Any, ...] = (matches, pending, requests)
-        if _score is not None and all(type(c) is tuple for c in columns):
+        if (
+            _score is not None
+            and type(matches) is tuple
+            and type(pending) is tuple
+            and type(requests) is tuple
+        ):
             # the loop below in C (the same double arithmetic)
             scores, costs = _score(
                 matches, pending, blocks, requests, base, n_tokens, factor, default_tpb, _new_score
