@@ -112,6 +112,8 @@ class BlockPool:
                 f"layer group {self.layer_group_id}: allocate_many({n}) with only "
                 f"{self.num_free} free blocks"
             )
+        if n == 1:
+            return [self.allocate()]  # (a decode step's block: the single-block path is cheaper)
         out: list[Block] = []
         stack = self._stack
         take = min(n, len(stack))

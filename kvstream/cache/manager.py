@@ -60,7 +60,7 @@ from kvstream.cache.errors import (
     TransferError,
     UnknownRequestError,
 )
-from kvstream.cache.plan import Plan, plan_append, plan_import, plan_prompt
+from kvstream.cache.plan import Plan, plan_append, plan_full, plan_import, plan_prompt
 from kvstream.cache.request import (
     GroupMatch,
     GroupState,
@@ -171,6 +171,8 @@ class KVCacheManager:
         self._hit_blocks = [0] * len(self._pools)
         self._queried_blocks = [0] * len(self._pools)
         self._plain_root: ChainState | None = None  # the root without LoRA or salt
+        #: One full-attention group on the GPU alone: requests are admitted by _admit_plain.
+        self._plain = len(self._pools) == 1 and not self._swa and self._tiers is None
         self._announce_created()
 
     def _announce_created(self) -> None:
@@ -367,7 +369,7 @@ class KVCacheManager:
         RequestError/HashingError for bad arguments and CacheFullError when a pool cannot
         hold the request even after evicting every evictable block; on error nothing changed.
         """
-        _, _, match = self._admit(
+        raw, items, hashes, chain = self._check_hashed(
             request_id,
             prompt_tokens,
             mm_items,
@@ -375,9 +377,19 @@ class KVCacheManager:
             lora_name=lora_name,
             cache_salt=cache_salt,
             priority=priority,
-            importing=False,
             hashed=hashed,
         )
+        req = self._new_request(
+            request_id,
+            items,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            priority=priority,
+        )
+        if self._plain and not items:
+            return self._admit_plain(req, raw, hashes, chain)
+        _, match = self._admit(req, raw, hashes, chain, importing=False)
         return match
 
     def _check_new(
@@ -395,7 +407,7 @@ class KVCacheManager:
             raise RequestError(f"priority must be an int in {PRIORITY_MIN}..{PRIORITY_MAX}")
         return self._check_prompt(prompt_tokens, mm_items)
 
-    def _admit(
+    def _check_hashed(
         self,
         request_id: str,
         prompt_tokens: Any,
@@ -405,24 +417,107 @@ class KVCacheManager:
         lora_name: str | None,
         cache_salt: str | None,
         priority: int,
-        importing: bool,
-        hashed: HashedPrompt | None = None,
-    ) -> tuple[RequestState, list[Plan], PrefixMatch]:
-        # Check the arguments, plan every group, stage disk hits, then take hits, onboard
-        # lower-tier blocks, allocate the rest and (unless importing) commit the full blocks.
+        hashed: HashedPrompt | None,
+    ) -> tuple[bytes, tuple[MmItem, ...], list[bytes], ChainState]:
+        # A new request's checked arguments: its packed prompt, multimodal items, block
+        # hashes (``hashed``'s, once checked to be this prompt's) and chain state after them.
         raw, items = self._check_new(request_id, prompt_tokens, mm_items, priority)
         root = self._root(lora_id, lora_name, cache_salt)
         if hashed is None:
             hashes, chain = self._hash_blocks(root, raw, 0, items)
-        elif (
-            type(hashed) is HashedPrompt and not items and hashed.root == root and hashed.raw == raw
-        ):
-            hashes, chain = list(hashed.hashes), hashed.chain
-        else:
-            raise RequestError(
-                "hashed is not this prompt's hash_prompt() result (other tokens, LoRA or salt "
-                "scope, hasher, or multimodal items given)"
+            return raw, items, hashes, chain
+        if type(hashed) is HashedPrompt and not items and hashed.root == root and hashed.raw == raw:
+            return raw, items, list(hashed.hashes), hashed.chain
+        raise RequestError(
+            "hashed is not this prompt's hash_prompt() result (other tokens, LoRA or salt "
+            "scope, hasher, or multimodal items given)"
+        )
+
+    def _new_request(
+        self,
+        request_id: str,
+        items: tuple[MmItem, ...],
+        *,
+        lora_id: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+        priority: int,
+    ) -> RequestState:
+        req = RequestState(
+            request_id,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_items=items,
+            priority=priority,
+        )
+        if self._recorder.enabled and not (
+            lora_id is None
+            and lora_name is None
+            and cache_salt is None
+            and priority == PRIORITY_DEFAULT
+        ):  # (else the defaults: no extra stored-event arguments)
+            extra: dict[str, Any] = {
+                "lora_id": lora_id,
+                "lora_name": lora_name,
+                "cache_salt": cache_salt,
+                "priority": None if priority == PRIORITY_DEFAULT else priority,
+            }
+            req.event_extra = {k: v for k, v in extra.items() if v is not None}
+        return req
+
+    def _admit_plain(
+        self, req: RequestState, raw: bytes, hashes: list[bytes], chain: ChainState
+    ) -> PrefixMatch:
+        # _admit in the common case: one full-attention group, GPU only, no multimodal items,
+        # not importing. The same plan (plan_full), checks, changes, events and counters,
+        # without the per-group lists, Plan objects and loops of the general path
+        # (tests/test_cache_plain_admit.py runs both on the same operations).
+        tpb = self._tpb
+        pool = self._pools[0]
+        n = len(raw) >> 2
+        nb = -(-n // tpb)
+        k, table, pins, cost = plan_full(pool.tree.lookup(hashes), nb, (n - 1) // tpb)
+        free = pool.num_free
+        if cost > free:
+            self._rejected += 1
+            raise CacheFullError(req.request_id, 0, cost, free)
+        if k:
+            pool.touch_many(table)  # the hits, the table's first k positions
+        if pins:
+            pool.touch_many(pins.values())
+        table += pool.allocate_many(nb - k)
+        req.groups.append(GroupState(table, k * tpb, 0, pins))
+        nh = len(hashes)
+        if nh > k:
+            self._commit(
+                req=req, gid=0, table=table, hashes=hashes, tokens=raw, lo=k, hi=nh, tokens_base=0
             )
+        req.num_tokens = n
+        req.token_parts.append(raw)
+        req.tail = raw[nh * tpb * 4 :]
+        req.chain = chain
+        req.hashes = hashes
+        self._requests[req.request_id] = req
+        self._added += 1
+        self._prompt_tokens += n
+        self._reusable_tokens += k * tpb
+        self._hit_blocks[0] += k
+        self._queried_blocks[0] += nh
+        return PrefixMatch(n, (GroupMatch(0, k * tpb, k, 0),))
+
+    def _admit(
+        self,
+        req: RequestState,
+        raw: bytes,
+        hashes: list[bytes],
+        chain: ChainState,
+        *,
+        importing: bool,
+    ) -> tuple[list[Plan], PrefixMatch]:
+        # Plan every group, stage disk hits, then take hits, onboard lower-tier blocks,
+        # allocate the rest and (unless importing) commit the full blocks.
+        request_id = req.request_id
         n = len(raw) >> 2
         tpb = self._tpb
         planner = plan_import if importing else plan_prompt
@@ -458,27 +553,6 @@ class KVCacheManager:
                 staged = staged_disk
                 break
 
-        req = RequestState(
-            request_id,
-            lora_id=lora_id,
-            lora_name=lora_name,
-            cache_salt=cache_salt,
-            mm_items=items,
-            priority=priority,
-        )
-        if self._recorder.enabled and not (
-            lora_id is None
-            and lora_name is None
-            and cache_salt is None
-            and priority == PRIORITY_DEFAULT
-        ):  # (else the defaults: no extra stored-event arguments)
-            extra: dict[str, Any] = {
-                "lora_id": lora_id,
-                "lora_name": lora_name,
-                "cache_salt": cache_salt,
-                "priority": None if priority == PRIORITY_DEFAULT else priority,
-            }
-            req.event_extra = {k: v for k, v in extra.items() if v is not None}
         nb = -(-n // tpb)
         for gid, plan in enumerate(plans):
             pool = pools[gid]
@@ -535,7 +609,7 @@ class KVCacheManager:
         for gid, plan in enumerate(plans):
             self._hit_blocks[gid] += plan.k
             self._queried_blocks[gid] += len(hashes)
-        return req, plans, match
+        return plans, match
 
     @staticmethod
     def _onboard_targets(plan: Plan, blocks: list[Block], slots: dict[int, int]) -> list[Block]:
@@ -626,6 +700,8 @@ class KVCacheManager:
         m = len(raw) >> 2
         if not m:
             return 0
+        if self._plain:
+            return self._append_plain(req, raw)
         tpb = self._tpb
         s = req.num_tokens
         total = s + m
@@ -683,6 +759,63 @@ class KVCacheManager:
             self._commit(
                 req=req,
                 gid=gid,
+                table=gs.blocks,
+                hashes=all_hashes,
+                tokens=pending,
+                lo=done,
+                hi=done + filled,
+                tokens_base=done,
+            )
+        req.num_tokens = total
+        req.token_parts.append(raw)
+        req.tail = pending[filled * tpb * 4 :]
+        req.chain = chain
+        return filled
+
+    def _append_plain(self, req: RequestState, raw: bytes) -> int:
+        # append_tokens for one full-attention group on the GPU alone (nothing leaves a
+        # window): the same plan (plan_append), checks, changes and events as the general
+        # path, without its per-group loops (tests/test_cache_plain_admit.py runs both).
+        tpb = self._tpb
+        s = req.num_tokens
+        total = s + (len(raw) >> 2)
+        new_blocks = -(-total // tpb) + s // -tpb  # (blocks after) - (blocks before)
+        done = len(req.hashes)
+        if not new_blocks and total // tpb == done:  # stays inside the tail block
+            req.tail += raw
+            req.token_parts.append(raw)
+            req.num_tokens = total
+            return 0
+        pending = req.tail + raw
+        assert req.chain is not None
+        hashes, chain = self._hash_blocks(req.chain, pending, done, req.mm_items)
+        pool = self._pools[0]
+        gs = req.groups[0]
+        plan = plan_append(
+            pool,
+            None,
+            tokens_per_block=tpb,
+            gs=gs,
+            num_tokens=s,
+            hashes=hashes,
+            new_blocks=new_blocks,
+        )
+        if plan.cost > pool.num_free:
+            self._rejected += 1
+            raise CacheFullError(req.request_id, 0, plan.cost, pool.num_free)
+        filled = len(hashes)
+        all_hashes = req.hashes
+        all_hashes += hashes
+        pins = plan.pins
+        if pins:
+            pool.touch_many(pins.values())
+            gs.pins.update(pins)
+        if new_blocks:
+            gs.blocks += pool.allocate_many(new_blocks)
+        if filled:
+            self._commit(
+                req=req,
+                gid=0,
                 table=gs.blocks,
                 hashes=all_hashes,
                 tokens=pending,
@@ -856,7 +989,7 @@ class KVCacheManager:
         receive. Arguments and errors as :meth:`add_request` (CacheFullError: nothing
         changed). Blocks are committed (``stored`` events) only by :meth:`finish_import`;
         until then the request cannot append tokens or be exported."""
-        req, plans, match = self._admit(
+        raw, items, hashes, chain = self._check_hashed(
             request_id,
             prompt_tokens,
             mm_items,
@@ -864,8 +997,17 @@ class KVCacheManager:
             lora_name=lora_name,
             cache_salt=cache_salt,
             priority=priority,
-            importing=True,
+            hashed=None,
         )
+        req = self._new_request(
+            request_id,
+            items,
+            lora_id=lora_id,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            priority=priority,
+        )
+        plans, match = self._admit(req, raw, hashes, chain, importing=True)
         n = req.num_tokens
         req.importing = [max(p.k, p.first) for p in plans]
         ranges = {gid: TokenRange(min(b * self._tpb, n), n) for gid, b in enumerate(req.importing)}

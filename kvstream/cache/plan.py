@@ -16,7 +16,7 @@ from kvstream.cache.errors import CacheInvariantError
 from kvstream.cache.request import GroupState
 from kvstream.cache.windows import first_needed_block, reuse_boundary
 
-__all__ = ["LowerTierLookup", "Plan", "plan_append", "plan_import", "plan_prompt"]
+__all__ = ["LowerTierLookup", "Plan", "plan_append", "plan_full", "plan_import", "plan_prompt"]
 
 _REF_CNT = attrgetter("ref_cnt")
 
@@ -73,22 +73,7 @@ def plan_prompt(
     found = pool.tree.lookup(hashes)
     cap = (n - 1) // tpb if limit is None else limit
     if lower is None and window is None:
-        # full attention, GPU only (the common case, kept cheap): the leading cached blocks
-        # up to the cap are hits, any later cached block is pinned
-        stop = min(cap, len(found))
-        try:
-            k = found.index(None, 0, stop)  # the first miss (a scan in C)
-        except ValueError:
-            k = stop
-        plan.k = k
-        plan.hits = hits = found[:k]
-        rest = found[k:]
-        # the blocks no request holds cost one free block each (they leave the LRU queue)
-        cost = -(-n // tpb) - k + list(map(_REF_CNT, hits)).count(0)
-        if rest.count(None) != len(rest):
-            plan.pins = pins = {i: b for i, b in enumerate(rest, k) if b is not None}
-            cost += list(map(_REF_CNT, pins.values())).count(0)
-        plan.cost = cost
+        plan.k, plan.hits, plan.pins, plan.cost = plan_full(found, -(-n // tpb), cap)
         return plan
     levels = [0] * len(hashes)
     if lower is not None:
@@ -110,6 +95,31 @@ def plan_prompt(
         plan.pins = {i: b for i, b in enumerate(found[k:], k) if b is not None}
     plan.cost = _prompt_cost(plan, -(-n // tpb))
     return plan
+
+
+def plan_full(
+    found: list[Block | None], num_blocks: int, cap: int
+) -> tuple[int, list[Block | None], dict[int, Block], int]:
+    """:func:`plan_prompt` of a full-attention group without lower tiers (the common case,
+    kept cheap), from ``found``, the committed block of each full block's hash (None where
+    there is none), for a request of ``num_blocks`` blocks reusing at most ``cap`` of them.
+
+    Returns ``(k, hits, pins, cost)`` as in :class:`Plan` (``first`` is 0): the leading
+    cached blocks up to the cap are hits, any later cached block is pinned, and the blocks
+    no request holds cost one free block each (they leave the LRU queue).
+    """
+    stop = min(cap, len(found))
+    try:
+        k = found.index(None, 0, stop)  # the first miss (a scan in C)
+    except ValueError:
+        k = stop
+    hits = found[:k]
+    cost = num_blocks - k + list(map(_REF_CNT, hits)).count(0)
+    pins: dict[int, Block] = {}
+    if found.count(None) != len(found) - k:  # (hits hold no None) a cached block after k
+        pins = {i: b for i, b in enumerate(found[k:], k) if b is not None}
+        cost += list(map(_REF_CNT, pins.values())).count(0)
+    return k, hits, pins, cost
 
 
 def plan_import(
