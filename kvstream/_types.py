@@ -24,6 +24,7 @@ __all__ = [
     "PRIORITY_MIN",
     "TOKEN_ID_MAX",
     "TokenIds",
+    "TokenIdsView",
     "hash_from_hex",
     "hash_from_int",
     "hash_to_hex",
@@ -244,3 +245,57 @@ class TokenIds(Sequence[int]):
             "type": "array",
             "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX},
         }
+
+
+#: The member descriptor of TokenIds' ``_raw`` slot (TokenIdsView fills it on first read).
+_RAW_SLOT: Final = TokenIds.__dict__["_raw"]
+
+
+class TokenIdsView(TokenIds):
+    """Block ``i`` of a packed run of equal-length blocks, sharing the run's bytes: the same
+    value as ``TokenIds.from_bytes(packed[i * step : (i + 1) * step])`` (equal to it and to
+    its ints, the same hash, ``repr`` and JSON), with the block's own bytes cut only when
+    something first reads them (``raw``, iteration, indexing, hashing, equality), then kept.
+    ``len`` reads nothing. Pickling and copying give that plain :class:`TokenIds`.
+
+    The event builders make one per block of a stored chain (a cache's commit), where most
+    consumers read a block's hash and token count, never its ids: no 2 KB copy per block.
+    Make them with :meth:`of_run`; they are never mutated.
+    """
+
+    __slots__ = ("_i", "_run")
+    _run: tuple[bytes, int]  # (the packed run's bytes, bytes per block), shared by its blocks
+    _i: int
+
+    @classmethod
+    def of_run(cls, packed: bytes, k: int) -> tuple[TokenIdsView, ...]:
+        """The ``k`` blocks of ``packed`` (little-endian uint32 ids, ``k`` equal blocks: its
+        length a multiple of ``4 * k``), one view each; raises ValueError otherwise."""
+        if not isinstance(packed, bytes) or k <= 0 or len(packed) % (4 * k):
+            raise ValueError(f"{k} equal blocks of packed token ids, got {len(packed)} bytes")
+        run = (packed, len(packed) // k)
+        new = cls.__new__
+        out = []
+        for i in range(k):
+            view = new(cls)
+            view._run = run
+            view._i = i
+            out.append(view)
+        return tuple(out)
+
+    @property
+    def _raw(self) -> bytes:  # type: ignore[override]  # the block's bytes, cut on first read
+        try:
+            raw: bytes = _RAW_SLOT.__get__(self, TokenIds)
+        except AttributeError:
+            packed, step = self._run
+            at = self._i * step
+            raw = packed[at : at + step]
+            _RAW_SLOT.__set__(self, raw)
+        return raw
+
+    def __len__(self) -> int:
+        return self._run[1] >> 2
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TokenIds.from_bytes, (self._raw,))

@@ -29,14 +29,17 @@
  *     .split(raw, step)                tuple of instances whose _raw are the consecutive
  *                                      ``step``-byte slices of ``raw`` (the last may be
  *                                      shorter): TokenIds per block
- *   EmittedEvents(event, stored, removed, block, tokens, run_type, fallback)
+ *   EmittedEvents(event, stored, removed, block, tokens, run_type, view_type, fallback)
  *     .events(records)                 emitter.emitted_batch's loop in one call: the tuple of
  *                                      events of an EventEmitter's buffered records. A
  *                                      ``stored`` record whose blocks are a ``run_type``
  *                                      (BlockRun) without per-block attributes, and a non-empty
  *                                      ``removed`` record, are built here with the factories
- *                                      (the same objects as trusted.py's builders make of the
- *                                      same values); any other record is ``fallback(record)``
+ *                                      (the same objects as emitter._py_events makes of the
+ *                                      same values: block i of a packed chain of k > 1 blocks
+ *                                      gets a ``view_type`` (TokenIdsView) with _run = (the
+ *                                      chain's bytes, bytes per block) and _i = i); any other
+ *                                      record is ``fallback(record)``
  *
  * The callers' contract (as trusted.py's) is that every value is already valid; the factories
  * check only what keeps the interpreter safe (argument types, lengths).
@@ -609,8 +612,10 @@ typedef struct {
     PyObject_HEAD
     ModelFactory *event, *stored, *removed, *block;
     TokenFactory *tokens;
-    PyTypeObject *run_type;
+    PyTypeObject *run_type, *view_type;
     PyObject *d_hashes, *d_tokens, *d_attrs; /* BlockRun's slot descriptors */
+    PyObject *d_view_run, *d_view_i;         /* TokenIdsView's */
+    Py_ssize_t off_view_run, off_view_i;
     PyObject *fallback;
 } EmittedEvents;
 
@@ -622,15 +627,20 @@ static PyObject *removed_fields_set = NULL; /* frozenset({"type", "block_hashes"
 static int
 ee_init(EmittedEvents *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"event",    "stored",   "removed",  "block",
-                             "tokens",   "run_type", "fallback", NULL};
-    PyObject *ev, *st, *rm, *bl, *tk, *run, *fb;
+    static char *kwlist[] = {"event",    "stored",    "removed",  "block", "tokens",
+                             "run_type", "view_type", "fallback", NULL};
+    PyObject *ev, *st, *rm, *bl, *tk, *run, *view, *fb;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!O:EmittedEvents", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!O!O:EmittedEvents", kwlist,
                                      &ModelFactoryType, &ev, &ModelFactoryType, &st,
                                      &ModelFactoryType, &rm, &ModelFactoryType, &bl,
-                                     &TokenFactoryType, &tk, &PyType_Type, &run, &fb))
+                                     &TokenFactoryType, &tk, &PyType_Type, &run, &PyType_Type,
+                                     &view, &fb))
         return -1;
+    if (((PyTypeObject *)view)->tp_itemsize != 0 || ((PyTypeObject *)view)->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "EmittedEvents: view_type must be of fixed size");
+        return -1;
+    }
     if (((ModelFactory *)ev)->cls == NULL || ((ModelFactory *)st)->cls == NULL ||
         ((ModelFactory *)rm)->cls == NULL || ((TokenFactory *)tk)->cls == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "EmittedEvents: a factory was not initialised");
@@ -647,10 +657,16 @@ ee_init(EmittedEvents *self, PyObject *args, PyObject *kwds)
     Py_CLEAR(self->d_hashes);
     Py_CLEAR(self->d_tokens);
     Py_CLEAR(self->d_attrs);
+    Py_CLEAR(self->d_view_run);
+    Py_CLEAR(self->d_view_i);
     if ((self->d_hashes = slot_descriptor((PyTypeObject *)run, "hashes")) == NULL ||
         (self->d_tokens = slot_descriptor((PyTypeObject *)run, "tokens")) == NULL ||
-        (self->d_attrs = slot_descriptor((PyTypeObject *)run, "attrs")) == NULL)
+        (self->d_attrs = slot_descriptor((PyTypeObject *)run, "attrs")) == NULL ||
+        (self->d_view_run = slot_descriptor((PyTypeObject *)view, "_run")) == NULL ||
+        (self->d_view_i = slot_descriptor((PyTypeObject *)view, "_i")) == NULL)
         return -1;
+    self->off_view_run = slot_offset(self->d_view_run);
+    self->off_view_i = slot_offset(self->d_view_i);
 #define EE_SET(field, value)                                                                   \
     do {                                                                                       \
         Py_INCREF(value);                                                                      \
@@ -662,6 +678,7 @@ ee_init(EmittedEvents *self, PyObject *args, PyObject *kwds)
     EE_SET(block, bl);
     EE_SET(tokens, tk);
     EE_SET(run_type, run);
+    EE_SET(view_type, view);
     EE_SET(fallback, fb);
 #undef EE_SET
     return 0;
@@ -676,6 +693,9 @@ ee_traverse(EmittedEvents *self, visitproc visit, void *arg)
     Py_VISIT(self->block);
     Py_VISIT(self->tokens);
     Py_VISIT(self->run_type);
+    Py_VISIT(self->view_type);
+    Py_VISIT(self->d_view_run);
+    Py_VISIT(self->d_view_i);
     Py_VISIT(self->d_hashes);
     Py_VISIT(self->d_tokens);
     Py_VISIT(self->d_attrs);
@@ -692,6 +712,9 @@ ee_clear(EmittedEvents *self)
     Py_CLEAR(self->block);
     Py_CLEAR(self->tokens);
     Py_CLEAR(self->run_type);
+    Py_CLEAR(self->view_type);
+    Py_CLEAR(self->d_view_run);
+    Py_CLEAR(self->d_view_i);
     Py_CLEAR(self->d_hashes);
     Py_CLEAR(self->d_tokens);
     Py_CLEAR(self->d_attrs);
@@ -734,6 +757,25 @@ build_pairs(ModelFactory *factory, PyObject *fields_set, int n, PyObject **kv)
     return obj;
 }
 
+/* A TokenIdsView of block ``i`` of ``run`` ((packed bytes, step), shared): a new reference. */
+static PyObject *
+run_view(EmittedEvents *self, PyObject *run, Py_ssize_t i)
+{
+    PyObject *obj = self->view_type->tp_alloc(self->view_type, 0), *index;
+
+    if (obj == NULL)
+        return NULL;
+    index = PyLong_FromSsize_t(i);
+    if (index == NULL || init_slot(self->d_view_run, self->off_view_run, obj, run) < 0 ||
+        init_slot(self->d_view_i, self->off_view_i, obj, index) < 0) {
+        Py_XDECREF(index);
+        Py_DECREF(obj);
+        return NULL;
+    }
+    Py_DECREF(index);
+    return obj;
+}
+
 /* The StoredBlock objects of a BlockRun without attributes: a new tuple, or NULL with no error
  * set when the run is not one this path builds (the caller then falls back), or NULL with an
  * error. */
@@ -741,6 +783,7 @@ static PyObject *
 run_blocks(EmittedEvents *self, PyObject *run)
 {
     PyObject *hashes = NULL, *tokens = NULL, *attrs = NULL, *out = NULL, *raw = NULL;
+    PyObject *view_run = NULL; /* (raw, step) of a packed entry of several blocks */
     Py_ssize_t n, e, at = 0;
 
     if ((hashes = get_slot(self->d_hashes, run)) == NULL ||
@@ -779,6 +822,16 @@ run_blocks(EmittedEvents *self, PyObject *run)
             if (k <= 0 || size <= 0 || size % k || (size / k) % 4 || at + k > n)
                 goto not_this;
             step = size / k;
+            if (k > 1) {
+                PyObject *step_obj = PyLong_FromSsize_t(step);
+
+                if (step_obj == NULL)
+                    goto fail;
+                view_run = PyTuple_Pack(2, raw, step_obj);
+                Py_DECREF(step_obj);
+                if (view_run == NULL)
+                    goto fail;
+            }
         }
         else {
             k = 1;
@@ -792,17 +845,12 @@ run_blocks(EmittedEvents *self, PyObject *run)
                 Py_INCREF(entry);
                 tok = entry;
             }
-            else {
-                PyObject *chunk = k == 1 ? Py_NewRef(raw)
-                                         : PyBytes_FromStringAndSize(
-                                               PyBytes_AS_STRING(raw) + j * step, step);
-                if (chunk == NULL)
-                    goto fail;
-                tok = wrap_raw(self->tokens, chunk);
-                Py_DECREF(chunk);
-                if (tok == NULL)
-                    goto fail;
-            }
+            else if (k == 1) /* the whole packed run is the block: share its bytes */
+                tok = wrap_raw(self->tokens, raw);
+            else /* block j of the run: a view of its bytes (no copy) */
+                tok = run_view(self, view_run, j);
+            if (tok == NULL)
+                goto fail;
             kv[0] = s_block_hash;
             kv[1] = PyList_GET_ITEM(hashes, at);
             kv[2] = s_token_ids;
@@ -814,6 +862,7 @@ run_blocks(EmittedEvents *self, PyObject *run)
             PyTuple_SET_ITEM(out, at, obj);
         }
         Py_CLEAR(raw);
+        Py_CLEAR(view_run);
     }
     if (at != n)
         goto not_this;
@@ -825,6 +874,7 @@ fail:
     Py_CLEAR(out);
 done:
     Py_XDECREF(raw);
+    Py_XDECREF(view_run);
     Py_XDECREF(hashes);
     Py_XDECREF(tokens);
     Py_XDECREF(attrs);

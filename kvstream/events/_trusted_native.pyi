@@ -57,8 +57,10 @@ class EmittedEvents:
         block: ModelFactory[Any],
         tokens: TokenFactory[Any],
         run_type: type[Any],
+        view_type: type[Any],
         fallback: Callable[[dict[str, Any]], Any],
     ) -> None: ...
     def events(self, records: Iterable[dict[str, Any]]) -> tuple[Any, ...]:
-        """Stored records of attribute-free block runs and non-empty removed records built
-        with the factories; any other record as ``fallback(record)`` returns it."""
+        """Stored records of attribute-free block runs (a packed chain's blocks as
+        ``view_type`` views of its bytes) and non-empty removed records built with the
+        factories; any other record as ``fallback(record)`` returns it."""

@@ -76,6 +76,7 @@ from kvstream._types import (
     PRIORITY_MAX,
     PRIORITY_MIN,
     TokenIds,
+    TokenIdsView,
     hash_width,
 )
 from kvstream.clock import SYSTEM_CLOCK, Clock
@@ -1167,6 +1168,7 @@ _BUILD_EVENT: Final = trusted_builder(KVCacheEvent)
 _BUILD_STORED: Final = trusted_builder(Stored)
 _BUILD_REMOVED: Final = trusted_builder(Removed)
 _BUILD_BATCH: Final = trusted_builder(EventBatch)
+_views: Final = TokenIdsView.of_run
 
 
 def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]]) -> EventBatch:
@@ -1224,17 +1226,12 @@ _events: Final = native_events_builder(BlockRun, _validated_event) or _py_events
 
 
 def _run_tokens(run: BlockRun) -> tuple[TokenIds, ...]:
-    # run.block_tokens() as a tuple, packed runs cut in C (token_blocks)
-    tokens = run.tokens
-    first = tokens[0]
-    if len(tokens) == 1 and isinstance(first, tuple):
-        packed, k = first
-        return token_blocks(packed._raw, len(packed._raw) // k)
+    # run.block_tokens() as a tuple; a packed chain of k > 1 blocks as views of its bytes
     out: list[TokenIds] = []
-    for t in tokens:
+    for t in run.tokens:
         if isinstance(t, tuple):
             packed, k = t
-            out += token_blocks(packed._raw, len(packed._raw) // k)
+            out += token_blocks(packed._raw, len(packed._raw)) if k == 1 else _views(packed._raw, k)
         else:
             out.append(t)
     return tuple(out)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol, TypeVar
 
 from kvstream._types import PRIORITY_DEFAULT as _PRIORITY_DEFAULT
-from kvstream._types import TokenIds
+from kvstream._types import TokenIds, TokenIdsView
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, Stored, StoredBlock
 
 if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
@@ -253,8 +253,9 @@ def native_events_builder(
     extension): called with an emitter's buffered records, it returns their events, a
     ``stored`` record whose ``blocks`` is a ``run_type`` (the emitter's BlockRun) without
     per-block attributes and a non-empty ``removed`` record built with this module's
-    factories, any other record as ``fallback(record)`` returns it."""
-    if _trusted_native is None:
+    factories (a block of a packed chain gets a :class:`~kvstream._types.TokenIdsView` of the
+    chain's bytes), any other record as ``fallback(record)`` returns it."""
+    if not NATIVE_AVAILABLE:
         return None
     builder = _trusted_native.EmittedEvents(
         _FACTORIES[KVCacheEvent],
@@ -263,6 +264,7 @@ def native_events_builder(
         _FACTORIES[StoredBlock],
         _trusted_native.TokenFactory(TokenIds),
         run_type,
+        TokenIdsView,
         fallback,
     )
     events: Callable[[Iterable[dict[str, Any]]], tuple[KVCacheEvent, ...]] = builder.events
