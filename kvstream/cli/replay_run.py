@@ -556,12 +556,19 @@ class _Replay:
         hits = 0
         for n, h in zip(lengths, hashed, strict=True):
             hs = h.hashes
-            # its leading full blocks (the last prompt token excluded) already seen
-            k, end = 0, (n - 1) // bs
-            while k < end and hs[k] in seen:
-                k += 1
-            hits += k
-            seen.update(hs[k:])  # (the first k are in already)
+            # its leading full blocks (the last prompt token excluded) already seen: seen
+            # holds every earlier request's full blocks, and a block's hash is chained to all
+            # of its prefix, so a seen block's prefix was seen too; bisect for the first
+            # block not seen
+            lo, hi = 0, (n - 1) // bs
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if hs[mid] in seen:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            hits += lo
+            seen.update(hs[lo:])  # (the first lo are in already)
         self.ceiling_hits += hits
         ahead.extend(zip(prompts, hashed, strict=True))
 
