@@ -1,16 +1,19 @@
 """Several BLAKE3 chains side by side: ``_chainnative.chain_many`` against one chain at a time.
 
-``chain_many(KIND_BLAKE3, raws, block_tokens, parent, width, offset)`` hashes every request's
-parent-free chunks eight at a time, then (AVX2) advances up to eight requests together, one
-block each per step, a lane refilled with the next request when its request ends, the last few
-requests finishing one block at a time; without AVX2 (``set_simd(False)``) it hashes one
-request after the other. Whatever the number of requests (fewer, as many as, more than the
-lanes), their lengths (equal, unequal, without a full block), the block size (one chunk, a
-chunk boundary, a short last chunk, a deep tree) and the published width/offset, each request's
-result equals ``chain(KIND_BLAKE3, raw, block_tokens, parent, width=, offset=, every=n)`` and
-the ``blake3`` package's hash of ``parent || tokens`` chained block by block, on the SIMD code
-and on the portable C. ``BlockHasher.chain_raw_many`` of both BLAKE3 hashers uses it and equals
-their pure-Python chains; ``BlockHasher.resume`` builds the state ``_replace`` would.
+``chain_many(KIND_BLAKE3, raws, block_tokens, parent, width, offset)`` advances (AVX2) up to
+eight requests together, one block each per step, a lane refilled with the next request when
+its request ends: whole messages while requests wait, then, for what the last requests have
+left, their parent-free chunks eight at a time and the lanes on each block's first chunk and
+tree nodes, the last one or two requests one block at a time; without AVX2
+(``set_simd(False)``) it hashes one request after the other.
+
+Whatever the number of requests (fewer, as many as, more than the lanes), their lengths
+(equal, unequal, without a full block), the block size (one chunk, a chunk boundary, a short
+last chunk, a deep tree) and the published width/offset, each request's result equals
+``chain(KIND_BLAKE3, raw, block_tokens, parent, width=, offset=, every=n)`` and the ``blake3``
+package's hash of ``parent || tokens`` chained block by block, on the SIMD code and on the
+portable C. ``BlockHasher.chain_raw_many`` of both BLAKE3 hashers uses it and equals their
+pure-Python chains; ``BlockHasher.resume`` builds the state ``_replace`` would.
 
 Skipped when the extension is not built (no C compiler) or KVSTREAM_NO_NATIVE is set.
 """

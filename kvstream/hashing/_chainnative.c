@@ -49,8 +49,8 @@
  *         -> list[(published: list[bytes], keys: list[bytes])]
  *       KIND_BLAKE3 only: chain(kind, raw, block_tokens, parent, width=width, offset=offset,
  *       every=n) of every raw in raws (n its full blocks; ([], []) for a raw without one, not
- *       validated), the requests hashed side by side: their parent-free chunks eight at a
- *       time, then, on AVX2, eight requests a step, one per lane (b3_chain_many).
+ *       validated), the requests hashed side by side on AVX2: eight requests a step, one
+ *       per lane (b3_chain_many).
  *   pack(tokens, drop_last=False) -> bytes | None
  *       a list/tuple of ints as u32 LE bytes; None when an item is not an int in 0..2**32-1
  *       (the caller then takes its validating path). Exact ints are read from their digits.
@@ -898,12 +898,14 @@ b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
 /* ------------------------------------------- BLAKE3 chains of several requests side by side
  *
  * chain_many(): the requests' chains are independent and every block message has the same
- * length (32 + 4 * block_tokens bytes), BLAKE3's hash_many pattern. First the parent-free
- * chunks of every block of every request, eight at a time (b3_free_chunks); then, on AVX2,
- * eight requests advance together, one block each per step, one request per 32-bit lane:
- * each lane's first chunk (on its parent key) and tree nodes in eight-wide compressions. A
- * lane whose request ends takes the next one (longest first, so the lanes run out together);
- * when fewer than B3_LANES_MIN lanes are left, their requests finish one block at a time. */
+ * length (32 + 4 * block_tokens bytes), BLAKE3's hash_many pattern. On AVX2 eight requests
+ * advance together, one block each per step, one request per 32-bit lane, longest first; a
+ * lane whose request ends takes the next one. While requests wait, every lane is busy and
+ * hashes its whole message (the block is read once, while it is in cache). When none waits,
+ * the parent-free chunks of what the last requests have left are hashed eight at a time
+ * (b3_free_chunks), so the emptying lanes only run each block's first chunk (on its parent key)
+ * and tree nodes; below B3_LANES_MIN live lanes, the rest goes one block at a time. Without
+ * AVX2, one request after the other (b3_chain_split). */
 
 /* Below this many live lanes an eight-wide step costs more than that many blocks one by one. */
 #define B3_LANES_MIN 3
@@ -1048,13 +1050,11 @@ b3_hash8_avx2(const unsigned char *const *parent, const unsigned char *const *to
 /* The lane kernel, NULL where the CPU has none (or set_simd(False)): one chain at a time. */
 static b3_hash8_fn b3_hash8 = NULL;
 
-/* One request of chain_many: its nb full blocks, their keys, and (messages of more than one
- * chunk, lanes) the chaining values of their parent-free chunks. */
+/* One request of chain_many: its nb full blocks and their keys. */
 typedef struct {
     const blk_t *blk;
     Py_ssize_t nb;
     unsigned char *keys;
-    const uint32_t *cvs;
 } b3_req;
 
 static int
@@ -1064,18 +1064,20 @@ b3_req_longer(const void *a, const void *b)
     return (x < y) - (x > y);
 }
 
-/* Blocks [b, nb) of request r one at a time: keys after its parent-free chunks' values where
- * it has them, else as whole messages (msg: room for 32 + 4 * its block's ids). */
+/* Blocks [b, nb) of request r one at a time: from their parent-free chunks' values where cv
+ * holds them (block b's first, 8 words per chunk), else as whole messages (msg: room for 32 +
+ * 4 * its block's ids). */
 static void
-b3_finish(const b3_req *r, Py_ssize_t b, size_t per_block, const unsigned char *parent,
-          unsigned char *msg)
+b3_finish(const b3_req *r, Py_ssize_t b, const uint32_t *cv, size_t per_block,
+          const unsigned char *parent, unsigned char *msg)
 {
     for (; b < r->nb; b++) {
         const unsigned char *prev = b ? r->keys + (size_t)KEY_LEN * (b - 1) : parent;
         unsigned char *key = r->keys + (size_t)KEY_LEN * b;
         const size_t tlen = 4 * (size_t)r->blk[b].n;
-        if (r->cvs != NULL) {
-            b3_hash_split(prev, r->blk[b].tok, tlen, r->cvs + 8 * per_block * (size_t)b, key);
+        if (cv != NULL) {
+            b3_hash_split(prev, r->blk[b].tok, tlen, cv, key);
+            cv += 8 * per_block;
         }
         else {
             memcpy(msg, prev, KEY_LEN);
@@ -1085,62 +1087,77 @@ b3_finish(const b3_req *r, Py_ssize_t b, size_t per_block, const unsigned char *
     }
 }
 
-/* The chains of reqs[0..n) (each with nb >= 1 blocks of tpb ids, total blocks together,
- * contiguous from reqs[0].blk), all from parent. Without a lane kernel (hash8 NULL):
- * b3_chain_split per request. With one: cvs, room for 8 words per parent-free chunk of every
- * block (NULL only for messages of one chunk); order: scratch for n pointers. msg: room for
- * 32 + max(4 * tpb, 1024) bytes. */
+/* The chains of reqs[0..n) (each with nb >= 1 blocks of tpb ids, total blocks together), all
+ * from parent. Without a lane kernel (hash8 NULL): b3_chain_split per request. With one:
+ * while requests wait for a lane, all eight lanes hash whole messages (each block read once);
+ * then the parent-free chunks of what the last requests have left, eight at a time (cvs: room
+ * for 8 words per parent-free chunk of total blocks, NULL for messages of one chunk; tail:
+ * scratch for total blocks), and the lanes, then one chain at a time, on their first chunks
+ * and tree nodes. order: scratch for n pointers; msg: room for 32 + max(4 * tpb, 1024) bytes. */
 static void
-b3_chain_many(b3_hash8_fn hash8, b3_req *reqs, Py_ssize_t n, Py_ssize_t total, Py_ssize_t tpb,
-              const unsigned char *parent, uint32_t *cvs, b3_req **order, unsigned char *msg)
+b3_chain_many(b3_hash8_fn hash8, b3_req *reqs, Py_ssize_t n, Py_ssize_t tpb,
+              const unsigned char *parent, uint32_t *cvs, blk_t *tail, b3_req **order,
+              unsigned char *msg)
 {
     const size_t tlen = 4 * (size_t)tpb;
     const size_t per_block = (KEY_LEN + tlen - 1) / B3_CHUNK_LEN;
     struct {
         const b3_req *r;
-        Py_ssize_t b; /* the block it hashes next */
+        Py_ssize_t b;       /* the block it hashes next */
+        const uint32_t *cv; /* that block's parent-free chunk values, NULL: none computed */
     } lane[8];
     unsigned char spare[8][KEY_LEN]; /* where idle lanes' keys go */
     Py_ssize_t next = 0, i;
-    int live = 0, k;
+    int live = 0, k, split = cvs == NULL; /* split: the lanes' chunk values are computed */
 
     if (hash8 == NULL) {
         for (i = 0; i < n; i++)
             if (b3_chain_split(reqs[i].blk, reqs[i].nb, parent, reqs[i].keys, msg) < 0)
-                b3_finish(&reqs[i], 0, per_block, parent, msg);
+                b3_finish(&reqs[i], 0, NULL, per_block, parent, msg);
         return;
-    }
-    if (cvs != NULL && n > 0) {
-        const uint32_t *at = cvs;
-        b3_free_chunks(reqs[0].blk, total, cvs);
-        for (i = 0; i < n; i++) {
-            reqs[i].cvs = at;
-            at += 8 * per_block * (size_t)reqs[i].nb;
-        }
     }
     for (i = 0; i < n; i++)
         order[i] = &reqs[i];
     qsort(order, (size_t)n, sizeof *order, b3_req_longer);
     while (live < 8 && next < n) {
         lane[live].r = order[next++];
+        lane[live].cv = NULL;
         lane[live++].b = 0;
     }
-    while (live >= B3_LANES_MIN) {
+    for (;;) {
         const unsigned char *par[8], *tok[8];
         const uint32_t *cv[8];
         unsigned char *out[8];
+        if (next == n && !split) {
+            /* no request waits: the rest's parent-free chunks at once, eight at a time */
+            Py_ssize_t m = 0;
+            const uint32_t *at = cvs;
+            for (k = 0; k < live; k++)
+                for (i = lane[k].b; i < lane[k].r->nb; i++)
+                    tail[m++] = lane[k].r->blk[i];
+            b3_free_chunks(tail, m, cvs);
+            for (k = 0; k < live; k++) {
+                lane[k].cv = at;
+                at += 8 * per_block * (size_t)(lane[k].r->nb - lane[k].b);
+            }
+            split = 1;
+        }
+        if (live < B3_LANES_MIN)
+            break;
         for (k = 0; k < 8; k++) {
             const int j = k < live ? k : 0; /* idle lanes repeat lane 0 */
-            const b3_req *r = lane[j].r;
             const Py_ssize_t b = lane[j].b;
-            par[k] = b ? r->keys + (size_t)KEY_LEN * (b - 1) : parent;
-            tok[k] = r->blk[b].tok;
-            cv[k] = r->cvs != NULL ? r->cvs + 8 * per_block * (size_t)b : NULL;
-            out[k] = k < live ? r->keys + (size_t)KEY_LEN * b : spare[k];
+            par[k] = b ? lane[j].r->keys + (size_t)KEY_LEN * (b - 1) : parent;
+            tok[k] = lane[j].r->blk[b].tok;
+            cv[k] = lane[j].cv;
+            out[k] = k < live ? lane[j].r->keys + (size_t)KEY_LEN * b : spare[k];
         }
-        hash8(par, tok, KEY_LEN + tlen, per_block ? cv : NULL, out);
-        for (k = 0; k < live; k++)
+        hash8(par, tok, KEY_LEN + tlen, cvs != NULL && split ? cv : NULL, out);
+        for (k = 0; k < live; k++) {
             lane[k].b++;
+            if (lane[k].cv != NULL)
+                lane[k].cv += 8 * per_block;
+        }
         for (k = 0; k < live;) {
             if (lane[k].b < lane[k].r->nb) {
                 k++;
@@ -1155,7 +1172,7 @@ b3_chain_many(b3_hash8_fn hash8, b3_req *reqs, Py_ssize_t n, Py_ssize_t total, P
         }
     }
     for (k = 0; k < live; k++)
-        b3_finish(lane[k].r, lane[k].b, per_block, parent, msg);
+        b3_finish(lane[k].r, lane[k].b, lane[k].cv, per_block, parent, msg);
 }
 
 /* ================================================================================ chains */
@@ -1741,7 +1758,7 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_buffer *views = NULL;
     b3_req *reqs = NULL, **order = NULL;
     Py_ssize_t *req_of = NULL; /* raws[i]'s request, -1: no full block */
-    blk_t *blocks = NULL;
+    blk_t *blocks = NULL, *tail = NULL;
     uint32_t *cvs = NULL;
     unsigned char *keys = NULL, *msg = NULL;
     size_t step, per_block;
@@ -1811,10 +1828,12 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     keys = PyMem_Malloc((size_t)KEY_LEN * (total ? (size_t)total : 1));
     blocks = PyMem_Malloc((total ? (size_t)total : 1) * sizeof(blk_t));
     msg = PyMem_Malloc(KEY_LEN + (step > B3_CHUNK_LEN ? step : B3_CHUNK_LEN));
-    if (hash8 != NULL && per_block > 0 && total > 0)
+    if (hash8 != NULL && per_block > 0 && total > 0) {
         cvs = PyMem_Malloc((size_t)total * per_block * 8 * sizeof(uint32_t));
+        tail = PyMem_Malloc((size_t)total * sizeof(blk_t));
+    }
     if (keys == NULL || blocks == NULL || msg == NULL ||
-        (hash8 != NULL && per_block > 0 && total > 0 && cvs == NULL)) {
+        (hash8 != NULL && per_block > 0 && total > 0 && (cvs == NULL || tail == NULL))) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1827,7 +1846,6 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
                 continue;
             reqs[r].blk = blk_at;
             reqs[r].keys = key_at;
-            reqs[r].cvs = NULL;
             for (b = 0; b < reqs[r].nb; b++, blk_at++) {
                 blk_at->tok = (const unsigned char *)views[i].buf + step * (size_t)b;
                 blk_at->n = block_tokens;
@@ -1837,11 +1855,11 @@ cn_chain_many(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if ((size_t)total * (size_t)block_tokens >= NOGIL_MIN_TOKENS) {
         Py_BEGIN_ALLOW_THREADS
-        b3_chain_many(hash8, reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+        b3_chain_many(hash8, reqs, n_reqs, block_tokens, parent.buf, cvs, tail, order, msg);
         Py_END_ALLOW_THREADS
     }
     else {
-        b3_chain_many(hash8, reqs, n_reqs, total, block_tokens, parent.buf, cvs, order, msg);
+        b3_chain_many(hash8, reqs, n_reqs, block_tokens, parent.buf, cvs, tail, order, msg);
     }
 
     result = PyList_New(n);
@@ -1885,6 +1903,7 @@ done:
     PyMem_Free(keys);
     PyMem_Free(blocks);
     PyMem_Free(cvs);
+    PyMem_Free(tail);
     PyMem_Free(msg);
     PyMem_Free(order);
     PyMem_Free(reqs);
