@@ -900,8 +900,8 @@ b3_chain_split(const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
  * chain_many(): the requests' chains are independent and every block message has the same
  * length (32 + 4 * block_tokens bytes), BLAKE3's hash_many pattern. On AVX2 eight requests
  * advance together, one block each per step, one request per 32-bit lane, longest first; a
- * lane whose request ends takes the next one. While requests wait, every lane is busy and
- * hashes its whole message (the block is read once, while it is in cache). When none waits,
+ * lane whose request ends takes the next one. While every lane is busy, each hashes its whole
+ * message (the block is read once, while it is in cache). Once one idles (no request waits),
  * the parent-free chunks of what the last requests have left are hashed eight at a time
  * (b3_free_chunks), so the emptying lanes only run each block's first chunk (on its parent key)
  * and tree nodes; below B3_LANES_MIN live lanes, the rest goes one block at a time. Without
@@ -1089,8 +1089,8 @@ b3_finish(const b3_req *r, Py_ssize_t b, const uint32_t *cv, size_t per_block,
 
 /* The chains of reqs[0..n) (each with nb >= 1 blocks of tpb ids, total blocks together), all
  * from parent. Without a lane kernel (hash8 NULL): b3_chain_split per request. With one:
- * while requests wait for a lane, all eight lanes hash whole messages (each block read once);
- * then the parent-free chunks of what the last requests have left, eight at a time (cvs: room
+ * while all eight lanes are busy, they hash whole messages (each block read once); then the
+ * parent-free chunks of what the last requests have left, eight at a time (cvs: room
  * for 8 words per parent-free chunk of total blocks, NULL for messages of one chunk; tail:
  * scratch for total blocks), and the lanes, then one chain at a time, on their first chunks
  * and tree nodes. order: scratch for n pointers; msg: room for 32 + max(4 * tpb, 1024) bytes. */
@@ -1128,8 +1128,8 @@ b3_chain_many(b3_hash8_fn hash8, b3_req *reqs, Py_ssize_t n, Py_ssize_t tpb,
         const unsigned char *par[8], *tok[8];
         const uint32_t *cv[8];
         unsigned char *out[8];
-        if (next == n && !split) {
-            /* no request waits: the rest's parent-free chunks at once, eight at a time */
+        if (live < 8 && !split) {
+            /* a lane idles (no request waits): the rest's parent-free chunks at once */
             Py_ssize_t m = 0;
             const uint32_t *at = cvs;
             for (k = 0; k < live; k++)
