@@ -60,7 +60,14 @@ from kvstream.cache.errors import (
     TransferError,
     UnknownRequestError,
 )
-from kvstream.cache.plan import Plan, plan_append, plan_full, plan_import, plan_prompt
+from kvstream.cache.plan import (
+    Plan,
+    full_cost,
+    plan_append,
+    plan_full,
+    plan_import,
+    plan_prompt,
+)
 from kvstream.cache.request import (
     GroupMatch,
     GroupState,
@@ -173,6 +180,7 @@ class KVCacheManager:
         self._plain_root: ChainState | None = None  # the root without LoRA or salt
         #: One full-attention group on the GPU alone: requests are admitted by _admit_plain.
         self._plain = len(self._pools) == 1 and not self._swa and self._tiers is None
+        self._plain_matches: dict[int, GroupMatch] = {}  # _admit_plain's, by boundary
         self._announce_created()
 
     def _announce_created(self) -> None:
@@ -477,11 +485,13 @@ class KVCacheManager:
         pool = self._pools[0]
         n = len(raw) >> 2
         nb = -(-n // tpb)
-        k, table, pins, cost = plan_full(pool.tree.lookup(hashes), nb, (n - 1) // tpb)
+        k, table, pins = plan_full(pool.tree.lookup(hashes), (n - 1) // tpb)
         free = pool.num_free
-        if cost > free:
-            self._rejected += 1
-            raise CacheFullError(req.request_id, 0, cost, free)
+        if nb + len(pins) > free:  # (else it fits whatever the hits' references: no count)
+            cost = full_cost(nb, table, pins)
+            if cost > free:
+                self._rejected += 1
+                raise CacheFullError(req.request_id, 0, cost, free)
         if k:
             pool.touch_many(table)  # the hits, the table's first k positions
         if pins:
@@ -504,7 +514,10 @@ class KVCacheManager:
         self._reusable_tokens += k * tpb
         self._hit_blocks[0] += k
         self._queried_blocks[0] += nh
-        return PrefixMatch(n, (GroupMatch(0, k * tpb, k, 0),))
+        group = self._plain_matches.get(k)
+        if group is None:  # (immutable: one per boundary, built once)
+            group = self._plain_matches[k] = GroupMatch(0, k * tpb, k, 0)
+        return PrefixMatch(n, (group,))
 
     def _admit(
         self,
@@ -840,7 +853,7 @@ class KVCacheManager:
             pins = gs.pins
             blocks = gs.blocks
             if not pins:
-                pool.release_many(reversed(blocks[gs.released :]))
+                pool.release_many(reversed(blocks[gs.released :] if gs.released else blocks))
                 continue
             for i in range(len(blocks) - 1, gs.released - 1, -1):
                 b = blocks[i]

@@ -16,7 +16,15 @@ from kvstream.cache.errors import CacheInvariantError
 from kvstream.cache.request import GroupState
 from kvstream.cache.windows import first_needed_block, reuse_boundary
 
-__all__ = ["LowerTierLookup", "Plan", "plan_append", "plan_full", "plan_import", "plan_prompt"]
+__all__ = [
+    "LowerTierLookup",
+    "Plan",
+    "full_cost",
+    "plan_append",
+    "plan_full",
+    "plan_import",
+    "plan_prompt",
+]
 
 _REF_CNT = attrgetter("ref_cnt")
 
@@ -73,7 +81,8 @@ def plan_prompt(
     found = pool.tree.lookup(hashes)
     cap = (n - 1) // tpb if limit is None else limit
     if lower is None and window is None:
-        plan.k, plan.hits, plan.pins, plan.cost = plan_full(found, -(-n // tpb), cap)
+        plan.k, plan.hits, plan.pins = plan_full(found, cap)
+        plan.cost = full_cost(-(-n // tpb), plan.hits, plan.pins)
         return plan
     levels = [0] * len(hashes)
     if lower is not None:
@@ -98,28 +107,35 @@ def plan_prompt(
 
 
 def plan_full(
-    found: list[Block | None], num_blocks: int, cap: int
-) -> tuple[int, list[Block | None], dict[int, Block], int]:
+    found: list[Block | None], cap: int
+) -> tuple[int, list[Block | None], dict[int, Block]]:
     """:func:`plan_prompt` of a full-attention group without lower tiers (the common case,
     kept cheap), from ``found``, the committed block of each full block's hash (None where
-    there is none), for a request of ``num_blocks`` blocks reusing at most ``cap`` of them.
+    there is none), reusing at most ``cap`` blocks.
 
-    Returns ``(k, hits, pins, cost)`` as in :class:`Plan` (``first`` is 0): the leading
-    cached blocks up to the cap are hits, any later cached block is pinned, and the blocks
-    no request holds cost one free block each (they leave the LRU queue).
+    Returns ``(k, hits, pins)`` as in :class:`Plan` (``first`` is 0): the leading cached
+    blocks up to the cap are hits, any later cached block is pinned. Their cost is
+    :func:`full_cost`.
     """
     stop = min(cap, len(found))
     try:
         k = found.index(None, 0, stop)  # the first miss (a scan in C)
     except ValueError:
         k = stop
-    hits = found[:k]
-    cost = num_blocks - k + list(map(_REF_CNT, hits)).count(0)
     pins: dict[int, Block] = {}
     if found.count(None) != len(found) - k:  # (hits hold no None) a cached block after k
         pins = {i: b for i, b in enumerate(found[k:], k) if b is not None}
+    return k, found[:k], pins
+
+
+def full_cost(num_blocks: int, hits: list[Block | None], pins: dict[int, Block]) -> int:
+    """The free blocks a :func:`plan_full` plan of a request of ``num_blocks`` blocks takes:
+    one per position after the hits, plus one per hit or pin no request holds (it leaves
+    the LRU queue). At most ``num_blocks + len(pins)``."""
+    cost = num_blocks - len(hits) + list(map(_REF_CNT, hits)).count(0)
+    if pins:
         cost += list(map(_REF_CNT, pins.values())).count(0)
-    return k, hits, pins, cost
+    return cost
 
 
 def plan_import(
