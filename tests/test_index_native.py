@@ -4,7 +4,7 @@ search, match results (built by the C constructor, from cached plans), on random
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Any
 
 import pytest
@@ -311,3 +311,20 @@ def test_fast_constructor_builds_equal_results() -> None:
 
     with pytest.raises((TypeError, AttributeError)):
         native.slots_new(Plain, 1)
+
+
+def test_fast_constructor_alternating_classes() -> None:
+    """slots_new remembers several classes (a route alternates four): instances of classes
+    taken in turn, more of them than it remembers, are each the constructor's, and a class
+    of another field count is never filled with a remembered layout."""
+    classes = [
+        make_dataclass(f"C{n}", [f"f{i}" for i in range(n)], frozen=True, slots=True)
+        for n in range(1, 13)
+    ]
+    for _ in range(3):
+        for cls in (*classes, *reversed(classes), WorkerMatch, classes[0], WorkerMatch):
+            n = len(fields(cls))
+            values = tuple(f"v{i}" for i in range(n))
+            assert native.slots_new(cls, *values) == cls(*values)
+            with pytest.raises(TypeError):
+                native.slots_new(cls, *values, "one too many")

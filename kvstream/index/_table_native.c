@@ -1576,26 +1576,35 @@ slot_depths(PyObject *module, PyObject *args)
 
 /* ------------------------------------------------------------------ slots_new */
 
-/* The class slots_new last filled, and where its __slots__ members live. */
-static PyTypeObject *slots_cls;
-static Py_ssize_t slots_n, slots_offset[16];
+/* The classes slots_new has filled, and where their __slots__ members live: a few entries,
+ * since callers alternate between classes (a route builds WorkerMatch, MatchResult,
+ * WorkerScore and RouteDecision instances in turn; learning a class again is a hundred times
+ * the cost of filling an instance). Each entry holds a reference to its class. */
+#define SLOTS_CLASSES 8
+typedef struct {
+    PyTypeObject *cls;
+    Py_ssize_t n, offset[16];
+} SlotsClass;
+static SlotsClass slots_known[SLOTS_CLASSES];
+static int slots_next; /* the entry the next class learned replaces once all are taken */
 
-static int
+static SlotsClass *
 slots_learn(PyTypeObject *cls)
 {
     PyObject *names = PyObject_GetAttrString((PyObject *)cls, "__slots__");
     if (names == NULL)
-        return -1;
+        return NULL;
     PyObject *seq = PySequence_Fast(names, "slots_new: __slots__ is not a sequence");
     Py_DECREF(names);
     if (seq == NULL)
-        return -1;
+        return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > 16 || (cls->tp_flags & Py_TPFLAGS_HEAPTYPE) == 0 || cls->tp_dictoffset) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_TypeError, "slots_new: not a class of at most 16 __slots__");
-        return -1;
+        return NULL;
     }
+    Py_ssize_t offset[16];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyDict_GetItemWithError(cls->tp_dict, PySequence_Fast_GET_ITEM(seq, i));
         if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
@@ -1605,14 +1614,17 @@ slots_learn(PyTypeObject *cls)
             Py_DECREF(seq);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "slots_new: a __slots__ name is not a slot");
-            return -1;
+            return NULL;
         }
-        slots_offset[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        offset[i] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
     Py_DECREF(seq);
-    Py_XSETREF(slots_cls, (PyTypeObject *)Py_NewRef(cls));
-    slots_n = n;
-    return 0;
+    SlotsClass *e = &slots_known[slots_next];
+    slots_next = (slots_next + 1) % SLOTS_CLASSES;
+    Py_XSETREF(e->cls, (PyTypeObject *)Py_NewRef(cls));
+    e->n = n;
+    memcpy(e->offset, offset, sizeof(offset));
+    return e;
 }
 
 /* True for objects that cannot reference anything else (so cannot be part of a cycle). */
@@ -1647,19 +1659,26 @@ slots_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyTypeObject *cls = (PyTypeObject *)args[0];
-    if (cls != slots_cls && slots_learn(cls) < 0)
+    SlotsClass *e = NULL;
+    for (int k = 0; k < SLOTS_CLASSES; k++)
+        if (slots_known[k].cls == cls) {
+            e = &slots_known[k];
+            break;
+        }
+    if (e == NULL && (e = slots_learn(cls)) == NULL)
         return NULL;
-    if (nargs - 1 != slots_n) {
-        PyErr_Format(PyExc_TypeError, "slots_new: %s takes %zd values, got %zd", cls->tp_name,
-                     slots_n, nargs - 1);
+    Py_ssize_t n = e->n;
+    if (nargs - 1 != n) {
+        PyErr_Format(PyExc_TypeError, "slots_new: %s takes %zd values, got %zd", cls->tp_name, n,
+                     nargs - 1);
         return NULL;
     }
     PyObject *obj = cls->tp_alloc(cls, 0);
     if (obj == NULL)
         return NULL;
     int acyclic = 1;
-    for (Py_ssize_t i = 0; i < slots_n; i++) {
-        *(PyObject **)((char *)obj + slots_offset[i]) = Py_NewRef(args[i + 1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        *(PyObject **)((char *)obj + e->offset[i]) = Py_NewRef(args[i + 1]);
         acyclic = acyclic && is_acyclic(args[i + 1]);
     }
     /* as CPython does for tuples of atoms: an instance whose fields cannot lead back to it

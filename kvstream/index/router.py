@@ -342,7 +342,7 @@ class Router:
         pending, blocks, requests = self.load.columns(workers)
         weight: float | None = None
         if adaptive:
-            busy = sum(map(_ZERO.__lt__, pending)) / n  # workers with pending prefill
+            busy = sum([p > 0.0 for p in pending]) / n  # workers with pending prefill
             self._utilisation += (busy - self._utilisation) / UTILISATION_HORIZON
             weight = factor = self.affinity_weight
             base: Sequence[Any] = pending
@@ -401,9 +401,6 @@ class Router:
         return _new_decision(
             workers[pick], policy, n_tokens, tuple(scores) if explain else (), weight
         )
-
-
-_ZERO = 0.0
 
 
 def _lowest(
