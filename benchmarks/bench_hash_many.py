@@ -33,15 +33,19 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstream._types import TokenIds
 from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec
 from kvstream.cli.replay_run import ReplayOptions, _block_size, load_rows
 from kvstream.hashing import BlockHasher, ChainState, get_hasher
 from kvstream.workloads import MooncakeTokens
 
+_blake3: Any
 try:
     from blake3 import blake3 as _blake3
 except ImportError:  # pragma: no cover - the package is a kvstream dependency
@@ -60,6 +64,11 @@ def in_groups(hasher: BlockHasher, root: ChainState, raws: list[bytes], tpb: int
     many = hasher.chain_raw_many
     for i in range(0, len(raws), g):
         many(root, raws[i : i + g], tpb)
+
+
+def cache_groups(mgr: KVCacheManager, prompts: list[TokenIds], g: int) -> None:
+    for i in range(0, len(prompts), g):
+        mgr.hash_prompts(prompts[i : i + g])
 
 
 def package(root: ChainState, raws: list[bytes], tpb: int) -> None:
@@ -116,11 +125,11 @@ def main() -> int:
             raise SystemExit(f"chain_raw_many in groups of {g} differs from chain_raw")
     keys = [w[1][-1] for w in want if w[1]]
 
-    rows_run: dict[str, Callable[[], None]] = {
+    rows_run: dict[str, Callable[[], object]] = {
         "chain_raw (one at a time)": lambda: one_at_a_time(hasher, root, raws, tpb)
     }
     for g in groups:
-        rows_run[f"chain_raw_many/{g}"] = lambda g=g: in_groups(hasher, root, raws, tpb, g)
+        rows_run[f"chain_raw_many/{g}"] = partial(in_groups, hasher, root, raws, tpb, g)
     use_pkg = _blake3 is not None and args.algo.startswith("blake3")
     if use_pkg:
         rows_run["blake3 package, block by block"] = lambda: package(root, raws, tpb)
@@ -134,9 +143,7 @@ def main() -> int:
     )
     rows_run["cache: hash_prompt (one at a time)"] = lambda: [mgr.hash_prompt(p) for p in prompts]
     for g in groups:
-        rows_run[f"cache: hash_prompts/{g}"] = lambda g=g: [
-            mgr.hash_prompts(prompts[i : i + g]) for i in range(0, len(prompts), g)
-        ]
+        rows_run[f"cache: hash_prompts/{g}"] = partial(cache_groups, mgr, prompts, g)
     rows_run["resume (tuple.__new__)"] = lambda: resumes(hasher, root, keys, False)
     rows_run["resume as before (_replace)"] = lambda: resumes(hasher, root, keys, True)
 
