@@ -95,3 +95,22 @@ def test_errors_propagate() -> None:
         columnar._model_columns((Boom(),), Stored, Removed, STORED, REMOVED)
     with pytest.raises(TypeError):
         columnar._model_columns([], Stored, Removed, STORED, REMOVED)  # events must be a tuple
+
+
+def test_class_attributes_take_precedence_over_the_instance_dict() -> None:
+    """Fields are read from an instance's dict only for types with no class attribute of
+    that name (pydantic models): a descriptor elsewhere wins, as attribute lookup has it."""
+    removed = Removed(block_hashes=(b"\x01" * 8,), cache_level=None)
+
+    class Event:
+        event_id = property(lambda self: 7)
+
+        def __init__(self) -> None:
+            self.__dict__.update(
+                event_id=99, hash_algo="blake3_64", layer_group_id=0, window_size=1, data=removed
+            )
+
+    cols = columnar._model_columns((Event(),), Stored, Removed, STORED, REMOVED)
+    assert cols is not None
+    assert cols[0] == [7]  # the property's, not the dict's 99
+    assert cols[5] == [([b"\x01" * 8], None)]

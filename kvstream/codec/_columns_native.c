@@ -1272,11 +1272,56 @@ intern_model_names(void)
     return 0;
 }
 
+/* Whether a model type's fields can be read from an instance's __dict__: none of the names
+ * read here is a class attribute (so no descriptor can take precedence over the instance
+ * dict), as for pydantic models, whose generic attribute lookup (through the class's
+ * __getattr__ hook and its MRO) costs several times a dict probe. Verdicts are remembered
+ * for a few types. */
+#define MODEL_TYPES 8
+static PyTypeObject *model_types[MODEL_TYPES];
+static int model_type_ok[MODEL_TYPES], model_types_n;
+
+static int
+model_dict_ok(PyTypeObject *tp)
+{
+    for (int k = 0; k < model_types_n; k++)
+        if (model_types[k] == tp)
+            return model_type_ok[k];
+    PyObject *names[] = {s_event_id, s_hash_algo, s_layer_group_id, s_window_size, s_data,
+                         s_parent_hash, s_blocks, s_block_hash, s_cache_level, s_token_ids,
+                         s_block_hashes};
+    int ok = tp->tp_dictoffset != 0;
+    for (size_t i = 0; ok && i < sizeof(names) / sizeof(names[0]); i++)
+        ok = _PyType_Lookup(tp, names[i]) == NULL;
+    if (model_types_n < MODEL_TYPES) {
+        model_types[model_types_n] = (PyTypeObject *)Py_NewRef((PyObject *)tp);
+        model_type_ok[model_types_n++] = ok;
+    }
+    return ok;
+}
+
+/* obj.name (a new reference), read from the instance dict where model_dict_ok allows */
+static PyObject *
+model_attr(PyObject *obj, PyObject *name)
+{
+    if (model_dict_ok(Py_TYPE(obj))) {
+        PyObject **dictptr = _PyObject_GetDictPtr(obj);
+        if (dictptr != NULL && *dictptr != NULL && PyDict_CheckExact(*dictptr)) {
+            PyObject *v = PyDict_GetItemWithError(*dictptr, name); /* borrowed */
+            if (v != NULL)
+                return Py_NewRef(v);
+            if (PyErr_Occurred())
+                return NULL;
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
 /* append the attribute `name` of `obj` to `list`; -1 on error */
 static int
 append_attr(PyObject *list, PyObject *obj, PyObject *name)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = model_attr(obj, name);
     if (v == NULL)
         return -1;
     int rc = PyList_Append(list, v);
@@ -1289,7 +1334,7 @@ append_attr(PyObject *list, PyObject *obj, PyObject *name)
 static PyObject *
 model_stored_payload(PyObject *data)
 {
-    PyObject *blocks = PyObject_GetAttr(data, s_blocks);
+    PyObject *blocks = model_attr(data, s_blocks);
     if (blocks == NULL)
         return NULL;
     if (!PyTuple_Check(blocks) || PyTuple_GET_SIZE(blocks) == 0) {
@@ -1306,11 +1351,11 @@ model_stored_payload(PyObject *data)
     int uniform = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyTuple_GET_ITEM(blocks, i);
-        PyObject *h = PyObject_GetAttr(b, s_block_hash);
+        PyObject *h = model_attr(b, s_block_hash);
         if (h == NULL)
             goto done;
         PyList_SET_ITEM(hashes, i, h);
-        PyObject *c = PyObject_GetAttr(b, s_cache_level);
+        PyObject *c = model_attr(b, s_cache_level);
         if (c == NULL)
             goto done;
         PyList_SET_ITEM(levels, i, c);
@@ -1323,14 +1368,14 @@ model_stored_payload(PyObject *data)
     }
     /* one level for all, as `levels.count(levels[0]) == len(levels)` decides */
     level = uniform ? Py_NewRef(PyList_GET_ITEM(levels, 0)) : Py_NewRef(levels);
-    first = PyObject_GetAttr(PyTuple_GET_ITEM(blocks, 0), s_token_ids);
+    first = model_attr(PyTuple_GET_ITEM(blocks, 0), s_token_ids);
     if (first == NULL)
         goto done;
     Py_ssize_t nt = PyObject_Size(first);
     if (nt < 0)
         goto done;
     ntok = PyLong_FromSsize_t(nt);
-    parent = PyObject_GetAttr(data, s_parent_hash);
+    parent = model_attr(data, s_parent_hash);
     if (ntok == NULL || parent == NULL)
         goto done;
     out = PyTuple_Pack(5, parent, hashes, level, ntok, blocks);
@@ -1349,14 +1394,14 @@ done:
 static PyObject *
 model_removed_payload(PyObject *data)
 {
-    PyObject *hs = PyObject_GetAttr(data, s_block_hashes);
+    PyObject *hs = model_attr(data, s_block_hashes);
     if (hs == NULL)
         return NULL;
     PyObject *list = PySequence_List(hs);
     Py_DECREF(hs);
     if (list == NULL)
         return NULL;
-    PyObject *level = PyObject_GetAttr(data, s_cache_level);
+    PyObject *level = model_attr(data, s_cache_level);
     if (level == NULL) {
         Py_DECREF(list);
         return NULL;
@@ -1387,7 +1432,7 @@ py_model_columns(PyObject *self, PyObject *args)
     PyObject *kinds = cols[4], *payloads = cols[5];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ev = PyTuple_GET_ITEM(events, i);
-        data = PyObject_GetAttr(ev, s_data);
+        data = model_attr(ev, s_data);
         if (data == NULL)
             goto fail;
         PyObject *payload, *code;
