@@ -256,7 +256,8 @@ class TokenIdsView(TokenIds):
     value as ``TokenIds.from_bytes(packed[i * step : (i + 1) * step])`` (equal to it and to
     its ints, the same hash, ``repr`` and JSON), with the block's own bytes cut only when
     something first reads them (``raw``, iteration, indexing, hashing, equality), then kept.
-    ``len`` reads nothing. Pickling and copying give that plain :class:`TokenIds`.
+    ``len`` reads nothing. Pickling and copying give that plain :class:`TokenIds`. Until
+    its first read a view keeps the whole run's bytes alive; after it, only its own.
 
     The event builders make one per block of a stored chain (a cache's commit), where most
     consumers read a block's hash and token count, never its ids: no 2 KB copy per block.
@@ -292,10 +293,14 @@ class TokenIdsView(TokenIds):
             at = self._i * step
             raw = packed[at : at + step]
             _RAW_SLOT.__set__(self, raw)
+            del self._run  # a view kept after its first read keeps its block, not the chain
         return raw
 
     def __len__(self) -> int:
-        return self._run[1] >> 2
+        try:
+            return self._run[1] >> 2
+        except AttributeError:  # cut already
+            return len(self._raw) >> 2
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TokenIds.from_bytes, (self._raw,))

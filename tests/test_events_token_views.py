@@ -72,6 +72,10 @@ def test_bytes_are_cut_once_on_first_read() -> None:
     assert _cut_yet(b)
     assert b.raw is raw
     assert not _cut_yet(a)
+    assert not hasattr(b, "_run")  # the run is released once the block is cut
+    assert len(b) == 4
+    assert len(a) == 4
+    assert a == TokenIds(range(4))
 
 
 @pytest.mark.parametrize(("packed", "k"), [(b"\0" * 12, 2), (b"\0" * 8, 0), ("abcd", 1)])
