@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstream.cli.replay_run import ReplayOptions
@@ -59,13 +59,13 @@ class LoadSample:
     waiting: tuple[int, ...]
 
 
-class RequestRecord(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
     """One served request: its trace row (``index``, arrival order), the worker it ran on,
     its arrival, queueing delay and modelled time to first token (simulated seconds), and
-    its prompt blocks and the blocks it reused. Immutable (a named tuple: a replay builds
-    one per request, and a frozen dataclass's ``__init__`` cost several times as much)."""
+    its prompt blocks and the blocks it reused."""
 
-    index: int  # type: ignore[assignment]  # the row index (shadows tuple.index)
+    index: int
     worker: int
     arrival_s: float
     queue_s: float
