@@ -751,8 +751,7 @@ class KVCacheManager:
             plans.append(plan)
 
         filled = len(hashes)
-        all_hashes = req.hashes
-        all_hashes += hashes
+        req.hashes += hashes
         for gid, plan in enumerate(plans):
             pool = self._pools[gid]
             gs = req.groups[gid]
@@ -769,21 +768,8 @@ class KVCacheManager:
                 gs.pins.update(plan.pins)
             if new_blocks:
                 gs.blocks += pool.allocate_many(new_blocks)
-            self._commit(
-                req=req,
-                gid=gid,
-                table=gs.blocks,
-                hashes=all_hashes,
-                tokens=pending,
-                lo=done,
-                hi=done + filled,
-                tokens_base=done,
-            )
-        req.num_tokens = total
-        req.token_parts.append(raw)
-        req.tail = pending[filled * tpb * 4 :]
-        req.chain = chain
-        return filled
+            self._commit_appended(req, gid, pending, done, filled)
+        return self._appended(req, raw, pending, filled, chain)
 
     def _append_plain(self, req: RequestState, raw: bytes) -> int:
         # append_tokens for one full-attention group on the GPU alone (nothing leaves a
@@ -817,8 +803,7 @@ class KVCacheManager:
             self._rejected += 1
             raise CacheFullError(req.request_id, 0, plan.cost, pool.num_free)
         filled = len(hashes)
-        all_hashes = req.hashes
-        all_hashes += hashes
+        req.hashes += hashes
         pins = plan.pins
         if pins:
             pool.touch_many(pins.values())
@@ -826,19 +811,37 @@ class KVCacheManager:
         if new_blocks:
             gs.blocks += pool.allocate_many(new_blocks)
         if filled:
-            self._commit(
-                req=req,
-                gid=0,
-                table=gs.blocks,
-                hashes=all_hashes,
-                tokens=pending,
-                lo=done,
-                hi=done + filled,
-                tokens_base=done,
-            )
-        req.num_tokens = total
+            self._commit_appended(req, 0, pending, done, filled)
+        return self._appended(req, raw, pending, filled, chain)
+
+    def _commit_appended(
+        self,
+        req: RequestState,
+        gid: int,
+        pending: bytes,
+        done: int,
+        filled: int,
+    ) -> None:
+        # commit the `filled` blocks an append completed after the `done` committed ones
+        # (`req.hashes` holds theirs already; `pending` is their tokens)
+        self._commit(
+            req=req,
+            gid=gid,
+            table=req.groups[gid].blocks,
+            hashes=req.hashes,
+            tokens=pending,
+            lo=done,
+            hi=done + filled,
+            tokens_base=done,
+        )
+
+    def _appended(
+        self, req: RequestState, raw: bytes, pending: bytes, filled: int, chain: ChainState
+    ) -> int:
+        # an append's bookkeeping once its blocks are committed; returns `filled`
+        req.num_tokens += len(raw) >> 2
         req.token_parts.append(raw)
-        req.tail = pending[filled * tpb * 4 :]
+        req.tail = pending[filled * self._tpb * 4 :]
         req.chain = chain
         return filled
 

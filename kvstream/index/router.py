@@ -288,27 +288,17 @@ class Router:
         """Every candidate's match for ``tokens`` (what :meth:`route` scores);
         ``block_hashes`` as :meth:`PrefixIndex.match` takes them."""
         cfg = self.config
-        workers = self._workers if self._workers is not None else self.index.workers()
-        if block_hashes is None:
-            # not passed: an index behind the router (e.g. a shard fan-out) need not know it
-            return self.index.match(
-                tokens,
-                layer_group_id=cfg.layer_group_id,
-                workers=workers,
-                request=request,
-                tier_weights=cfg.tier_weights,
-                hash_algo=cfg.hash_algo,
-                tokens_per_block=cfg.tokens_per_block,
-            )
+        # only when given: an index behind the router (e.g. a shard fan-out) need not know it
+        extra = {} if block_hashes is None else {"block_hashes": block_hashes}
         return self.index.match(
             tokens,
             layer_group_id=cfg.layer_group_id,
-            workers=workers,
+            workers=self._workers if self._workers is not None else self.index.workers(),
             request=request,
             tier_weights=cfg.tier_weights,
             hash_algo=cfg.hash_algo,
             tokens_per_block=cfg.tokens_per_block,
-            block_hashes=block_hashes,
+            **extra,
         )
 
     def route(
