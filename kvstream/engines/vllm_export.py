@@ -17,8 +17,10 @@ What each kvstream kind becomes
     ``lora_name`` and ``cache_level`` (vLLM has one ``block_size``/``medium``/LoRA per
     event); each run's ``parent_block_hash`` is the previous run's last block, so the chain
     is unbroken. ``token_ids`` are the run's tokens concatenated, ``block_size`` the tokens
-    per block, ``medium`` from the cache level (:data:`MEDIUM_BY_LEVEL`), ``extra_keys`` the
-    blocks' own extra keys verbatim (None when no block has any), ``group_idx`` the
+    per block, ``medium`` from the cache level (:data:`MEDIUM_BY_LEVEL`), ``extra_keys`` one
+    entry per block, the block's own extra keys verbatim or nil (vLLM 0.33's block pool
+    always sends this list, ``[None, None]`` for two blocks without keys; the golden
+    captures in ``tests/data/golden/vllm-0.33.0`` show it), ``group_idx`` the
     ``layer_group_id``, and ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window`` from the
     group's attention kind (below).
 ``removed``
@@ -298,7 +300,6 @@ class VllmExporter:
         parent = data.parent_hash
         for run in _runs(data.blocks):
             first = run[0]
-            extra = [b.extra_keys for b in run]
             out.append(
                 _BlockStored(
                     block_hashes=[wire_hash(b.block_hash, fmt) for b in run],
@@ -308,7 +309,7 @@ class VllmExporter:
                     lora_id=first.lora_id,
                     medium=medium_of(first.cache_level),
                     lora_name=first.lora_name,
-                    extra_keys=None if all(x is None for x in extra) else extra,
+                    extra_keys=[b.extra_keys for b in run],
                     group_idx=group,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
@@ -370,7 +371,7 @@ class VllmExporter:
                 lora_id=b.lora_id,
                 medium=medium_of(diff.new_value),
                 lora_name=b.lora_name,
-                extra_keys=None if b.extra_keys is None else [b.extra_keys],
+                extra_keys=[b.extra_keys],
                 group_idx=group,
                 kv_cache_spec_kind=kind,
                 kv_cache_spec_sliding_window=window,
