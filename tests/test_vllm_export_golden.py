@@ -54,7 +54,9 @@ def test_export_gives_back_vllm_033_frames(capture: Path) -> None:
         attention_kind=AttentionKind.SLIDING_WINDOW,
     )
     created = KVCacheEvent(event_id=0, hash_algo=algo, layer_group_id=1, window_size=8, data=swa)
-    assert exporter.encode(EventBatch(source=stream.source, ts_ns=0, events=[created])).payload is None
+    assert (
+        exporter.encode(EventBatch(source=stream.source, ts_ns=0, events=[created])).payload is None
+    )
     exact = 0
     for frame in doc["live"]:
         sent = bytes.fromhex(frame["frames"][2])

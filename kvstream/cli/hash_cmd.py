@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvstream.errors import KVStreamError
+from kvstream.errors import HashingError, KVStreamError, UnknownHashAlgorithmError
 
 
 def _params(pairs: list[str], seed: str | None) -> dict[str, Any]:
@@ -21,6 +21,19 @@ def _params(pairs: list[str], seed: str | None) -> dict[str, Any]:
     if seed is not None:
         params["seed"] = seed
     return params
+
+
+def _blocks(
+    tokens: list[int], block_size: int, *, partial: bool, drop_last: bool
+) -> list[list[int]]:
+    """The token ids cut into blocks as :func:`kvstream.hashing.split_blocks` cuts them, but
+    kept as Python ints: each algorithm checks the ids it can hash itself, exactly as
+    ``get_hasher(algo).chain(blocks)`` does (SGLang's page hash takes ids up to 2**63-1, the
+    algorithms that pack ids as uint32 refuse ids >= 2**32 with a HashingError)."""
+    if drop_last:
+        tokens = tokens[:-1]
+    end = len(tokens) if partial else len(tokens) - len(tokens) % block_size
+    return [tokens[i : i + block_size] for i in range(0, end, block_size)]
 
 
 def hash_tokens(
@@ -68,9 +81,14 @@ def hash_tokens(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Print the chained block hashes of TOKENS (one line per block: index, tokens, hash)."""
+    """Print the chained block hashes of TOKENS (one line per block: index, tokens, hash).
+
+    Token ids are checked by the algorithm, as ``get_hasher(ALGO).chain`` checks them:
+    ``sglang_sha256_64`` hashes ids up to 2**63-1 as SGLang does; every other algorithm packs
+    ids as uint32 and refuses larger ones (exit 2).
+    """
     from kvstream._types import hash_to_hex, hash_to_int
-    from kvstream.hashing import get_hasher, split_blocks
+    from kvstream.hashing import get_hasher
 
     params = _params(param or [], seed)
     scope: dict[str, Any] = {"lora_id": lora_id, "cache_salt": cache_salt}
@@ -81,13 +99,15 @@ def hash_tokens(
         scope["extra_key"] = extra_key
     try:
         hasher = get_hasher(algo, **params)
-        blocks = split_blocks(
-            tokens, block_size, include_partial=partial, drop_last_token=drop_last
-        )
+        blocks = _blocks(tokens, block_size, partial=partial, drop_last=drop_last)
         hashes = hasher.chain_bytes(blocks, **scope)
     except TypeError as exc:
         hint = " (--extra-key applies to sglang_sha256_64)" if "extra_key" in str(exc) else ""
         typer.echo(f"error: {exc}{hint}", err=True)
+        raise typer.Exit(2) from None
+    except HashingError as exc:
+        where = "" if isinstance(exc, UnknownHashAlgorithmError) else f"{algo}: "
+        typer.echo(f"error: {where}{exc}", err=True)
         raise typer.Exit(2) from None
     except (KVStreamError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
