@@ -11,6 +11,7 @@ has no kvstream field, and consecutive one-hash ``BlockRemoved`` events are coal
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ def _algo(name: str) -> tuple[str, int]:
 
 def _reproducible(events: list[dict[str, Any]]) -> bool:
     removed_runs = any(
-        a["type"] == b["type"] == "BlockRemoved" for a, b in zip(events, events[1:], strict=False)
+        a["type"] == b["type"] == "BlockRemoved" for a, b in itertools.pairwise(events)
     )
     return not removed_runs and not any("session_id" in e for e in events)
 
