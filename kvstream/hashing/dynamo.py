@@ -42,7 +42,13 @@ from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
 from kvstream.hashing.blocks import coerce_many, coerce_tokens
 from kvstream.hashing.multimodal import normalize_mm_keys
 
-__all__ = ["LOCAL_HASH_SEED", "DynamoXxh3Hasher", "block_hash_seed", "mm_hash_u64"]
+__all__ = [
+    "LOCAL_HASH_SEED",
+    "DynamoXxh3Hasher",
+    "block_hash_seed",
+    "mm_hash_u64",
+    "mm_suffix",
+]
 
 #: Dynamo's ``XXH3_SEED`` for local block hashes.
 LOCAL_HASH_SEED: Final = 1337
@@ -85,7 +91,9 @@ def mm_hash_u64(value: object, where: str = "mm_key") -> int:
     raise HashingError(f"{where}: hash must be bytes, str or int, got {type(value).__name__}")
 
 
-def _mm_suffix(mm_keys: Any) -> bytes:
+def mm_suffix(mm_keys: Any) -> bytes:
+    """The bytes a block's multimodal keys append to its tokens: their u64 ``mm_hash``
+    values, sorted ascending, little-endian."""
     keys = normalize_mm_keys(mm_keys, int_hashes=True)
     hashes = sorted(mm_hash_u64(h, f"mm_keys[{i}]") for i, (h, _) in enumerate(keys))
     return struct.pack(f"<{len(hashes)}Q", *hashes)
@@ -138,7 +146,7 @@ class DynamoXxh3Hasher(BlockHasher):
         if not raw:
             raise HashingError("a block needs at least one token")
         if mm_keys:
-            raw += _mm_suffix(mm_keys)
+            raw += mm_suffix(mm_keys)
         value: int = _xxh3(raw, seed=state.scope[0])
         return value.to_bytes(8, "big"), _tuple_new(
             ChainState, (self.name, None, state.depth + 1, state.scope)
@@ -152,7 +160,7 @@ class DynamoXxh3Hasher(BlockHasher):
         if mm is None:
             return [_xxh3_be(raw, seed) for raw in raws]
         return [
-            _xxh3(raw + _mm_suffix(m) if m else raw, seed=seed).to_bytes(8, "big")
+            _xxh3(raw + mm_suffix(m) if m else raw, seed=seed).to_bytes(8, "big")
             for raw, m in zip(raws, mm, strict=True)
         ]
 

@@ -63,13 +63,14 @@ from kvstream.codec.columnar import (
     UPDATED,
     ColumnBatch,
 )
-from kvstream.errors import ConfigError
+from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import EventBatch
 from kvstream.index.domain import HashDomain
 from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.keys import (
-    CANONICAL_ALGO,
     KeyMode,
+    dynamo_request_keys,
+    keys_from_local,
     lora_scopes,
     request_keys,
     request_mm,
@@ -115,7 +116,7 @@ class _Group:
         "window_size",
     )
 
-    def __init__(self, gid: int, bit: int, tokens: bool = False) -> None:
+    def __init__(self, gid: int, bit: int, tokens: bool = False, dynamo: bool = False) -> None:
         self.gid = gid
         self.hash_algo: str | None = None
         self.tokens_per_block: int | None = None
@@ -125,7 +126,7 @@ class _Group:
         #: blocks the group can hold (all tiers); more cached blocks mean missed removals
         self.limit = 1 << 62
         self.max_block_tokens = 0
-        self.table = TokenGroupTable(bit) if tokens else GroupTable(bit)
+        self.table = TokenGroupTable(bit, dynamo) if tokens else GroupTable(bit)
         self.domain: HashDomain | None = None
 
 
@@ -220,7 +221,8 @@ class PrefixIndex:
             )
         self.default_tokens_per_block = default_tokens_per_block
         self.key_mode = KeyMode.parse(key_mode)
-        self._tokens = self.key_mode is KeyMode.TOKENS
+        self._tokens = self.key_mode.token_keyed
+        self._dynamo = self.key_mode is KeyMode.DYNAMO
         self.hasher = RequestHasher(hasher_params)
         self._sources: dict[tuple[str, int | None], _Source] = {}
         self._slots: list[WorkerKey] = []
@@ -231,6 +233,8 @@ class PrefixIndex:
         self._epoch = 0
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._plans_epoch = 0
+        #: hash algorithm -> why requests cannot be hashed with it ("" when they can)
+        self._unhashable: dict[str, str] = {}
         #: (candidate tuple, layer group, algorithm, block size, plan) of the last match()
         self._last_plan: tuple[Any, int, str | None, int | None, _Plan] | None = None
 
@@ -292,6 +296,7 @@ class PrefixIndex:
                     g.max_block_tokens = nt
                     if g.tokens_per_block is None:
                         self._bind(s, g)  # the inferred block size grew
+                    self._check_block_size(s, g)
                 if tokens:
                     g.table.store(data[0], data[4], st)
                 else:
@@ -340,7 +345,7 @@ class PrefixIndex:
 
     def _add_group(self, s: _Source, gid: int) -> _Group:
         self._epoch += 1
-        g = _Group(gid, s.bit, self._tokens)
+        g = _Group(gid, s.bit, self._tokens, self._dynamo)
         s.groups[gid] = g
         if s.stale:
             s.pending_clear.add(gid)
@@ -442,6 +447,32 @@ class PrefixIndex:
             g.tokens_per_block = tpb
             self._bind(s, g)
 
+    def _check_block_size(self, s: _Source, g: _Group) -> None:
+        """A block longer than the group's block size (advertised, or the index's default)
+        means its hashes were cut differently: the worker's state cannot be trusted."""
+        tpb = g.tokens_per_block or self.default_tokens_per_block
+        if tpb is not None and g.max_block_tokens > tpb:
+            s.stats.block_size_mismatches += 1
+            self._go_stale(
+                s,
+                f"block size mismatch: layer group {g.gid} stored a {g.max_block_tokens}-token "
+                f"block, but its block size is {tpb}",
+                g.gid,
+            )
+
+    def unmatchable(
+        self, worker: WorkerKey | tuple[str, int | None], layer_group_id: int = 0
+    ) -> str:
+        """Why ``worker``'s layer group cannot be matched ("" when it can, or is unknown):
+        an algorithm requests cannot be hashed with, or no block size yet."""
+        s = self._sources.get((worker[0], worker[1]))
+        g = None if s is None else s.groups.get(layer_group_id)
+        if g is None or g.domain is not None:
+            return ""
+        if g.hash_algo is None:
+            return "hash algorithm unknown"
+        return self._unhashable.get(g.hash_algo) or "block size not advertised"
+
     def _over_capacity(self, s: _Source, g: _Group) -> None:
         s.stats.capacity_overflows += 1
         self._go_stale(
@@ -467,7 +498,24 @@ class PrefixIndex:
         tpb = g.tokens_per_block or self.default_tokens_per_block or g.max_block_tokens or None
         if g.hash_algo is None or tpb is None:
             return None
-        return DomainKey(CANONICAL_ALGO if self._tokens else g.hash_algo, tpb, g.gid)
+        algo = self.key_mode.domain_algo
+        if algo is None:
+            if not self._can_hash(g.hash_algo):
+                return None  # one worker's unknown algorithm must not fail everyone's match
+            algo = g.hash_algo
+        return DomainKey(algo, tpb, g.gid)
+
+    def _can_hash(self, algo: str) -> bool:
+        """Whether requests can be hashed with ``algo`` here (why not: :attr:`_unhashable`)."""
+        why = self._unhashable.get(algo)
+        if why is None:
+            try:
+                self.hasher.hasher(algo)
+                why = ""
+            except (HashingError, TypeError) as exc:
+                why = f"hash algorithm {algo!r} cannot be used for matching: {exc}"
+            self._unhashable[algo] = why
+        return not why
 
     def _bind(self, s: _Source, g: _Group) -> None:
         """Attach the group's table to the domain its metadata names (or detach it)."""
@@ -686,7 +734,10 @@ class PrefixIndex:
         would hash, the last one dropped unless ``drop_last_token`` is False), computed by the
         caller with ``hash_algo`` at ``tokens_per_block`` (both required then, and an engine-
         keyed index): used instead of hashing ``tokens`` again, e.g. the hashes a cache
-        computed for the same prompt. ``tokens`` still gives the token count.
+        computed for the same prompt. ``tokens`` still gives the token count. In a
+        Dynamo-keyed index (``key_mode="dynamo"``) they are Dynamo's local hashes of the
+        request's blocks from the first (8 bytes big-endian each, Dynamo's
+        ``/query_by_hash``), and neither ``hash_algo`` nor ``tokens_per_block`` is needed.
         """
         req = request or _DEFAULT_REQUEST
         weights = tier_weights if type(tier_weights) is tuple else tuple(tier_weights)
@@ -694,6 +745,9 @@ class PrefixIndex:
         by_domain = plan.by_domain
         if block_hashes is None:
             chains_of = self._request_chains(tokens, req, by_domain)
+        elif self._dynamo:
+            given = keys_from_local(block_hashes)
+            chains_of = {k: [given] for k in by_domain}
         else:
             if self._tokens or hash_algo is None or tokens_per_block is None:
                 raise ConfigError(
@@ -821,9 +875,12 @@ class PrefixIndex:
                     f"{layer_group_id}, but the router is configured for {tokens_per_block}"
                 )
             if g.domain is None:
-                why = (
-                    "hash algorithm unknown" if g.hash_algo is None else "block size not advertised"
-                )
+                if g.hash_algo is None:
+                    why = "hash algorithm unknown"
+                elif self._unhashable.get(g.hash_algo):
+                    why = self._unhashable[g.hash_algo]
+                else:
+                    why = "block size not advertised"
                 plan.fixed.append(
                     (pos, WorkerMatch(w, 0, 0.0, 0, g.tokens_per_block, g.hash_algo, False, why))
                 )
@@ -856,6 +913,21 @@ class PrefixIndex:
         raw = b""
         scopes: list[Any] = []
         per_size: dict[int, list[list[bytes]]] = {}
+        if self._dynamo:
+            if req.lora_id is not None or req.cache_salt is not None or req.mm_keys:
+                raise ConfigError(
+                    "a Dynamo-keyed index scopes a request by its lora_name only (Dynamo's "
+                    "local hashes carry no LoRA id, cache salt or multimodal keys here)"
+                )
+            for k in domains:
+                tpb = k.tokens_per_block
+                chains = per_size.get(tpb)
+                if chains is None:
+                    if not raw:
+                        raw = request_raw(tokens, req.drop_last_token)
+                    chains = per_size[tpb] = [dynamo_request_keys(raw, tpb, req.lora_name)]
+                out[k] = chains
+            return out
         for k in domains:
             tpb = k.tokens_per_block
             chains = per_size.get(tpb)
@@ -976,7 +1048,7 @@ class PrefixIndex:
             if not s.stale:
                 idx._trusted |= s.bit
             for gd in w["groups"]:
-                g = _Group(int(gd["layer_group_id"]), s.bit, idx._tokens)
+                g = _Group(int(gd["layer_group_id"]), s.bit, idx._tokens, idx._dynamo)
                 g.hash_algo = gd["hash_algo"]
                 g.tokens_per_block = gd["tokens_per_block"]
                 g.window_size = gd["window_size"]

@@ -48,15 +48,19 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+import xxhash
 from blake3 import blake3
 
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
 from kvstream.hashing import cbor
 from kvstream.hashing.blocks import coerce_tokens
+from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed
+from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
 
 __all__ = [
     "CANONICAL_ALGO",
+    "DYNAMO_ALGO",
     "KEY_CONTEXT",
     "KEY_SIZE",
     "ROOT_KEY",
@@ -64,6 +68,9 @@ __all__ = [
     "LoraScope",
     "block_payload",
     "chain_key",
+    "dynamo_payload",
+    "dynamo_request_keys",
+    "keys_from_local",
     "lora_scopes",
     "request_keys",
     "request_mm",
@@ -71,12 +78,17 @@ __all__ = [
 
 #: The name under which token-keyed domains appear (``DomainKey.hash_algo``).
 CANONICAL_ALGO: Final = "kvstream_tokens_v1"
+#: The name under which Dynamo-keyed domains appear (``key_mode="dynamo"``).
+DYNAMO_ALGO: Final = "dynamo_local_v1"
 #: Bytes of a key.
 KEY_SIZE: Final = 16
 #: The parent key of a chain's first block.
 ROOT_KEY: Final = bytes(KEY_SIZE)
 #: BLAKE3 key-derivation context of scoped blocks (separates them from plain ones).
 KEY_CONTEXT: Final = "kvstream.index token block key v1"
+
+_DOMAIN_ALGOS: Final[dict[KeyMode, str | None]] = {}
+_xxh3_be = xxhash.xxh3_64_digest
 
 #: A LoRA scope: ``("name", str)``, ``("id", int)`` or None.
 LoraScope = tuple[str, str | int] | None
@@ -87,6 +99,17 @@ class KeyMode(str, enum.Enum):
 
     ENGINE = "engine"
     TOKENS = "tokens"
+    DYNAMO = "dynamo"
+
+    @property
+    def token_keyed(self) -> bool:
+        """True for the modes that key blocks by their tokens (``tokens``, ``dynamo``)."""
+        return self is not KeyMode.ENGINE
+
+    @property
+    def domain_algo(self) -> str | None:
+        """The ``DomainKey.hash_algo`` of this mode's domains (None: each worker's own)."""
+        return _DOMAIN_ALGOS[self]
 
     @classmethod
     def parse(cls, value: KeyMode | str) -> KeyMode:
@@ -96,6 +119,11 @@ class KeyMode(str, enum.Enum):
         except ValueError:
             names = ", ".join(m.value for m in cls)
             raise ConfigError(f"unknown key mode {value!r}; use one of {names}") from None
+
+
+_DOMAIN_ALGOS.update(
+    {KeyMode.ENGINE: None, KeyMode.TOKENS: CANONICAL_ALGO, KeyMode.DYNAMO: DYNAMO_ALGO}
+)
 
 
 def chain_key(parent: bytes, payload: bytes, scoped: bool) -> bytes:
@@ -268,3 +296,50 @@ def request_raw(tokens: Any, drop_last_token: bool) -> bytes:
     ``drop_last_token``); HashingError for bad ids."""
     raw = coerce_tokens(tokens, "tokens")
     return raw[:-4] if drop_last_token and raw else raw
+
+
+# ---------------------------------------------------------------------------- Dynamo keys
+#
+# ``key_mode="dynamo"`` (definition ``dynamo_local_v1``): a block's content is NVIDIA Dynamo's
+# local hash of its tokens (``dynamo_xxh3_64``: XXH3-64, seed 1337 plus the LoRA name's hash,
+# multimodal hashes appended; :mod:`kvstream.hashing.dynamo`), 8 bytes big-endian, and its
+# key chains it under the parent's key exactly as a plain token block::
+#
+#     key = BLAKE3(parent_key || local_hash)[:16]
+#
+# A path of keys is a path of local hashes from the root, which is what Dynamo's radix tree
+# navigates, so the index answers as Dynamo's indexer does, and a request given as Dynamo's
+# local hashes (its ``/query_by_hash``) is matched without its tokens.
+
+
+def dynamo_payload(fields: Any, raw: bytes) -> bytes:
+    """The local hash (8 bytes big-endian) of a stored block, from its model fields
+    (``StoredBlock.__dict__``) and its raw u32 LE tokens."""
+    name = fields["lora_name"]
+    mm = fields["mm_keys"]
+    if name is None and not mm:
+        return _xxh3_be(raw, LOCAL_HASH_SEED)
+    if mm:
+        raw = raw + _mm_suffix(mm)
+    return _xxh3_be(raw, block_hash_seed(name))
+
+
+def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
+    """The keys of a request given as Dynamo local hashes (8 bytes each), from the root."""
+    key = ROOT_KEY
+    out: list[bytes] = []
+    append = out.append
+    b3 = blake3
+    for h in local_hashes:
+        key = b3(key + h).digest(KEY_SIZE)
+        append(key)
+    return out
+
+
+def dynamo_request_keys(raw: bytes, tokens_per_block: int, lora_name: str | None) -> list[bytes]:
+    """The keys of the full blocks of a request whose token ids are ``raw`` (u32 LE bytes)."""
+    step = 4 * tokens_per_block
+    end = len(raw) - len(raw) % step
+    seed = block_hash_seed(lora_name)
+    view = memoryview(raw)
+    return keys_from_local([_xxh3_be(view[i : i + step], seed) for i in range(0, end, step)])

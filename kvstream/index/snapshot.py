@@ -119,7 +119,7 @@ def encode_snapshot(
     """The snapshot file's bytes for ``index`` and ``positions`` (see the module doc)."""
     tables_meta = []
     chunks: list[bytes] = []
-    keyed = index.key_mode is KeyMode.TOKENS
+    keyed = index.key_mode.token_keyed
     version = 2 if keyed else 1
     for worker, gid, table in index.tables():
         hashes, parents, refs = table.dump_nodes()
@@ -394,7 +394,7 @@ def decode_snapshot(
     pos += hlen
     header = _check_header(raw_header)
     groups = _check_index_state(header.get("index"))
-    keyed = header["index"].get("key_mode", KeyMode.ENGINE.value) == KeyMode.TOKENS.value
+    keyed = KeyMode(header["index"].get("key_mode", KeyMode.ENGINE.value)).token_keyed
     if keyed and version < 2:
         raise SnapshotError(
             f"a version-{version} snapshot cannot hold a token-keyed index (corrupt header)"

@@ -24,7 +24,8 @@ class SourceStats:
     ``tokenless_skipped`` (token-keyed index: stores without token ids resolved through the
     engine hash of a known block, or skipped because the block is unknown). State changes:
     ``purges``, ``incarnation_changes``, ``stale_transitions``, ``resyncs``,
-    ``hash_algo_changes``, ``block_size_changes``.
+    ``hash_algo_changes``, ``block_size_changes``, ``block_size_mismatches`` (a stored block
+    longer than the group's block size: the worker went stale).
     """
 
     batches: int = 0
@@ -61,6 +62,7 @@ class SourceStats:
     resyncs: int = 0
     hash_algo_changes: int = 0
     block_size_changes: int = 0
+    block_size_mismatches: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""

@@ -18,6 +18,10 @@ adds a reference at its level like any store (counted in ``tokenless_resolved``)
 unknown block is skipped and counted (``tokenless_skipped``), never guessed, and a block
 after it in the same event hangs off it as off an unknown parent.
 
+With ``dynamo=True`` a block's content is Dynamo's local hash of its tokens instead of the
+tokens themselves (:func:`~kvstream.index.keys.dynamo_payload`, ``key_mode="dynamo"``); every
+rule above is the same.
+
 Two engine hashes may map to one key in a table (an engine hashing something the events do
 not carry, e.g. vLLM's LoRA path): the worker's bit stays in the masks while any rooted node
 holds the key (:attr:`kdup` lists the extra nodes).
@@ -31,7 +35,7 @@ from typing import Final
 from blake3 import blake3
 
 from kvstream.events.model import StoredBlock
-from kvstream.index.keys import KEY_SIZE, ROOT_KEY, block_payload, chain_key
+from kvstream.index.keys import KEY_SIZE, ROOT_KEY, block_payload, chain_key, dynamo_payload
 from kvstream.index.stats import SourceStats
 from kvstream.index.table import _FIELD, _INC, _LAST, _NIL, ROOT, UNKNOWN, GroupTable, best_tier
 
@@ -43,10 +47,12 @@ _DEFERRED: Final = -3  # the parent is a skipped placeholder: resolve it by hash
 class TokenGroupTable(GroupTable):
     """The blocks of one (worker, layer group), mirrored under canonical keys."""
 
-    __slots__ = ("ckeys", "kmap", "pending")
+    __slots__ = ("ckeys", "dynamo", "kmap", "pending")
 
-    def __init__(self, bit: int) -> None:
+    def __init__(self, bit: int, dynamo: bool = False) -> None:
         super().__init__(bit)
+        #: key blocks by Dynamo's local hash of their tokens (``key_mode="dynamo"``)
+        self.dynamo = dynamo
         #: node -> its canonical key (b"" while unknown); the table's mirror keys
         self.ckeys: list[bytes] = []
         self.mkeys = self.ckeys
@@ -167,6 +173,7 @@ class TokenGroupTable(GroupTable):
         masks = self.masks
         slot = self.slot
         b3 = blake3
+        dyn = self.dynamo
         first = parent_hash is None
         p, ok, pkey = self._parent(parent_hash, st)
         skipped = b""
@@ -193,7 +200,9 @@ class TokenGroupTable(GroupTable):
                 continue
             if p == _DEFERRED:
                 p, ok, pkey = self._parent(skipped, st)
-            if (  # the common case, checked inline: token ids and nothing else
+            if dyn:
+                payload, scoped = dynamo_payload(d, raw), False
+            elif (  # the common case, checked inline: token ids and nothing else
                 d["extra_keys"] is None
                 and d["lora_name"] is None
                 and d["lora_id"] is None
