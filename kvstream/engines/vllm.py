@@ -14,7 +14,9 @@ Each event is a ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, encod
 :func:`decode_payload` accepts every one of these shapes and returns a :class:`WireBatch` of
 :class:`WireEvent` records: hashes normalised to bytes, tokens split per block, ``medium``
 mapped to kvstream's cache level. Unknown map keys and unknown trailing array slots are
-ignored (newer engines add fields). A payload that is not a batch at all raises
+ignored (newer engines add fields), as long as the payload is msgpack: a str with invalid
+UTF-8 anywhere in it, an unknown key's or value's included, makes the whole payload
+invalid. A payload that is not a batch at all raises
 :class:`~kvstream.errors.InteropError`; a single event that is malformed becomes a
 :class:`WireEvent` of kind ``"malformed"`` carrying the reason, so one bad event never costs
 its neighbours. Turning records into kvstream events (ids, windows, sources) is
@@ -542,7 +544,15 @@ def decode_payload(payload: bytes, *, width: int | None, dialect: Dialect = VLLM
     try:
         return _decode_fast(payload, width, dialect)
     except _NotFast:
-        pass
+        return _decode_generic(payload, width, dialect)
+
+
+def _decode_generic(payload: bytes, width: int | None, dialect: Dialect) -> WireBatch:
+    """:func:`decode_payload` without the fast path: every event checked field by field.
+
+    The fast path answers only for payloads whose answer here is the same (the tests hold
+    the two equal); invalid UTF-8 anywhere (an unknown key included) is not msgpack.
+    """
     try:
         obj = _msgpack_decoder()(payload)
     except Exception as exc:  # msgspec.DecodeError, and anything a hostile payload triggers
