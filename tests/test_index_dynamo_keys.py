@@ -18,7 +18,7 @@ from kvstream.errors import ConfigError
 from kvstream.events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvstream.hashing import get_hasher, split_blocks
 from kvstream.index import HashRequest, PrefixIndex, Router, WorkerKey
-from kvstream.index.keys import DYNAMO_ALGO, KeyMode
+from kvstream.index.keys import DYNAMO_ALGO, KeyMode, keys_from_local
 from kvstream.index.snapshot import decode_snapshot, encode_snapshot
 
 TPB = 4
@@ -188,3 +188,22 @@ def test_a_block_longer_than_the_block_size_makes_the_worker_stale() -> None:
     assert info.stale
     assert "block size mismatch" in info.stale_reason
     assert info.stats.block_size_mismatches == 1
+
+
+def test_tier_match_counts_each_tier_as_dynamo_does() -> None:
+    """GPU blocks 0-1 and 5, host blocks 2-3, disk block 4: the prefix reaches 2 blocks on GPU
+    alone, 4 with host copies, all 6 with disk copies (Dynamo's ``gpu``/``cpu``/``disk``)."""
+    index = PrefixIndex(key_mode="dynamo", default_tokens_per_block=TPB)
+    w = Worker("w", random.Random(0))
+    prompt = list(range(1, 1 + 6 * TPB))
+    ev = w.store(prompt)
+    blocks = ev.data.blocks  # type: ignore[union-attr]
+    levels = [0, 0, 1, 1, 2, 0]  # block 5 on GPU again: reached only through disk block 4
+    leveled = tuple(b.model_copy(update={"cache_level": lv}) for b, lv in zip(blocks, levels))
+    ev = ev.model_copy(update={"data": Stored(parent_hash=None, blocks=leveled)})
+    index.apply(w.p.batch(ev))
+    (domain,) = index.domains()
+    keys = keys_from_local(local_hashes(prompt))
+    assert index.tier_match(domain, keys) == [(WorkerKey("w"), 2, 4, 6, 6)]
+    assert index.tier_match(domain, keys[:3]) == [(WorkerKey("w"), 2, 3, 3, 3)]
+    assert index.tier_match(domain, []) == []

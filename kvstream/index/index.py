@@ -1010,6 +1010,28 @@ class PrefixIndex:
             "workers": workers,
         }
 
+    def tier_match(
+        self, domain: DomainKey, keys: list[bytes], *, include_stale: bool = False
+    ) -> list[tuple[WorkerKey, int, int, int, int]]:
+        """Per worker of ``domain`` holding a prefix of the request's ``keys`` (already
+        computed for that domain): ``(worker, gpu, host, disk, any)``, the blocks its prefix
+        reaches counting only GPU copies, GPU or host, GPU, host or disk, and any tier.
+        Stale workers only with ``include_stale``; in slot order."""
+        dom = self._domains.get(domain)
+        if dom is None or not keys:
+            return []
+        allowed = -1 if include_stale else self._trusted
+        slots = self._slots
+        sources = self._sources
+        gid = domain.layer_group_id
+        out = []
+        for slot, depth in dom.slot_depths(keys, allowed):
+            w = slots[slot]
+            table = sources[(w.instance_id, w.dp_rank)].groups[gid].table
+            gpu, host, disk = table.tier_depths(keys, depth)
+            out.append((w, gpu, host, disk, depth))
+        return out
+
     def tables(self) -> list[tuple[WorkerKey, int, GroupTable]]:
         """Every (worker, layer group id, table), in :meth:`export_state` order."""
         return [(s.key, g.gid, g.table) for s in self._sources.values() for g in s.groups.values()]

@@ -68,6 +68,7 @@ __all__ = [
     "LoraScope",
     "block_payload",
     "chain_key",
+    "dynamo_key",
     "dynamo_payload",
     "dynamo_request_keys",
     "keys_from_local",
@@ -303,9 +304,10 @@ def request_raw(tokens: Any, drop_last_token: bool) -> bytes:
 # ``key_mode="dynamo"`` (definition ``dynamo_local_v1``): a block's content is NVIDIA Dynamo's
 # local hash of its tokens (``dynamo_xxh3_64``: XXH3-64, seed 1337 plus the LoRA name's hash,
 # multimodal hashes appended; :mod:`kvstream.hashing.dynamo`), 8 bytes big-endian, and its
-# key chains it under the parent's key exactly as a plain token block::
+# key chains it under the parent's key, keeping the local hash readable in the key's second
+# half (Dynamo's ``/dump`` lists every block's ``tokens_hash``)::
 #
-#     key = BLAKE3(parent_key || local_hash)[:16]
+#     key = BLAKE3(parent_key || local_hash)[:8] || local_hash
 #
 # A path of keys is a path of local hashes from the root, which is what Dynamo's radix tree
 # navigates, so the index answers as Dynamo's indexer does, and a request given as Dynamo's
@@ -324,6 +326,11 @@ def dynamo_payload(fields: Any, raw: bytes) -> bytes:
     return _xxh3_be(raw, block_hash_seed(name))
 
 
+def dynamo_key(parent: bytes, local_hash: bytes) -> bytes:
+    """The key of a block whose local hash is ``local_hash`` under the key ``parent``."""
+    return blake3(parent + local_hash).digest(8) + local_hash
+
+
 def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
     """The keys of a request given as Dynamo local hashes (8 bytes each), from the root."""
     key = ROOT_KEY
@@ -331,7 +338,7 @@ def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
     append = out.append
     b3 = blake3
     for h in local_hashes:
-        key = b3(key + h).digest(KEY_SIZE)
+        key = b3(key + h).digest(8) + h
         append(key)
     return out
 

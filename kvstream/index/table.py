@@ -92,6 +92,8 @@ _NIL: Final = -1
 _FIELD: Final = 0xFFFF
 _INC: Final = tuple(1 << (16 * t) for t in range(MAX_TIERS))
 _LAST: Final = MAX_TIERS - 1
+#: the packed-count bits of levels 0..t, per t
+_TIERS_UP_TO: Final = tuple((1 << (16 * (t + 1))) - 1 for t in range(MAX_TIERS))
 
 
 def best_tier(refs: int) -> int:
@@ -663,6 +665,29 @@ class GroupTable:
             elif r:
                 total += weights[min(best_tier(r), len(weights) - 1)]
         return total
+
+    def _refs_of(self, key: bytes) -> int:
+        """The packed tier counts of the block matched under ``key`` (0: none)."""
+        n = self.ids.get(key)
+        return 0 if n is None else self.refs[n]
+
+    def tier_depths(self, hashes: Sequence[bytes], depth: int) -> tuple[int, int, int]:
+        """How far the first ``depth`` (matched) blocks of ``hashes`` reach when only GPU
+        copies count, GPU or host, and GPU, host or disk: ``(gpu, host, disk)`` in blocks."""
+        if not self.lower:
+            return depth, depth, depth
+        gpu = host = disk = depth
+        refs_of = self._refs_of
+        for i, h in enumerate(hashes[:depth]):
+            r = refs_of(h)
+            if gpu == depth and not r & _TIERS_UP_TO[0]:
+                gpu = i
+            if host == depth and not r & _TIERS_UP_TO[1]:
+                host = i
+            if not r & _TIERS_UP_TO[2]:
+                disk = i
+                break
+        return gpu, host, disk
 
     def walk(self, hashes: Sequence[bytes]) -> int:
         """Rooted prefix length of ``hashes`` in this table, walked block by block (the

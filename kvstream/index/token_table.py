@@ -35,7 +35,14 @@ from typing import Final
 from blake3 import blake3
 
 from kvstream.events.model import StoredBlock
-from kvstream.index.keys import KEY_SIZE, ROOT_KEY, block_payload, chain_key, dynamo_payload
+from kvstream.index.keys import (
+    KEY_SIZE,
+    ROOT_KEY,
+    block_payload,
+    chain_key,
+    dynamo_key,
+    dynamo_payload,
+)
 from kvstream.index.stats import SourceStats
 from kvstream.index.table import _FIELD, _INC, _LAST, _NIL, ROOT, UNKNOWN, GroupTable, best_tier
 
@@ -120,7 +127,7 @@ class TokenGroupTable(GroupTable):
             if not pk:
                 continue
             del pending[x]
-            self._set_key(x, chain_key(pk, *item))
+            self._set_key(x, dynamo_key(pk, item[0]) if self.dynamo else chain_key(pk, *item))
             stack.extend(self.children(x))
 
     def _shared_rooted(self, key: bytes, n: int) -> bool:
@@ -248,7 +255,9 @@ class TokenGroupTable(GroupTable):
                 else:
                     self._add_more(p, n)
             if pkey:
-                if scoped:
+                if dyn:
+                    pkey = b3(pkey + payload).digest(8) + payload
+                elif scoped:
                     pkey = chain_key(pkey, payload, True)
                 else:
                     pkey = b3(pkey + payload).digest(KEY_SIZE)
@@ -363,6 +372,14 @@ class TokenGroupTable(GroupTable):
                 total += weights[min(best_tier(r), len(weights) - 1)]
         return total
 
+    def _refs_of(self, key: bytes) -> int:
+        r = 0
+        rooted = self.rooted
+        for n in self._nodes_of(key):
+            if rooted[n]:
+                r |= self.refs[n]
+        return r
+
     def walk(self, hashes: Sequence[bytes]) -> int:
         """Rooted prefix length of the canonical keys ``hashes``, block by block."""
         rooted = self.rooted
@@ -374,6 +391,23 @@ class TokenGroupTable(GroupTable):
         return d
 
     # ------------------------------------------------------------------ state
+
+    def cached_blocks(self) -> list[tuple[bytes, bytes | None, bytes, int]]:
+        """Every cached, keyed block as ``(engine hash, parent's engine hash or None at the
+        root, key, packed tier counts)``, parents before children (a full-state dump)."""
+        hashes = self.hashes
+        parent = self.parent
+        refs = self.refs
+        ckeys = self.ckeys
+        out: list[tuple[bytes, bytes | None, bytes, int]] = []
+        stack = [n for n in self.ids.values() if parent[n] in (ROOT, UNKNOWN)]
+        while stack:
+            n = stack.pop()
+            if refs[n] and ckeys[n]:
+                p = parent[n]
+                out.append((hashes[n], hashes[p] if p >= 0 else None, ckeys[n], refs[n]))
+            stack.extend(self.children(n))
+        return out
 
     def keys(self) -> list[tuple[bytes, bytes, tuple[bytes, bool] | None]]:
         """Every node as ``(hash, key or b"", pending payload or None)``, sorted by hash."""
