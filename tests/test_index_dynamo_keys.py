@@ -199,7 +199,9 @@ def test_tier_match_counts_each_tier_as_dynamo_does() -> None:
     ev = w.store(prompt)
     blocks = ev.data.blocks  # type: ignore[union-attr]
     levels = [0, 0, 1, 1, 2, 0]  # block 5 on GPU again: reached only through disk block 4
-    leveled = tuple(b.model_copy(update={"cache_level": lv}) for b, lv in zip(blocks, levels))
+    leveled = tuple(
+        b.model_copy(update={"cache_level": lv}) for b, lv in zip(blocks, levels, strict=True)
+    )
     ev = ev.model_copy(update={"data": Stored(parent_hash=None, blocks=leveled)})
     index.apply(w.p.batch(ev))
     (domain,) = index.domains()
