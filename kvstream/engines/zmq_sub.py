@@ -84,7 +84,13 @@ Item = Frame | Gap | Restart | BadFrame
 @dataclass(slots=True)
 class RankStats:
     """Per-rank counters: frames received live / replayed, batches reported missing, bad
-    frames, restarts, replay requests, the last seq and when the last frame arrived."""
+    frames, restarts, replay requests, the last seq and when the last frame arrived.
+
+    ``connected``: whether the engine's PUB socket is connected now (None: not known yet,
+    or kvstream binds and engines connect to it); a publisher that dies disconnects.
+    ``caught_up``: the start-up replay is done (or there was none to do), so what the
+    engine buffered before we joined has been delivered.
+    """
 
     live: int = 0
     replayed: int = 0
@@ -94,6 +100,8 @@ class RankStats:
     replay_requests: int = 0
     last_seq: int | None = None
     last_frame_at: float | None = None
+    connected: bool | None = None
+    caught_up: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,6 +121,7 @@ class EngineSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: Any = None
         self._sockets: list[Any] = []
+        self._monitored: list[Any] = []
         self.started_at = 0.0
 
     async def start(self) -> None:
@@ -133,9 +142,28 @@ class EngineSubscriber:
             if ep.bind:
                 sock.bind(ep.pub_address(rank))
             else:
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                monitor.setsockopt(zmq.LINGER, 0)
+                self._monitored.append(sock)
+                self._sockets.append(monitor)
+                self._tasks.append(asyncio.create_task(self._watch(rank, monitor)))
                 sock.connect(ep.pub_address(rank))
             self._sockets.append(sock)
             self._tasks.append(asyncio.create_task(self._follow(rank, sock)))
+
+    async def _watch(self, rank: int, monitor: Any) -> None:
+        """Keep ``stats[rank].connected`` up to date from the SUB socket's monitor events."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        stats = self.stats[rank]
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                stats.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                stats.connected = False
+                log.warning("rank %d: the engine's publisher disconnected", rank)
 
     async def next(self, timeout_s: float | None = None) -> Item | None:
         """The next item, or None when none came within ``timeout_s``."""
@@ -161,6 +189,10 @@ class EngineSubscriber:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        for sock in self._monitored:
+            with contextlib.suppress(Exception):
+                sock.disable_monitor()
+        self._monitored.clear()
         for sock in self._sockets:
             sock.close(0)
         self._sockets.clear()
@@ -185,6 +217,7 @@ class EngineSubscriber:
             last, replayed = await self._recover(rank, resume, None)
             if last is not None:
                 resume = None
+        stats.caught_up = True
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:

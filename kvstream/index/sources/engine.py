@@ -37,15 +37,26 @@ class EngineSource(EventSource):
     """Follow one engine endpoint (all its DP ranks); see the module docstring."""
 
     def __init__(
-        self, endpoint: EngineEndpoint | str, *, resume_from: Mapping[str, Any] | None = None
+        self,
+        endpoint: EngineEndpoint | str,
+        *,
+        resume_from: Mapping[str, Any] | None = None,
+        base_rank: int = 0,
+        rank_from_events: bool = False,
     ) -> None:
+        """``base_rank``: the DP rank of the endpoint's first publisher (a service that
+        registers each rank's socket on its own gives the rank here). ``rank_from_events``:
+        take each batch's rank from the ``data_parallel_rank`` the engine put in it, when it
+        did (as Dynamo's indexer does), instead of from the socket it came on."""
         super().__init__()
         self.endpoint = parse_engine_url(endpoint) if isinstance(endpoint, str) else endpoint
         self.name = self.endpoint.describe()
-        self.streams = {
-            r: EngineStream(self.endpoint.instance_id, r, self.endpoint.hash_algo)
-            for r in range(self.endpoint.dp_size)
-        }
+        self.rank_from_events = rank_from_events
+        self.streams: dict[int, EngineStream] = {}
+        #: subscriber socket -> the rank its batches are attributed to now
+        self._rank_of = {r: base_rank + r for r in range(self.endpoint.dp_size)}
+        for rank in self._rank_of.values():
+            self._stream(rank)
         self._last_seq: dict[int, int] = {}
         start_seqs = None
         if resume_from:
@@ -89,9 +100,17 @@ class EngineSource(EventSource):
                 self.stats.batches += 1
                 return out
 
+    def _stream(self, rank: int) -> EngineStream:
+        stream = self.streams.get(rank)
+        if stream is None:
+            stream = self.streams[rank] = EngineStream(
+                self.endpoint.instance_id, rank, self.endpoint.hash_algo
+            )
+        return stream
+
     def _handle(self, item: Frame | Gap | Restart | BadFrame) -> SourceItem | None:
         if isinstance(item, Frame):
-            stream = self.streams[item.rank]
+            stream = self._stream(self._rank_of[item.rank])
             self._last_seq[item.rank] = item.seq
             try:
                 wire = decode_payload(
@@ -100,15 +119,18 @@ class EngineSource(EventSource):
             except InteropError as exc:
                 self._malformed(f"rank {item.rank}@seq {item.seq}", exc)
                 return SourceItem(stream.lost(1, f"engine batch seq {item.seq}: {exc}"))
+            if self.rank_from_events and wire.dp_rank is not None and 0 <= wire.dp_rank < 65536:
+                self._rank_of[item.rank] = wire.dp_rank
+                stream = self._stream(wire.dp_rank)
             return SourceItem(stream.convert(wire))
         if isinstance(item, Gap):
-            stream = self.streams[item.rank]
+            stream = self._stream(self._rank_of[item.rank])
             last = item.first_seq + item.count - 1
             self._last_seq[item.rank] = max(self._last_seq.get(item.rank, -1), last)
             reason = f"engine batches seq {item.first_seq}..{last} lost: {item.reason}"
             return SourceItem(stream.lost(item.count, reason))
         if isinstance(item, Restart):
-            self.streams[item.rank].restart()
+            self._stream(self._rank_of[item.rank]).restart()
             self._last_seq.pop(item.rank, None)
             return None
         self._malformed(f"rank {item.rank}", item.reason)
