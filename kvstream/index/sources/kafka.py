@@ -345,6 +345,14 @@ class KafkaSource(EventSource):
             for tp in sorted(got, key=lambda t: t.partition):
                 self._buf.extend(got[tp])
 
+    async def caught_up(self) -> bool:
+        """True once every assigned partition has been read up to the end offset it had when
+        this was first asked (what a service waits for before it reports ready)."""
+        if self._consumer is None:
+            return False
+        async with self._lock:
+            return await self._at_end()
+
     async def _at_end(self) -> bool:
         consumer = self._consumer
         tps = consumer.assignment()
