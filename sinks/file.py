@@ -20,6 +20,13 @@
   size limit) truncates the file back to its last complete block (nothing buffered is
   flushed first) and the next export starts a new file, so a torn block never hides later
   data.
+* A file size limit (``EFBIG``: ``RLIMIT_FSIZE``, or the file system's largest file) is a
+  limit per file, so the sink rotates instead of failing: the full file is sealed (cut back
+  and fsynced) and the export goes on in new files, one block per batch, each file kept under
+  the size that failed. A batch that cannot fit in a file of its own even then is dropped
+  with a permanent error naming it; :meth:`FileSink.abandon` reports the export's other
+  batches as delivered, so exactly the oversized batches are accounted as lost. A full disk
+  (``ENOSPC``) stays retriable: a new file on the same disk would not help.
 
 Disk I/O and encoding run in a worker thread, so a slow disk does not stall the event loop
 (and with it other sinks).
@@ -51,7 +58,7 @@ from kvstream.errors import (
     RetriableSinkError,
 )
 from kvstream.events.model import EventBatch
-from kvstream.sink import ExportResult, Sink, SinkURL
+from kvstream.sink import Abandoned, ExportResult, Sink, SinkURL
 
 __all__ = ["FileSink", "FileStats", "ReadReport", "list_files", "read_dir", "read_file"]
 
@@ -188,6 +195,10 @@ class FileSink(Sink):
         self._seq = 0
         self._closed = False
         self._dir_dirty = False
+        #: The largest file size seen to succeed before an EFBIG (None: no limit met yet).
+        self._size_limit: int | None = None
+        #: The batches of the latest export that are in a file (see :meth:`abandon`).
+        self._written: list[EventBatch] = []
         self.stats = FileStats()
         self.paths: list[Path] = []
 
@@ -261,18 +272,32 @@ class FileSink(Sink):
                     os.unlink(self.directory / name)
 
     async def export(self, batches: Sequence[EventBatch]) -> ExportResult:
-        """Append ``batches`` as one block (one line each for JSON Lines) and flush it."""
+        """Append ``batches`` as one block (one line each for JSON Lines) and flush it.
+
+        On a file size limit (EFBIG) the export continues in new files (see the module
+        docstring); a batch too large for any file fails the export permanently, and
+        :meth:`abandon` then reports every other batch of it as delivered.
+        """
+        self._written = []
         if self._closed:
             return ExportResult.permanent("the file sink is shut down")
         if not batches:
             return ExportResult.success()
         try:
-            await asyncio.to_thread(self._write, batches)
+            too_big = await asyncio.to_thread(self._write, batches)
         except OSError as exc:
             return ExportResult.from_exception(_classify_os_error(exc, "write failed"))
         except (CodecError, EventValidationError) as exc:
             return ExportResult.permanent(f"cannot encode a batch: {exc}", exc)
+        if too_big:
+            error = PermanentSinkError(_too_big_reason(too_big, self._size_limit))
+            return ExportResult.from_exception(error)
         return ExportResult.success()
+
+    def abandon(self) -> Abandoned:
+        """The batches of the latest export that are in a file (all but the oversized ones
+        after a file size limit; those written before an error that failed the export)."""
+        return Abandoned(delivered=tuple(self._written))
 
     async def force_flush(self, timeout_s: float | None = None) -> bool:
         """fsync the current file and the directory."""
@@ -328,28 +353,84 @@ class FileSink(Sink):
             return b"".join(b.model_dump_json().encode() + b"\n" for b in batches)
         return enc.block(batches)
 
-    def _write(self, batches: Sequence[EventBatch]) -> None:
+    def _write(self, batches: Sequence[EventBatch]) -> list[tuple[EventBatch, int]]:
+        """Write ``batches``; returns the ones too large for any file (with their size)."""
         with self._lock:
             self._rotate()
-            f = self._file
-            if f is None:
+            too_big: list[tuple[EventBatch, int]] = []
+            try:
+                self._write_block(batches)
+            except OSError as exc:
+                if exc.errno != errno.EFBIG:
+                    raise
+                too_big = self._write_each(batches)
+            if self.fsync_every_export:
+                self._fsync_dir()
+            return too_big
+
+    def _write_block(self, batches: Sequence[EventBatch]) -> None:
+        """Append ``batches`` as one block to the current file, or to a new one when there is
+        none or the block would pass a size limit met before. On an error nothing of the block
+        is left in any file (the current file is cut back, sealed and dropped)."""
+        f = self._file
+        if f is None:
+            self._create(batches)
+        else:
+            data = self._encode(batches, f.enc)
+            if self._size_limit is not None and f.size + len(data) > self._size_limit:
+                self._seal(f, f.size)
                 self._create(batches)
             else:
-                data = self._encode(batches, f.enc)
                 good = f.size
                 try:
                     _write_all(f.fd, data)
                     if self.fsync_every_export:
                         os.fsync(f.fd)
+                except OSError as exc:
+                    if exc.errno == errno.EFBIG:
+                        self._learn_limit(f.fd)
+                    self._seal(f, good)
+                    raise
                 except BaseException:
-                    self._abandon(f, good)
+                    self._seal(f, good)
                     raise
                 f.size += len(data)
                 self.stats.bytes += len(data)
-            if self.fsync_every_export:
-                self._fsync_dir()
-            self.stats.batches += len(batches)
-            self.stats.events += sum(len(b.events) for b in batches)
+        self._written += batches
+        self.stats.batches += len(batches)
+        self.stats.events += sum(len(b.events) for b in batches)
+
+    def _write_each(self, batches: Sequence[EventBatch]) -> list[tuple[EventBatch, int]]:
+        """After an EFBIG: write each batch as its own block, starting a new file whenever
+        the current one is full; a batch that fails even alone in a new file is too big."""
+        too_big: list[tuple[EventBatch, int]] = []
+        for batch in batches:
+            for fresh in (self._file is None, True):
+                try:
+                    self._write_block([batch])
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EFBIG:
+                        raise
+                    if fresh:  # alone in a new file and still too large
+                        too_big.append((batch, self._encoded_size(batch)))
+                        break
+        return too_big
+
+    def _encoded_size(self, batch: EventBatch) -> int:
+        """The bytes a file holding only ``batch`` needs (header included)."""
+        enc = None
+        if self.format == "avro":
+            enc = ContainerEncoder.new(schema_version=self.schema_version, codec=self.codec)
+        return len(self._encode([batch], enc)) + (len(enc.header) if enc is not None else 0)
+
+    def _learn_limit(self, fd: int) -> None:
+        # The kernel wrote up to the limit before failing (or failed right at it): the size
+        # the file has now is the most a file may hold.
+        with contextlib.suppress(OSError):
+            size = os.fstat(fd).st_size
+            if self._size_limit is None or size < self._size_limit:
+                self._size_limit = size
 
     def _create(self, batches: Sequence[EventBatch]) -> None:
         enc = None
@@ -366,14 +447,16 @@ class FileSink(Sink):
         self.stats.files += 1
         self.stats.bytes += f.size
 
-    def _abandon(self, f: _OpenFile, good: int) -> None:
+    def _seal(self, f: _OpenFile, good: int) -> None:
         # Cut the file back to its last complete block (a descriptor-level truncate: there
-        # is no buffer to flush first) and start a new file next time.
+        # is no buffer to flush first), make what it holds durable (a later flush fsyncs only
+        # the current file) and start a new file next time.
         self._file = None
         with contextlib.suppress(OSError):
             os.ftruncate(f.fd, good)
         with contextlib.suppress(OSError):
-            os.close(f.fd)
+            f.close(fsync=True)
+        self.stats.fsyncs += 1
 
     def _fsync(self) -> None:
         with self._lock:
@@ -410,6 +493,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def _too_big_reason(too_big: list[tuple[EventBatch, int]], limit: int | None) -> str:
+    events = sum(len(b.events) for b, _ in too_big)
+    first, size = too_big[0]
+    ids = [e.event_id for e in first.events]
+    src = first.source
+    rank = "" if src.attention_dp_rank is None else f" rank {src.attention_dp_rank}"
+    where = f"{src.instance_id}{rank} ids {min(ids)}..{max(ids)}" if ids else src.instance_id
+    cap = "the file size limit" if limit is None else f"the file size limit ({limit} bytes)"
+    return (
+        f"{len(too_big)} batch(es) ({events} events; the first: {where}, {size} bytes as a "
+        f"file of its own) exceed {cap}: EFBIG (RLIMIT_FSIZE or the file system's largest "
+        "file); they cannot be written to any file"
+    )
 
 
 def _classify_os_error(exc: OSError, what: str) -> RetriableSinkError | PermanentSinkError:
