@@ -307,7 +307,7 @@ def request_raw(tokens: Any, drop_last_token: bool) -> bytes:
 # key chains it under the parent's key, keeping the local hash readable in the key's second
 # half (Dynamo's ``/dump`` lists every block's ``tokens_hash``)::
 #
-#     key = BLAKE3(parent_key || local_hash)[:8] || local_hash
+#     key = XXH3-64(parent_key || local_hash) || local_hash      (16 bytes, big-endian halves)
 #
 # A path of keys is a path of local hashes from the root, which is what Dynamo's radix tree
 # navigates, so the index answers as Dynamo's indexer does, and a request given as Dynamo's
@@ -328,7 +328,7 @@ def dynamo_payload(fields: Any, raw: bytes) -> bytes:
 
 def dynamo_key(parent: bytes, local_hash: bytes) -> bytes:
     """The key of a block whose local hash is ``local_hash`` under the key ``parent``."""
-    return blake3(parent + local_hash).digest(8) + local_hash
+    return _xxh3_be(parent + local_hash) + local_hash
 
 
 def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
@@ -336,9 +336,9 @@ def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
     key = ROOT_KEY
     out: list[bytes] = []
     append = out.append
-    b3 = blake3
+    xxh = _xxh3_be
     for h in local_hashes:
-        key = b3(key + h).digest(8) + h
+        key = xxh(key + h) + h
         append(key)
     return out
 

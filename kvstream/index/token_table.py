@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+import xxhash
 from blake3 import blake3
 
 from kvstream.events.model import StoredBlock
@@ -48,6 +49,7 @@ from kvstream.index.table import _FIELD, _INC, _LAST, _NIL, ROOT, UNKNOWN, Group
 
 __all__ = ["TokenGroupTable"]
 
+_xxh3_be = xxhash.xxh3_64_digest
 _DEFERRED: Final = -3  # the parent is a skipped placeholder: resolve it by hash when needed
 
 
@@ -256,7 +258,7 @@ class TokenGroupTable(GroupTable):
                     self._add_more(p, n)
             if pkey:
                 if dyn:
-                    pkey = b3(pkey + payload).digest(8) + payload
+                    pkey = _xxh3_be(pkey + payload) + payload
                 elif scoped:
                     pkey = chain_key(pkey, payload, True)
                 else:
