@@ -22,6 +22,7 @@ catch the whole library with one ``except`` and the narrower classes when they c
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "SinkError",
     "UnknownHashAlgorithmError",
     "UnknownSchemaError",
+    "did_you_mean",
 ]
 
 
@@ -81,6 +83,12 @@ class HashingError(KVStreamError):
     """Block hashing failed (bad parameters or inputs)."""
 
 
+def did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``name`` (difflib), else ``""``."""
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class UnknownHashAlgorithmError(HashingError, KeyError):
     """A hash algorithm name is not registered. The message lists the known names."""
 
@@ -88,7 +96,8 @@ class UnknownHashAlgorithmError(HashingError, KeyError):
         self.name = name
         self.known = sorted(known)
         super().__init__(
-            f"unknown hash algorithm {name!r}; known algorithms: {', '.join(self.known)}"
+            f"unknown hash algorithm {name!r}{did_you_mean(name, self.known)}; "
+            f"known algorithms: {', '.join(self.known)}"
         )
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -138,10 +138,13 @@ def index(
 
     from rich.console import Console
 
+    from kvstream.hashing.registry import check_hash_algo
     from kvstream.index import HashConfigMismatchError, HashRequest, KeyMode, SnapshotError
 
     err = Console(stderr=True)
     try:
+        if hash_algo is not None:  # requests are hashed with it: it must be one kvstream has
+            check_hash_algo(hash_algo, where="--hash-algo")
         qs = [_Query(_parse_tokens(q), HashRequest()) for q in query or []]
         if queries is not None:
             qs += _load_queries(queries)

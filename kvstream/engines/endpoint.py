@@ -13,7 +13,10 @@ option          meaning
 ``dp_size``     data-parallel ranks; rank r publishes on PORT+r (default 1)
 ``hash_algo``   the algorithm the engine hashes blocks with, published in every event
                 (default: ``vllm_sha256_64`` for vLLM — its default ``sha256`` in int mode —,
-                ``sglang_sha256_64`` for SGLang)
+                ``sglang_sha256_64`` for SGLang). A name kvstream does not know is an error
+                naming the closest known one, unless ``allow_unknown_algo=true`` is given
+                too: then it is published as given (a newer engine's algorithm, which
+                kvstream cannot hash requests with)
 ``instance``    the kvstream ``instance_id`` of this engine (default ``ENGINE@HOST:PORT``)
 ``from``        ``0``: replay everything the engine still buffers before following it
                 (default); ``latest``: only what is published from now on (what came
@@ -46,6 +49,7 @@ _OPTIONS: Final = (
     "replay",
     "dp_size",
     "hash_algo",
+    "allow_unknown_algo",
     "instance",
     "from",
     "topic",
@@ -141,7 +145,17 @@ def parse_engine_url(url: str) -> EngineEndpoint:
         raise ConfigError(f"{url}: replay_timeout is not a number") from None
     if not 0 < timeout <= 3600:
         raise ConfigError(f"{url}: replay_timeout must be in (0, 3600] seconds")
-    hash_algo = params.get("hash_algo") or dialect.default_hash_algo
+    allow_raw = params.get("allow_unknown_algo", "false").lower()
+    if allow_raw not in ("true", "false", "1", "0"):
+        raise ConfigError(f"{url}: allow_unknown_algo={allow_raw!r}; use true or false")
+    from kvstream.hashing.registry import check_hash_algo
+
+    hash_algo = check_hash_algo(
+        params.get("hash_algo") or dialect.default_hash_algo,
+        allow_unknown=allow_raw in ("true", "1"),
+        where=f"{url}: hash_algo",
+        hint="; add allow_unknown_algo=true to publish a name kvstream does not know as given",
+    )
     instance = params.get("instance") or f"{dialect.name}@{host}:{port}"
     if len(instance) > 256:
         raise ConfigError(f"{url}: instance names are at most 256 characters")

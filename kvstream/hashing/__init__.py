@@ -23,13 +23,19 @@ Every engine algorithm is checked against vectors computed by the engine's own c
 from kvstream.hashing.base import BlockHasher, ChainState, cache_salt_id
 from kvstream.hashing.blocks import split_blocks
 from kvstream.hashing.multimodal import content_digest
-from kvstream.hashing.registry import available_hashers, get_hasher, register_hasher
+from kvstream.hashing.registry import (
+    available_hashers,
+    check_hash_algo,
+    get_hasher,
+    register_hasher,
+)
 
 __all__ = [
     "BlockHasher",
     "ChainState",
     "available_hashers",
     "cache_salt_id",
+    "check_hash_algo",
     "content_digest",
     "get_hasher",
     "register_hasher",

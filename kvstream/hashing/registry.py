@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvstream._types import BLOCK_HASH_WIDTHS
-from kvstream.errors import HashingError, UnknownHashAlgorithmError
+from kvstream.errors import ConfigError, HashingError, UnknownHashAlgorithmError, did_you_mean
 from kvstream.hashing.base import BlockHasher
 from kvstream.hashing.dynamo import DynamoXxh3Hasher
 from kvstream.hashing.native import Blake3Hasher
@@ -33,7 +33,16 @@ from kvstream.hashing.trtllm import V1BlockKeyHasher, V2Sha256Hasher
 from kvstream.hashing.vllm import DEFAULT_SEED, VllmHasherBase, VllmSha256CborHasher
 from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
 
-__all__ = ["HasherFactory", "available_hashers", "get_hasher", "register_hasher"]
+__all__ = [
+    "HasherFactory",
+    "available_hashers",
+    "check_hash_algo",
+    "get_hasher",
+    "register_hasher",
+]
+
+#: The longest ``hash_algo`` name an event may carry (the TensorRT-LLM reader's limit too).
+MAX_ALGO_NAME = 64
 
 #: Builds a hasher from algorithm-level keyword parameters (``seed=...``).
 HasherFactory = Callable[..., BlockHasher]
@@ -65,6 +74,28 @@ def available_hashers() -> list[str]:
     """The registered algorithm names, sorted."""
     with _LOCK:
         return sorted(_FACTORIES)
+
+
+def check_hash_algo(
+    name: str, *, allow_unknown: bool = False, where: str = "hash_algo", hint: str = ""
+) -> str:
+    """``name`` when it is a registered algorithm; ConfigError otherwise.
+
+    For every place a user names an algorithm that kvstream publishes or hashes with (URL
+    options, config, CLI flags): a typo must fail there, not downstream. The error names
+    ``where``, the closest known name (difflib) and the known ones. ``allow_unknown`` lets a
+    name kvstream does not know pass (a newer engine's algorithm, published as given): it
+    must then still be 1..64 characters. ``hint`` ends the message (how to allow one).
+    """
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_ALGO_NAME:
+        raise ConfigError(f"{where}: an algorithm name is 1..{MAX_ALGO_NAME} characters")
+    known = available_hashers()
+    if name in known or allow_unknown:
+        return name
+    raise ConfigError(
+        f"{where}: unknown hash algorithm {name!r}{did_you_mean(name, known)}; known "
+        f"algorithms: {', '.join(known)}{hint}"
+    )
 
 
 def get_hasher(name: str, **params: Any) -> BlockHasher:
