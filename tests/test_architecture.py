@@ -29,6 +29,7 @@ LAYERS = {
     "pipeline": 3,
     "index": 3,
     "cli": 4,
+    "serve": 4,  # the index service: HTTP API, feeds, snapshots
     "app": 4,
 }
 L3_SIBLINGS = {"cache", "pipeline", "index"}
@@ -36,7 +37,7 @@ L3_SIBLINGS = {"cache", "pipeline", "index"}
 CONFINED = {
     "torch": {"cache"},
     "xxhash": {"cache", "hashing"},
-    "msgspec": {"engines"},
+    "msgspec": {"engines", "serve"},  # engine wire formats; the service's JSON bodies
     "zmq": {"engines"},
     "aiokafka": {"sinks", "index"},
     "fastavro": {"codec"},

@@ -46,6 +46,8 @@ __all__ = [
     "LOCAL_HASH_SEED",
     "DynamoXxh3Hasher",
     "block_hash_seed",
+    "link_hash",
+    "local_hash",
     "mm_hash_u64",
     "mm_suffix",
 ]
@@ -59,6 +61,18 @@ _HEX: Final = frozenset(string.hexdigits)
 _xxh3 = xxhash.xxh3_64_intdigest
 _xxh3_be = xxhash.xxh3_64_digest  # the 8 bytes big-endian, as ``_xxh3(...).to_bytes(8, "big")``
 _tuple_new = tuple.__new__
+
+
+def local_hash(raw: bytes | memoryview, seed: int = LOCAL_HASH_SEED) -> bytes:
+    """Dynamo's local hash (8 bytes big-endian) of one block's u32 LE tokens ``raw``."""
+    return _xxh3_be(raw, seed)
+
+
+def link_hash(parent_key: bytes, local: bytes) -> bytes:
+    """XXH3-64 (8 bytes big-endian) of ``parent_key || local``: how kvstream's Dynamo-keyed
+    index chains a block's local hash under its parent's key
+    (:mod:`kvstream.index.keys`)."""
+    return _xxh3_be(parent_key + local)
 
 
 def block_hash_seed(lora_name: str | None = None, cache_namespace: str | None = None) -> int:

@@ -48,14 +48,13 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-import xxhash
 from blake3 import blake3
 
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
 from kvstream.hashing import cbor
 from kvstream.hashing.blocks import coerce_tokens
-from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed
+from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
 
 __all__ = [
@@ -89,7 +88,6 @@ ROOT_KEY: Final = bytes(KEY_SIZE)
 KEY_CONTEXT: Final = "kvstream.index token block key v1"
 
 _DOMAIN_ALGOS: Final[dict[KeyMode, str | None]] = {}
-_xxh3_be = xxhash.xxh3_64_digest
 
 #: A LoRA scope: ``("name", str)``, ``("id", int)`` or None.
 LoraScope = tuple[str, str | int] | None
@@ -320,15 +318,15 @@ def dynamo_payload(fields: Any, raw: bytes) -> bytes:
     name = fields["lora_name"]
     mm = fields["mm_keys"]
     if name is None and not mm:
-        return _xxh3_be(raw, LOCAL_HASH_SEED)
+        return local_hash(raw, LOCAL_HASH_SEED)
     if mm:
         raw = raw + _mm_suffix(mm)
-    return _xxh3_be(raw, block_hash_seed(name))
+    return local_hash(raw, block_hash_seed(name))
 
 
-def dynamo_key(parent: bytes, local_hash: bytes) -> bytes:
-    """The key of a block whose local hash is ``local_hash`` under the key ``parent``."""
-    return _xxh3_be(parent + local_hash) + local_hash
+def dynamo_key(parent: bytes, local: bytes) -> bytes:
+    """The key of a block whose local hash is ``local`` under the key ``parent``."""
+    return link_hash(parent, local) + local
 
 
 def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
@@ -336,9 +334,9 @@ def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
     key = ROOT_KEY
     out: list[bytes] = []
     append = out.append
-    xxh = _xxh3_be
+    link = link_hash
     for h in local_hashes:
-        key = xxh(key + h) + h
+        key = link(key, h) + h
         append(key)
     return out
 
@@ -349,4 +347,4 @@ def dynamo_request_keys(raw: bytes, tokens_per_block: int, lora_name: str | None
     end = len(raw) - len(raw) % step
     seed = block_hash_seed(lora_name)
     view = memoryview(raw)
-    return keys_from_local([_xxh3_be(view[i : i + step], seed) for i in range(0, end, step)])
+    return keys_from_local([local_hash(view[i : i + step], seed) for i in range(0, end, step)])

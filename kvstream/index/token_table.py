@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-import xxhash
 from blake3 import blake3
 
 from kvstream.events.model import StoredBlock
+from kvstream.hashing.dynamo import link_hash
 from kvstream.index.keys import (
     KEY_SIZE,
     ROOT_KEY,
@@ -49,7 +49,6 @@ from kvstream.index.table import _FIELD, _INC, _LAST, _NIL, ROOT, UNKNOWN, Group
 
 __all__ = ["TokenGroupTable"]
 
-_xxh3_be = xxhash.xxh3_64_digest
 _DEFERRED: Final = -3  # the parent is a skipped placeholder: resolve it by hash when needed
 
 
@@ -258,7 +257,7 @@ class TokenGroupTable(GroupTable):
                     self._add_more(p, n)
             if pkey:
                 if dyn:
-                    pkey = _xxh3_be(pkey + payload) + payload
+                    pkey = link_hash(pkey, payload) + payload
                 elif scoped:
                     pkey = chain_key(pkey, payload, True)
                 else:

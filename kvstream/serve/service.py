@@ -1,0 +1,608 @@
+"""The index service: models, registrations, feeds, queries, snapshots, and its lifecycle.
+
+::
+
+    from kvstream.serve import IndexService, ServeConfig
+
+    async with IndexService(ServeConfig(port=0, block_size=16)) as svc:
+        print(svc.url)                    # http://127.0.0.1:PORT
+        ...                               # routers call it (kvstream.serve.Client)
+
+:meth:`IndexService.start` restores the last snapshot (``snapshot``) or, without one, pulls a
+live peer's (``peers``), starts a feed per registration and per source, then serves HTTP
+(:mod:`kvstream.serve.http`); :meth:`IndexService.aclose` stops serving, writes a last
+snapshot and closes the feeds. Everything runs on one event loop: a query reads the indexes
+between two applied batches, never during one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+import urllib.error
+import urllib.request
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+from kvstream.errors import ConfigError, HashingError, KVStreamError
+from kvstream.index import HashRequest
+from kvstream.index.errors import HashConfigMismatchError, SnapshotError
+from kvstream.index.snapshot import write_atomic
+from kvstream.serve.config import ServeConfig, SourceSpec, WorkerSpec, check_endpoint
+from kvstream.serve.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from kvstream.serve.feeds import EngineFeed, Feed, StreamFeed
+from kvstream.serve.metrics import ServiceMetrics
+from kvstream.serve.models import ModelIndex, ModelKey, Registration
+from kvstream.serve.requests import (
+    QueryByHashRequest,
+    QueryRequest,
+    RegisterRequest,
+    UnregisterRequest,
+)
+from kvstream.serve.snapshot import (
+    ModelState,
+    decode_service_snapshot,
+    encode_service_snapshot,
+    read_snapshot,
+)
+
+__all__ = ["IndexService"]
+
+log = logging.getLogger("kvstream.serve")
+
+_BIG_ENDIAN: Final = sys.byteorder == "big"
+_U64: Final = 2**64
+_PEER_TIMEOUT_S: Final = 10.0
+
+
+def _raw_tokens(token_ids: list[int]) -> bytes:
+    arr = array("I", token_ids)
+    if _BIG_ENDIAN:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+class IndexService:
+    """A KV index service (see the module docstring); ``config`` defaults to
+    :class:`~kvstream.serve.config.ServeConfig`'s defaults."""
+
+    def __init__(self, config: ServeConfig | None = None) -> None:
+        self.config = config or ServeConfig()
+        self.token = self.config.auth_token()
+        self._models: dict[ModelKey, ModelIndex] = {}
+        self._feeds: dict[str, Feed] = {}
+        self._peers: list[str] = list(self.config.peers)
+        #: where the state came from at start: "snapshot", "peer URL" or "" (empty start)
+        self.restored_from = ""
+        self._restoring = True
+        self.metrics = ServiceMetrics(self)
+        self.snapshots = 0
+        self.last_snapshot_error = ""
+        self._snap_task: asyncio.Task[None] | None = None
+        self._server: Any = None
+        self._server_task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+        self.started_at = time.monotonic()
+
+    # ------------------------------------------------------------------ registry
+
+    def models(self) -> list[ModelIndex]:
+        """Every model index."""
+        return list(self._models.values())
+
+    def feeds(self) -> list[Feed]:
+        """Every feed (registrations and sources)."""
+        return list(self._feeds.values())
+
+    def _key(self, model_name: str, routing_group: str | None) -> ModelKey:
+        return ModelKey(model_name, routing_group or self.config.routing_group)
+
+    def model(self, model_name: str, routing_group: str | None = None) -> ModelIndex:
+        """The index of a model; NotFoundError (Dynamo's message) when it has none."""
+        key = self._key(model_name, routing_group)
+        m = self._models.get(key)
+        if m is None:
+            raise NotFoundError(
+                f"no indexer for model={key.model_name} routing_group={key.routing_group}"
+            )
+        return m
+
+    def _model_for(self, key: ModelKey, block_size: int) -> ModelIndex:
+        m = self._models.get(key)
+        if m is None:
+            m = self._models[key] = ModelIndex(key, block_size)
+        elif m.block_size != block_size:
+            raise ConflictError(
+                f"block_size mismatch for model={key.model_name} "
+                f"routing_group={key.routing_group}: existing={m.block_size}, "
+                f"requested={block_size}"
+            )
+        return m
+
+    def register(self, req: RegisterRequest) -> None:
+        """Follow one engine rank's publisher (Dynamo's ``POST /register``)."""
+        if req.instance_id >= _U64:
+            raise InvalidRequestError(f"instance_id {req.instance_id} is not a u64")
+        block_size = req.block_size or self.config.block_size
+        if block_size is None:
+            raise InvalidRequestError(
+                "block_size is required (the service was started without --block-size)"
+            )
+        try:
+            check_endpoint(req.endpoint)
+            if req.replay_endpoint is not None:
+                check_endpoint(req.replay_endpoint, "replay_endpoint")
+        except ConfigError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        engine = req.engine or self.config.engine
+        if engine not in ("vllm", "sglang"):
+            raise InvalidRequestError(f"engine must be vllm or sglang, got {engine!r}")
+        if req.hash_algo is not None:
+            self._check_algo(req.hash_algo)
+        key = self._key(req.model_name, req.routing_group)
+        spec = WorkerSpec(req.instance_id, req.dp_rank, req.endpoint, req.replay_endpoint)
+        for m in self._models.values():
+            if (spec.instance_id, spec.dp_rank) in m.registrations:
+                raise ConflictError(
+                    f"instance {spec.instance_id} dp_rank {spec.dp_rank} already registered"
+                )
+        model = self._model_for(key, block_size)
+        reg = Registration(spec, key, engine=engine, hash_algo=req.hash_algo)
+        feed = EngineFeed(reg, model)
+        try:
+            feed.url()
+        except ValueError as exc:
+            if not model.registrations and not model.sources:
+                del self._models[key]
+            raise InvalidRequestError(str(exc)) from None
+        model.registrations[(spec.instance_id, spec.dp_rank)] = reg
+        self._start_feed(feed, None)
+
+    def _start_feed(self, feed: Feed, resume: dict[str, Any] | None) -> None:
+        self._feeds[feed.name] = feed
+        feed.start(resume)
+
+    async def unregister(self, req: UnregisterRequest) -> None:
+        """Stop following an instance (every rank, or ``dp_rank``) and forget its blocks
+        (Dynamo's ``POST /unregister``). A model left without workers or sources is
+        removed, as Dynamo removes its indexer."""
+        key = self._key(req.model_name, req.routing_group)
+        m = self._models.get(key)
+        regs = (
+            []
+            if m is None
+            else [
+                r
+                for (inst, rank), r in m.registrations.items()
+                if inst == req.instance_id and (req.dp_rank is None or rank == req.dp_rank)
+            ]
+        )
+        if m is None or not regs:
+            raise NotFoundError(f"instance {req.instance_id} not found")
+        for r in regs:
+            del m.registrations[(r.spec.instance_id, r.spec.dp_rank)]
+            feed = self._feeds.pop(f"zmq:{r.spec.instance_id}:{r.spec.dp_rank}", None)
+            if feed is not None:
+                await feed.aclose()
+        for w in m.workers_of(req.instance_id):
+            if req.dp_rank is None or (w.dp_rank or 0) == req.dp_rank:
+                m.index.forget(w)
+        if not m.registrations and not m.sources:
+            del self._models[key]
+
+    def workers_json(self) -> list[dict[str, Any]]:
+        """``GET /workers``: every registered instance (Dynamo's shape), plus, per rank,
+        kvstream's ``note`` and every stream-fed worker with ``source`` set to its feed."""
+        out: list[dict[str, Any]] = []
+        for m in self._models.values():
+            by_inst: dict[int, dict[str, Any]] = {}
+            for (inst, rank), reg in sorted(m.registrations.items()):
+                entry = by_inst.get(inst)
+                if entry is None:
+                    entry = by_inst[inst] = {
+                        "instance_id": inst,
+                        "source": "zmq",
+                        "status": "active",
+                        "model_name": m.key.model_name,
+                        "routing_group": m.key.routing_group,
+                        "block_size": m.block_size,
+                        "endpoints": {},
+                        "listeners": {},
+                    }
+                feed = self._feeds.get(f"zmq:{inst}:{rank}")
+                status, note = feed.status() if isinstance(feed, EngineFeed) else ("failed", "")
+                entry["endpoints"][str(rank)] = reg.spec.endpoint
+                entry["listeners"][str(rank)] = {
+                    "endpoint": reg.spec.endpoint,
+                    "status": status,
+                    "note": note,
+                }
+                if status != "active" and entry["status"] == "active":
+                    entry["status"] = status
+            out.extend(by_inst.values())
+            registered = {str(i) for i in by_inst}
+            for w in m.index.workers():
+                if w.instance_id in registered:
+                    continue
+                info = m.index.info(w)
+                out.append(
+                    {
+                        "instance_id": w.instance_id,
+                        "dp_rank": 0 if w.dp_rank is None else w.dp_rank,
+                        "source": "stream",
+                        "status": "stale" if info.stale else "active",
+                        "note": info.stale_reason or m.index.unmatchable(w),
+                        "model_name": m.key.model_name,
+                        "routing_group": m.key.routing_group,
+                        "block_size": m.block_size,
+                    }
+                )
+        return out
+
+    # ------------------------------------------------------------------ queries
+
+    def _check_algo(self, name: str) -> None:
+        from kvstream.hashing import get_hasher
+
+        try:
+            get_hasher(name)
+        except HashingError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def _limit(self, n: int, what: str) -> None:
+        if n > self.config.max_tokens:
+            raise PayloadTooLargeError(
+                f"{n} {what} is over the limit of {self.config.max_tokens} (--max-tokens)"
+            )
+
+    def query(self, req: QueryRequest) -> dict[str, Any]:
+        """``POST /query``: scores of ``token_ids``, hashed with Dynamo's local hash, or
+        with ``hash_algo`` (kvstream) and matched through the engine's hashes."""
+        self._limit(len(req.token_ids), "token ids")
+        m = self.model(req.model_name, req.routing_group)
+        if req.hash_algo is not None:
+            return self._query_engine_tokens(m, req)
+        if req.cache_salt is not None:
+            raise InvalidRequestError(
+                "cache_salt needs hash_algo (Dynamo's local hashes carry no salt)"
+            )
+        keys = m.token_keys(_raw_tokens(req.token_ids), req.lora_name)
+        return m.query_keys(keys, include_stale=self.config.include_stale)
+
+    def _engine_algo(self, m: ModelIndex, name: str) -> None:
+        self._check_algo(name)
+        algos = m.hash_algos()
+        if name not in algos:
+            raise ConflictError(
+                f"no worker of model={m.key.model_name} publishes {name} hashes "
+                f"(they publish: {', '.join(sorted(algos)) or 'nothing yet'})"
+            )
+
+    def _query_engine_tokens(self, m: ModelIndex, req: QueryRequest) -> dict[str, Any]:
+        from kvstream.hashing import get_hasher, split_blocks
+
+        assert req.hash_algo is not None
+        self._engine_algo(m, req.hash_algo)
+        blocks = split_blocks(req.token_ids, m.block_size)
+        if blocks and len(blocks[-1]) < m.block_size:
+            blocks.pop()
+        try:
+            hashes = get_hasher(req.hash_algo).chain_bytes(
+                blocks, lora_name=req.lora_name, cache_salt=req.cache_salt
+            )
+        except HashingError as exc:
+            raise InvalidRequestError(
+                f"cannot hash the request with {req.hash_algo}: {exc}"
+            ) from None
+        keys = m.keys_for_engine_hashes(hashes)
+        return m.query_keys(keys, include_stale=self.config.include_stale)
+
+    def query_by_hash(self, req: QueryByHashRequest) -> dict[str, Any]:
+        """``POST /query_by_hash``: Dynamo local hashes (signed i64), or the engine's own
+        block hashes with ``hash_algo``."""
+        self._limit(len(req.block_hashes), "block hashes")
+        m = self.model(req.model_name, req.routing_group)
+        if req.hash_algo is None:
+            local: list[bytes] = []
+            for i, h in enumerate(req.block_hashes):
+                if type(h) is not int or not -(2**63) <= h < 2**63:
+                    raise InvalidRequestError(
+                        f"block_hashes[{i}]: invalid value: {h!r}, expected i64"
+                    )
+                local.append((h % _U64).to_bytes(8, "big"))
+            from kvstream.index.keys import keys_from_local
+
+            if req.lora_name:
+                raise InvalidRequestError(
+                    "lora_name does not apply to /query_by_hash: local hashes include it"
+                )
+            return m.query_keys(keys_from_local(local), include_stale=self.config.include_stale)
+        self._engine_algo(m, req.hash_algo)
+        from kvstream._types import hash_width
+
+        width = hash_width(req.hash_algo)
+        hashes: list[bytes] = []
+        for i, h in enumerate(req.block_hashes):
+            try:
+                if type(h) is int:
+                    hashes.append((h % _U64 if h < 0 else h).to_bytes(width, "big"))
+                elif isinstance(h, str):
+                    raw = bytes.fromhex(h)
+                    if len(raw) != width:
+                        raise ValueError(f"{len(raw)} bytes, expected {width}")
+                    hashes.append(raw)
+                else:
+                    raise ValueError("expected an int or a hex string")
+            except (ValueError, OverflowError) as exc:
+                raise InvalidRequestError(f"block_hashes[{i}]: {exc}") from None
+        return m.query_keys(
+            m.keys_for_engine_hashes(hashes), include_stale=self.config.include_stale
+        )
+
+    def route(self, req: QueryRequest) -> dict[str, Any]:
+        """``POST /route`` (kvstream): the router's decision for ``token_ids`` among the
+        model's workers, with every worker's cost."""
+        self._limit(len(req.token_ids), "token ids")
+        m = self.model(req.model_name, req.routing_group)
+        if not m.index.workers():
+            raise NotFoundError(f"model={m.key.model_name} has no workers yet")
+        request = HashRequest(lora_name=req.lora_name, drop_last_token=False)
+        try:
+            decision = m.router.route(req.token_ids, request)
+        except HashConfigMismatchError as exc:
+            raise ConflictError(str(exc)) from None
+        except (ConfigError, HashingError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        w = decision.worker
+        return {
+            "instance_id": w.instance_id,
+            "dp_rank": 0 if w.dp_rank is None else w.dp_rank,
+            "policy": decision.policy.value,
+            "num_tokens": decision.num_tokens,
+            "scores": [s.as_dict() for s in decision.scores],
+        }
+
+    def dump(self) -> dict[str, Any]:
+        """``GET /dump``: every model's cached blocks as Dynamo lists them."""
+        return {str(m.key): m.dump() for m in self._models.values()}
+
+    def ready(self) -> tuple[bool, list[str]]:
+        """``(ready, what is still awaited)``: the state restored, every feed caught up."""
+        waiting = [f.name for f in self._feeds.values() if not f.caught_up]
+        if self._restoring:
+            waiting.insert(0, "restore")
+        return not waiting, waiting
+
+    # ------------------------------------------------------------------ peers
+
+    def peers(self) -> list[str]:
+        """The peers a restarted replica may recover from."""
+        return list(self._peers)
+
+    def add_peer(self, url: str) -> None:
+        """Add a peer (``POST /register_peer``); InvalidRequestError for a non-HTTP URL."""
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"peer url {url!r} must be http:// or https://")
+        if url not in self._peers:
+            self._peers.append(url)
+
+    def remove_peer(self, url: str) -> None:
+        """Remove a peer (``POST /deregister_peer``); NotFoundError when unknown."""
+        url = url.rstrip("/")
+        if url not in self._peers:
+            raise NotFoundError(f"peer {url} not found")
+        self._peers.remove(url)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _positions(self, m: ModelIndex) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self._feeds.values():
+            if f.model is m:
+                ckpt = f.checkpoint()
+                if ckpt is not None:
+                    out[f.name] = ckpt
+        return out
+
+    def snapshot_bytes(self) -> bytes:
+        """The whole state as snapshot bytes (``GET /snapshot``; :mod:`.snapshot`)."""
+        return encode_service_snapshot([(m, self._positions(m)) for m in self._models.values()])
+
+    async def save_snapshot(self) -> Path | None:
+        """Write a snapshot to ``config.snapshot`` (None without one). The bytes are taken
+        in one step, then written atomically off the loop; OSError on failure."""
+        path = self.config.snapshot
+        if path is None:
+            return None
+        data = self.snapshot_bytes()
+        await asyncio.to_thread(write_atomic, path, data)
+        self.snapshots += 1
+        return path
+
+    async def _snapshot_loop(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.save_snapshot()
+                self.last_snapshot_error = ""
+            except OSError as exc:
+                self.last_snapshot_error = str(exc)
+                log.error("snapshot to %s failed: %s", self.config.snapshot, exc)
+
+    def _pull_peer(self, url: str) -> bytes:
+        req = urllib.request.Request(f"{url}/snapshot")
+        if self.token is not None:
+            req.add_header("authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=_PEER_TIMEOUT_S) as resp:
+            return bytes(resp.read())
+
+    async def _restore(self) -> list[ModelState]:
+        if self.config.snapshot is not None:
+            states = read_snapshot(self.config.snapshot)
+            if states is not None:
+                self.restored_from = "snapshot"
+                return states
+        for url in self._peers:
+            try:
+                data = await asyncio.to_thread(self._pull_peer, url)
+                states = decode_service_snapshot(data)
+            except (OSError, urllib.error.URLError, SnapshotError) as exc:
+                log.warning("peer %s: no state to recover from: %s", url, exc)
+                continue
+            self.restored_from = f"peer {url}"
+            return states
+        return []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Restore, start the feeds and the HTTP server (module docstring). ConfigError for
+        a bad configuration, SnapshotError for an unreadable snapshot file, OSError when the
+        port is taken."""
+        self.started_at = time.monotonic()
+        cfg = self.config
+        sources: list[tuple[SourceSpec, ModelIndex]] = []
+        for spec in cfg.sources:
+            bs = spec.block_size or cfg.block_size
+            if bs is None:
+                raise ConfigError(
+                    f"--source {spec.url}: give the model's block size (--block-size, or "
+                    "block_size= in the source URL)"
+                )
+            sources.append((spec, ModelIndex(ModelKey(spec.model_name, spec.routing_group), bs)))
+        await self._start_http()
+        try:
+            states = await self._restore()
+            positions: dict[str, Any] = {}
+            for st in states:
+                self._models[st.model.key] = st.model
+                positions.update(st.positions)
+                for reg in st.model.registrations.values():
+                    self._start_feed(
+                        EngineFeed(reg, st.model),
+                        positions.get(f"zmq:{reg.spec.instance_id}:{reg.spec.dp_rank}"),
+                    )
+            for spec, fresh in sources:
+                try:
+                    m = self._model_for(fresh.key, fresh.block_size)
+                except ConflictError as exc:
+                    raise ConfigError(str(exc)) from None
+                m.sources.add(spec.url)
+                feed = StreamFeed(spec, m)
+                self._start_feed(feed, positions.get(feed.name))
+            for w in cfg.workers:
+                if any(
+                    (w.instance_id, w.dp_rank) in m.registrations for m in self._models.values()
+                ):
+                    continue
+                self.register(
+                    RegisterRequest(
+                        instance_id=w.instance_id,
+                        endpoint=w.endpoint,
+                        model_name=cfg.model_name,
+                        block_size=cfg.block_size,
+                        dp_rank=w.dp_rank,
+                        replay_endpoint=w.replay_endpoint,
+                    )
+                )
+        except BaseException:
+            await self.aclose(snapshot=False)
+            raise
+        self._restoring = False
+        if cfg.snapshot is not None and cfg.snapshot_every_s is not None:
+            self._snap_task = asyncio.create_task(self._snapshot_loop(cfg.snapshot_every_s))
+
+    async def _start_http(self) -> None:
+        import uvicorn
+
+        from kvstream.serve.http import create_app
+
+        class _Server(uvicorn.Server):
+            # the application (or the CLI) owns the process's signals, not uvicorn
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        try:
+            import httptools  # noqa: F401
+
+            http = "httptools"
+        except ImportError:  # pragma: no cover - the serve extra installs it
+            http = "h11"
+        cfg = self.config
+        config = uvicorn.Config(
+            create_app(self),
+            host=cfg.host,
+            port=cfg.port,
+            http=http,
+            loop="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=None if cfg.tls_cert is None else str(cfg.tls_cert),
+            ssl_keyfile=None if cfg.tls_key is None else str(cfg.tls_key),
+            timeout_keep_alive=60,
+            server_header=False,
+        )
+        server = _Server(config)
+        self._server = server
+        self._server_task = asyncio.create_task(server.serve())
+        while not server.started:
+            if self._server_task.done():
+                exc = self._server_task.exception()
+                self._server = self._server_task = None
+                raise OSError(f"cannot serve on {cfg.host}:{cfg.port}: {exc or 'port in use?'}")
+            await asyncio.sleep(0.01)
+        sock = server.servers[0].sockets[0]
+        self.port = int(sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        """The service's base URL (after :meth:`start`)."""
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        host = self.config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{self.port}"
+
+    async def aclose(self, *, snapshot: bool = True) -> None:
+        """Stop serving, write a last snapshot (when configured and ``snapshot``), close
+        every feed. Idempotent."""
+        if self._snap_task is not None:
+            self._snap_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._snap_task
+            self._snap_task = None
+        server, task = self._server, self._server_task
+        self._server = self._server_task = None
+        if server is not None and task is not None:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await task
+        if snapshot and not self._restoring:
+            try:
+                await self.save_snapshot()
+            except (OSError, KVStreamError) as exc:
+                log.error("last snapshot failed: %s", exc)
+        feeds = list(self._feeds.values())
+        self._feeds.clear()
+        for f in feeds:
+            await f.aclose()
+
+    async def __aenter__(self) -> IndexService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
