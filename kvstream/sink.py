@@ -37,6 +37,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvstream.errors import ConfigError, PermanentSinkError, RetriableSinkError, SinkError
 from kvstream.events.model import EventBatch
+from kvstream.kafka_security import redact_url
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -334,7 +335,11 @@ def parse_size(text: str, *, what: str = "value") -> int:
 
 def parse_sink_url(url: str) -> SinkURL:
     """Parse a sink URL. ``memory``/``memory://`` (+query), ``file:///abs/dir?...``,
-    ``kafka://h1:9092,h2:9092/topic?...``. Raises :class:`ConfigError` when malformed."""
+    ``kafka://h1:9092,h2:9092/topic?...``. Raises :class:`ConfigError` when malformed.
+
+    ``raw`` (what error messages quote) is the URL with its secrets masked
+    (:func:`kvstream.kafka_security.redact_url`); ``params`` hold the real values."""
+    shown = redact_url(url)
     text = url.strip()
     if not text:
         raise ConfigError("empty sink URL")
@@ -342,18 +347,18 @@ def parse_sink_url(url: str) -> SinkURL:
         name, _, query = text.partition("?")
         if not name.isidentifier():
             raise ConfigError(
-                f"sink {url!r} is neither a sink name (memory) nor a URL (scheme://...)"
+                f"sink {shown!r} is neither a sink name (memory) nor a URL (scheme://...)"
             )
-        return SinkURL(raw=url, scheme=name.lower(), params=_query(query, url))
+        return SinkURL(raw=shown, scheme=name.lower(), params=_query(query, shown))
     parts = urlsplit(text)
     if not parts.scheme:
-        raise ConfigError(f"sink URL {url!r} has no scheme")
+        raise ConfigError(f"sink URL {shown!r} has no scheme")
     return SinkURL(
-        raw=url,
+        raw=shown,
         scheme=parts.scheme.lower(),
         netloc=unquote(parts.netloc),
         path=unquote(parts.path),
-        params=_query(parts.query, url),
+        params=_query(parts.query, shown),
     )
 
 

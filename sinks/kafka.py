@@ -13,7 +13,9 @@
   ``schema_registry_id`` the Confluent wire format (``00`` + id + body) instead.
 * Headers: ``kvstream-schema-version``, ``kvstream-schema-fingerprint`` (16 hex digits),
   ``kvstream-hash-algo`` (comma-joined when a batch mixes algorithms), ``kvstream-encoding``.
-* TLS/SASL options are passed through to aiokafka; ``create_topic`` creates the topic with
+* TLS/SASL settings (:class:`kvstream.kafka_security.KafkaSecurity`, shared with the Kafka
+  index source: URL, ``KVSTREAM_KAFKA_*`` environment or a config file) apply to the
+  producer and to the sink's admin and read-back clients; ``create_topic`` creates the topic with
   ``partitions`` partitions through aiokafka's admin client (an existing topic is fine).
 * aiokafka errors map to retriable/permanent results (:func:`classify_kafka_error`).
 * Deadlines: ``shutdown(timeout_s)`` returns within its budget whatever the broker does, and
@@ -35,8 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -45,7 +45,6 @@ import aiokafka.errors as kerr
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.conn import CloseReason
-from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import murmur2
 
 from kvstream.codec import AvroCodec
@@ -57,6 +56,8 @@ from kvstream.errors import (
     SinkError,
 )
 from kvstream.events.model import EventBatch, SourceId
+from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
+from kvstream.kafka_security import KafkaSecurity
 from kvstream.sink import Abandoned, ExportResult, Sink, SinkURL
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "HEADER_SCHEMA_VERSION",
     "KafkaSink",
     "classify_kafka_error",
+    "describe_error",
     "partition_for",
     "source_key",
 ]
@@ -121,7 +123,7 @@ def classify_kafka_error(exc: BaseException) -> ExportResult:
     error aiokafka does not flag retriable. Retriable: errors aiokafka flags ``retriable``,
     client-side timeouts and connection failures (broker down), and OS-level socket errors.
     """
-    reason = f"{type(exc).__name__}: {exc}"
+    reason = describe_error(exc)
     if isinstance(exc, SinkError | EncodeError):
         return ExportResult.from_exception(exc)
     if isinstance(exc, _PERMANENT_ERRORS):
@@ -133,6 +135,15 @@ def classify_kafka_error(exc: BaseException) -> ExportResult:
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return ExportResult.retry(reason, exc)
     return ExportResult.permanent(reason, exc)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Name: message``, the exception's name once (aiokafka's errors already start their
+    text with it: ``KafkaConnectionError: Unable to bootstrap...``)."""
+    name, text = type(exc).__name__, str(exc)
+    if not text or text == name:
+        return name
+    return text if text.startswith(f"{name}:") else f"{name}: {text}"
 
 
 def _raise_classified(exc: BaseException, what: str) -> None:
@@ -214,11 +225,7 @@ class KafkaSink(Sink):
         max_batch_bytes: int = 1024 * 1024,
         request_timeout_ms: int = 30_000,
         client_id: str = "kvstream",
-        security_protocol: str = "PLAINTEXT",
-        ssl_context: ssl.SSLContext | None = None,
-        sasl_mechanism: str = "PLAIN",
-        sasl_plain_username: str | None = None,
-        sasl_plain_password: str | None = None,
+        security: KafkaSecurity | None = None,
         producer_options: Mapping[str, Any] | None = None,
         name: str | None = None,
     ) -> None:
@@ -242,13 +249,9 @@ class KafkaSink(Sink):
         self.create_topic = create_topic
         self.partitions = partitions
         self.replication_factor = replication_factor
-        self._security: dict[str, Any] = {
-            "security_protocol": security_protocol,
-            "ssl_context": ssl_context,
-            "sasl_mechanism": sasl_mechanism,
-            "sasl_plain_username": sasl_plain_username,
-            "sasl_plain_password": sasl_plain_password,
-        }
+        #: TLS/SASL settings (PLAINTEXT by default); their secrets never print.
+        self.security = security or KafkaSecurity()
+        self._security: dict[str, Any] = self.security.client_kwargs()
         self._producer_options: dict[str, Any] = {
             "client_id": client_id,
             "linger_ms": linger_ms,
@@ -291,17 +294,8 @@ class KafkaSink(Sink):
         "request_timeout_ms",
         "compression",
         "client_id",
-        "security_protocol",
-        "sasl_mechanism",
-        "sasl_plain_username",
-        "sasl_plain_password",
-        "sasl_plain_password_env",
-        "ssl_cafile",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "ssl_password_env",
-        "ssl_check_hostname",
         "name",
+        *SECURITY_OPTIONS,
     )
 
     @classmethod
@@ -311,31 +305,16 @@ class KafkaSink(Sink):
         Keys: ``partitions`` (creates the topic with that many unless ``create_topic=false``),
         ``create_topic``, ``replication_factor``, ``schema_registry_id`` (Confluent framing),
         ``schema_version``, ``linger_ms``, ``max_batch_bytes``, ``request_timeout_ms``,
-        ``compression`` (gzip/snappy/lz4/zstd), ``client_id``, ``security_protocol``
-        (PLAINTEXT/SSL/SASL_PLAINTEXT/SASL_SSL), ``sasl_mechanism``, ``sasl_plain_username``,
-        ``sasl_plain_password`` or ``sasl_plain_password_env`` (the name of an environment
-        variable holding it), ``ssl_cafile``/``ssl_certfile``/``ssl_keyfile``,
-        ``ssl_password_env``, ``ssl_check_hostname``, ``name``.
+        ``compression`` (gzip/snappy/lz4/zstd), ``client_id``, ``name``, and the TLS/SASL
+        options of :mod:`kvstream.kafka_security` (``security_protocol``, ``ssl_cafile``,
+        ``sasl_mechanism``, ``sasl_username``, ``sasl_password_file``...), which also come
+        from ``KVSTREAM_KAFKA_*`` variables or a ``kafka_config`` file.
         """
         url.check_keys(cls._URL_KEYS)
         topic = url.path.strip("/")
         if not url.hosts or not topic or "/" in topic:
             raise ConfigError(f"expected kafka://HOST:PORT/TOPIC, got {url.raw!r}")
-        password = url.get("sasl_plain_password")
-        pw_env = url.get("sasl_plain_password_env")
-        if pw_env:
-            password = _env(pw_env, url.raw)
-        ssl_ctx = None
-        protocol = (url.get("security_protocol") or "PLAINTEXT").upper()
-        if protocol in ("SSL", "SASL_SSL") or url.get("ssl_cafile"):
-            key_pw_env = url.get("ssl_password_env")
-            ssl_ctx = create_ssl_context(
-                cafile=url.get("ssl_cafile"),
-                certfile=url.get("ssl_certfile"),
-                keyfile=url.get("ssl_keyfile"),
-                password=_env(key_pw_env, url.raw) if key_pw_env else None,
-            )
-            ssl_ctx.check_hostname = url.get_bool("ssl_check_hostname", True)
+        security = KafkaSecurity.from_options(url.params, where=url.raw)
         version = url.get_int("schema_version")
         options: dict[str, Any] = {}
         if url.get("compression"):
@@ -353,11 +332,7 @@ class KafkaSink(Sink):
             max_batch_bytes=url.get_int("max_batch_bytes", 1024 * 1024) or 1024 * 1024,
             request_timeout_ms=url.get_int("request_timeout_ms", 30_000) or 30_000,
             client_id=url.get("client_id") or "kvstream",
-            security_protocol=protocol,
-            ssl_context=ssl_ctx,
-            sasl_mechanism=url.get("sasl_mechanism") or "PLAIN",
-            sasl_plain_username=url.get("sasl_plain_username"),
-            sasl_plain_password=password,
+            security=security,
             producer_options=options,
             name=url.get("name"),
         )
@@ -853,10 +828,3 @@ def _abandon(producer: AIOKafkaProducer, exc: Exception) -> None:
     if acc is not None:
         with contextlib.suppress(Exception):
             acc.fail_all(exc)
-
-
-def _env(name: str, url: str) -> str:
-    value = os.environ.get(name)
-    if value is None:
-        raise ConfigError(f"environment variable {name} (named in {url!r}) is not set")
-    return value

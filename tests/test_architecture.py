@@ -17,6 +17,7 @@ LAYERS = {
     "errors": 0,
     "clock": 0,
     "config": 0,
+    "kafka_security": 0,  # TLS/SASL settings of every Kafka client (stdlib ssl only)
     "events": 1,
     "hashing": 1,
     "workloads": 1,

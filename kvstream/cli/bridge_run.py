@@ -21,6 +21,7 @@ from typing import Any
 
 from kvstream.events.model import EventBatch, Lost, Removed, Stored
 from kvstream.index import EventSource, open_source
+from kvstream.kafka_security import redact_url
 from kvstream.pipeline import CloseReport, Pipeline, PipelineConfig
 from kvstream.sink import Sink, create_sink
 
@@ -93,6 +94,9 @@ class BridgeResult:
     close: CloseReport | None = None
     events_by_kind: dict[str, int] = field(default_factory=dict)
     source_stats: dict[str, int] = field(default_factory=dict)
+    #: Per sink that reports more than the pipeline counts (its ``details()``: e.g. what the
+    #: vllm sink refused or skipped, and why).
+    sink_details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -122,6 +126,7 @@ class BridgeResult:
             "source_stats": self.source_stats,
             "sources": {k: vars(v) for k, v in self.sources.items()},
             "close": self.close.as_dict() if self.close is not None else None,
+            "sink_details": self.sink_details,
         }
 
 
@@ -264,8 +269,8 @@ async def run_bridge(
         progress.waiting = ""
         on_progress(progress)
     return BridgeResult(
-        source=opts.source,
-        sinks=urls,
+        source=redact_url(opts.source),
+        sinks=[redact_url(u) for u in urls],
         stop_reason=reason,
         progress=progress,
         sources=tallies,
@@ -273,6 +278,7 @@ async def run_bridge(
         close=close,
         events_by_kind=kinds,
         source_stats=source.stats.as_dict(),
+        sink_details={s.name: s.details() for s in sinks if callable(getattr(s, "details", None))},
     )
 
 

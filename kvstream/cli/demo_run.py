@@ -32,6 +32,7 @@ from kvstream.cache import (
 from kvstream.codec import AvroCodec
 from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch, KVCacheEvent, Lost, Removed, SourceId, Stored
+from kvstream.kafka_security import redact_url
 from kvstream.pipeline import CloseReport, Pipeline, PipelineConfig
 from kvstream.sink import ReadableSink, Sink, create_sink
 from kvstream.workloads import ChatWorkload, WorkloadRequest, multi_turn_chats
@@ -382,7 +383,7 @@ def _sinks(opts: DemoOptions) -> tuple[list[tuple[str, Sink]], Path | None]:
 async def _read_back(
     url: str, name: str, sink: Sink, since: object
 ) -> tuple[list[EventBatch], SinkCheck]:
-    check = SinkCheck(url=url, name=name, location=_location(sink))
+    check = SinkCheck(url=redact_url(url), name=name, location=_location(sink))
     check.avro_files = getattr(sink, "format", None) == "avro"
     if not isinstance(sink, ReadableSink):
         check.problem = f"a {type(sink).__name__} cannot be read back"

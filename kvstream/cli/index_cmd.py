@@ -240,8 +240,10 @@ def _as_json(
                 "stats": info.stats.as_dict(),
             }
         )
+    from kvstream.kafka_security import redact_url
+
     return {
-        "stream": stream,
+        "stream": redact_url(stream),
         "batches": consumer.batches,
         "snapshots": consumer.snapshots,
         "source": consumer.source.stats.as_dict(),
@@ -266,11 +268,13 @@ def _print(
 ) -> None:
     from rich.table import Table
 
+    from kvstream.kafka_security import redact_url
+
     idx = consumer.index
     st = idx.stats()
     src = consumer.source.stats
     out.print(
-        f"[bold]kvstream index[/bold] {stream}: {consumer.batches:,} batches applied, "
+        f"[bold]kvstream index[/bold] {redact_url(stream)}: {consumer.batches:,} batches applied, "
         f"{st.workers} workers ({st.stale_workers} stale), {st.blocks:,} cached blocks, "
         f"{src.malformed} malformed inputs skipped"
     )

@@ -105,7 +105,13 @@ def _kafka_sink_url(url: str) -> str:
 
 
 def _kafka_source(url: str) -> Any:
+    """A reader of the sink URL's topic, with the sink's TLS/SASL settings (the sink's other
+    options, partitions and the like, are not a reader's)."""
     from kvstream.index.sources.kafka import KafkaSource
+    from kvstream.kafka_security import KafkaSecurity
+    from kvstream.sink import parse_sink_url
 
     base = url.split("?", 1)[0]
-    return KafkaSource.from_url(base)
+    parsed = parse_sink_url(url)
+    security = KafkaSecurity.from_options(parsed.params, where=parsed.raw)
+    return KafkaSource.from_url(base, security=security)

@@ -18,7 +18,11 @@ __all__ = ["shard"]
 
 def shard(
     stream: Annotated[
-        str, typer.Argument(help="kafka://HOST:PORT/TOPIC (the Kafka sink's topic).")
+        str,
+        typer.Argument(
+            help="kafka://HOST:PORT/TOPIC (the Kafka sink's topic), with TLS/SASL options "
+            "if any (security_protocol=SASL_SSL&ssl_cafile=...; see docs/kafka-security.md)."
+        ),
     ],
     shard_spec: Annotated[
         str | None,
@@ -108,6 +112,7 @@ def shard(
         "client_id": base.client_id,
         "schema_ids": base.schema_ids,
         "consumer_options": base.consumer_options,
+        "security": base.security,
     }
     try:
         if spec is None:

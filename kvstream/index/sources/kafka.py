@@ -26,6 +26,11 @@ Every message is decoded whatever its schema version and framing (Avro single-ob
 Confluent with ``schema_ids`` or the ``kvstream-schema-version`` header). A message that does
 not decode is skipped, counted and logged with its ``topic[partition]@offset``.
 
+TLS and SASL: ``security`` (a :class:`~kvstream.kafka_security.KafkaSecurity`), or in a URL
+the options of :mod:`kvstream.kafka_security` (``security_protocol=SASL_SSL&ssl_cafile=...``),
+which also come from ``KVSTREAM_KAFKA_*`` variables or a ``kafka_config`` file: the same
+settings, parsed by the same code, as the Kafka sink's.
+
 ``stop_at_end``: end once every assigned partition reaches the end offset it had when the
 source started reading (catch up, then stop).
 """
@@ -42,6 +47,8 @@ from kvstream.errors import CodecError, ConfigError, EventValidationError
 from kvstream.index.errors import SourceError
 from kvstream.index.shards import ShardSpec
 from kvstream.index.sources.base import EventSource, SourceItem, decode_message, skipped_ids
+from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
+from kvstream.kafka_security import KafkaSecurity
 from kvstream.sink import parse_sink_url
 
 __all__ = ["KafkaSource"]
@@ -57,6 +64,7 @@ _URL_KEYS: Final = (
     "client_id",
     "schema_ids",
     "request_timeout_ms",
+    *SECURITY_OPTIONS,
 )
 
 
@@ -68,7 +76,8 @@ class KafkaSource(EventSource):
     ``group_id``): a member of a group of index shards, ``on_drop`` called with the partitions
     the group took away (module docstring). ``resume_from``: a :meth:`checkpoint`.
     ``schema_ids``: Confluent schema id -> kvstream schema version. ``consumer_options`` go
-    to :class:`aiokafka.AIOKafkaConsumer` (security settings, ``fetch_max_wait_ms``...).
+    to :class:`aiokafka.AIOKafkaConsumer` (``fetch_max_wait_ms``...). ``security``: TLS/SASL
+    settings (default PLAINTEXT).
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class KafkaSource(EventSource):
         max_records: int = 1000,
         elastic: bool = False,
         on_drop: Callable[[set[int], int], None] | None = None,
+        security: KafkaSecurity | None = None,
     ) -> None:
         super().__init__()
         if not topic:
@@ -119,6 +129,8 @@ class KafkaSource(EventSource):
         self.client_id = client_id
         self.codec = codec or AvroCodec()
         self.consumer_options = dict(consumer_options or {})
+        #: TLS/SASL settings; their secrets never print.
+        self.security = security or KafkaSecurity()
         self.max_records = max_records
         self.name = f"kafka:{topic}" if self.shard is None else f"kafka:{topic}#{self.shard}"
         self._resume: dict[int, int] = {}
@@ -143,17 +155,20 @@ class KafkaSource(EventSource):
         """``kafka://host:port[,host:port]/topic?group_id=G&partitions=0,1&stop_at_end=1``
         (or ``shard=K/N`` instead of a group or partitions).
 
-        Also ``client_id``, ``request_timeout_ms`` and ``schema_ids=ID:VERSION,...``;
-        ``kwargs`` override/extend the constructor arguments.
+        Also ``client_id``, ``request_timeout_ms``, ``schema_ids=ID:VERSION,...`` and the
+        TLS/SASL options (module docstring); ``kwargs`` override/extend the constructor
+        arguments. Error messages show the URL with its secrets masked.
         """
         u = parse_sink_url(url)
+        where = u.raw  # secrets masked
         if u.scheme != "kafka":
-            raise ConfigError(f"expected a kafka:// URL, got {url!r}")
+            raise ConfigError(f"expected a kafka:// URL, got {where!r}")
         u.check_keys(_URL_KEYS)
         topic = u.path.strip("/")
         if not u.hosts or not topic or "/" in topic:
-            raise ConfigError(f"expected kafka://HOST:PORT/TOPIC, got {url!r}")
+            raise ConfigError(f"expected kafka://HOST:PORT/TOPIC, got {where!r}")
         args: dict[str, Any] = {
+            "security": KafkaSecurity.from_options(u.params, where=where),
             "group_id": u.get("group_id"),
             "stop_at_end": u.get_bool("stop_at_end", False),
             "client_id": u.get("client_id") or "kvstream-index",
@@ -163,7 +178,7 @@ class KafkaSource(EventSource):
             try:
                 args["partitions"] = [int(p) for p in parts.split(",") if p.strip()]
             except ValueError:
-                raise ConfigError(f"partitions must be ints in {url!r}") from None
+                raise ConfigError(f"partitions must be ints in {where!r}") from None
         shard = u.get("shard")
         if shard:
             args["shard"] = ShardSpec.parse(shard)
@@ -174,7 +189,7 @@ class KafkaSource(EventSource):
                     int(k): int(v) for k, v in (item.split(":") for item in ids.split(","))
                 }
             except ValueError:
-                raise ConfigError(f"schema_ids must be ID:VERSION,... in {url!r}") from None
+                raise ConfigError(f"schema_ids must be ID:VERSION,... in {where!r}") from None
         timeout = u.get_int("request_timeout_ms")
         if timeout:
             args["consumer_options"] = {"request_timeout_ms": timeout}
@@ -194,6 +209,7 @@ class KafkaSource(EventSource):
                 "enable_auto_commit": False,
                 "auto_offset_reset": "earliest",
                 "fetch_max_wait_ms": 100,
+                **self.security.client_kwargs(),
                 **self.consumer_options,
             }
             consumer = AIOKafkaConsumer(
