@@ -55,6 +55,18 @@ COMMANDS: dict[str, _Lazy] = {
         "Build a prefix index from a KV-event stream, then print per-worker matches for the "
         "queries (and the state of every worker).",
     ),
+    "serve": _Lazy(
+        "kvstream.cli.serve_cmd",
+        "serve",
+        False,
+        "Serve a KV index to routers over HTTP (Dynamo's standalone-indexer API).",
+    ),
+    "query": _Lazy(
+        "kvstream.cli.query_cmd",
+        "query",
+        False,
+        "Ask an index service which workers hold a request's prefix (POST /query).",
+    ),
     "shard": _Lazy(
         "kvstream.cli.shard_cmd",
         "shard",
