@@ -89,15 +89,17 @@ async def sink() -> AsyncIterator[VllmSink]:
 
 def test_url_defaults_and_options() -> None:
     s = VllmSink.from_url(parse_sink_url("vllm://127.0.0.1:7000"))
-    assert (s.port, s.replay_port, s.dp_size, s.name) == (7000, None, 1, "vllm")
+    assert (s.port, s.replay_port, s.fixed_dp_size, s.name) == (7000, None, None, "vllm")
+    assert (s.instance, s.ranks) == (None, None)  # dp_size=auto, every instance and rank
     assert s.endpoint(0) == "tcp://127.0.0.1:7000"
     assert s.replay_endpoint(0) is None
     s = VllmSink.from_url(
         parse_sink_url(
             "vllm://*:7000?replay=7100&dp_size=4&topic=kv@p@m&buffer_steps=5&hwm=9"
-            "&hash_format=bytes&track_blocks=0&linger_s=0.5&name=dyn"
+            "&hash_format=bytes&track_blocks=0&linger_s=0.5&name=dyn&instance=w3&ranks=1,3"
         )
     )
+    assert (s.fixed_dp_size, s.instance, s.ranks) == (4, "w3", {1, 3})
     assert (s.endpoint(3), s.replay_endpoint(3)) == ("tcp://*:7003", "tcp://*:7103")
     assert (s.exporter.hash_format, s.exporter.track_blocks, s.linger_s, s.name) == (
         "bytes",
@@ -119,6 +121,11 @@ def test_url_defaults_and_options() -> None:
         ("vllm://127.0.0.1:7000?replay=7001&dp_size=2", "overlap"),
         ("vllm://127.0.0.1:65535?dp_size=2", "65535"),
         ("vllm://127.0.0.1:7000?dp_size=0", "dp_size"),
+        ("vllm://127.0.0.1:7000?dp_size=some", "dp_size"),
+        ("vllm://127.0.0.1:7000?dp_size=2&ranks=2", "ranks"),
+        ("vllm://127.0.0.1:7000?ranks=a,b", "ranks"),
+        ("vllm://127.0.0.1:7000?ranks=", "ranks"),
+        ("vllm://127.0.0.1:7000?instance=", "instance"),
         ("vllm://127.0.0.1:7000?buffer_steps=0", "buffer_steps"),
         ("vllm://127.0.0.1:7000?hwm=-1", "hwm"),
         ("vllm://127.0.0.1:7000?track_blocks=-1", "track_blocks"),
@@ -312,9 +319,14 @@ async def test_rank_outside_dp_size_is_rejected(sink: VllmSink) -> None:
     assert isinstance(result.error, PermanentSinkError)
     assert sink.rejected == {"rank_out_of_range": 1}
     assert sink.next_seq(0) == 0
-    # other sources in the same export are still published, and the export succeeds
-    mixed = await sink.export([stored_batch(2, rank=0), stored_batch(3, rank=5)])
-    assert mixed.ok
+    assert sink.abandon().delivered == ()
+    # other sources in the same export are still published; the export fails, and says
+    # which batches went out, so only the refused one is counted lost
+    ok, refused = stored_batch(2, rank=0), stored_batch(3, rank=5)
+    mixed = await sink.export([ok, refused])
+    assert mixed.status is ExportStatus.PERMANENT
+    assert "1 of 2 batch(es) (1 event(s)) not published" in mixed.reason
+    assert sink.abandon().delivered == (ok,)
     assert sink.next_seq(0) == 1
     assert sink.rejected == {"rank_out_of_range": 2}
 
@@ -324,6 +336,7 @@ async def test_second_instance_is_rejected(sink: VllmSink) -> None:
     result = await sink.export([stored_batch(2, instance="b")])
     assert result.status is ExportStatus.PERMANENT
     assert "one vllm sink per engine" in result.reason
+    assert "instance=ID" in result.reason
     assert sink.rejected == {"other_instance": 1}
     assert sink.next_seq(0) == 1
 

@@ -99,8 +99,8 @@ def bridge(
     vLLM to Kafka:
     kvstream bridge "vllm://HOST:5557?replay=5558" -s kafka://broker:9092/kv
 
-    Kafka to NVIDIA Dynamo / llm-d (vLLM's wire format):
-    kvstream bridge kafka://broker:9092/kv -s "vllm://0.0.0.0:5600?replay=5601"
+    Kafka to NVIDIA Dynamo / llm-d (vLLM's wire format), one engine instance per sink:
+    kvstream bridge kafka://broker:9092/kv -s "vllm://0.0.0.0:5600?replay=5700&instance=w0"
     """
     import asyncio
 
@@ -240,5 +240,7 @@ def _print_summary(result: BridgeResult, out: Console) -> None:
                 else f"[red]{rep.undelivered_events} undelivered[/red]"
             )
             out.print(f"sink {name}: {rep.events_out:,} events delivered, {state}")
+            if not rep.ok and rep.last_error:
+                out.print(f"  last error: {rep.last_error}", highlight=False, markup=False)
     if p.dropped_batches:
         out.print(f"[red]{p.dropped_batches} batches dropped (sink queues full)[/red]")

@@ -278,8 +278,18 @@ async def run_bridge(
         close=close,
         events_by_kind=kinds,
         source_stats=source.stats.as_dict(),
-        sink_details={s.name: s.details() for s in sinks if callable(getattr(s, "details", None))},
+        sink_details=_sink_details(sinks),
     )
+
+
+def _sink_details(sinks: list[Sink]) -> dict[str, dict[str, Any]]:
+    """What sinks with a ``details()`` method report beyond the pipeline's counts."""
+    out: dict[str, dict[str, Any]] = {}
+    for sink in sinks:
+        details = getattr(sink, "details", None)
+        if callable(details):
+            out[sink.name] = details()
+    return out
 
 
 class _ProgressCollector:

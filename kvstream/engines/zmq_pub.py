@@ -311,9 +311,29 @@ class PublisherGroup:
         if self.ranks:
             return
         ctx = self._ctx = zmq.asyncio.Context()
+        try:
+            self.ranks = await self._bind(ctx, 0, self.dp_size)
+        except BaseException:
+            self._ctx = None
+            await terminate_context(ctx, 0.0)
+            raise
+
+    async def grow(self, dp_size: int) -> None:
+        """Bind ranks ``len(ranks)..dp_size-1`` too (a stream showed more ranks than were
+        bound); on failure the ranks bound before stay and the new ones are released.
+        Raises as :meth:`start` does; ConnectionError when not started."""
+        ctx = self._ctx
+        if ctx is None or not self.ranks:
+            raise ConnectionError("the publisher group is not started")
+        if dp_size <= len(self.ranks):
+            return
+        self.ranks = self.ranks + await self._bind(ctx, len(self.ranks), dp_size)
+        self.dp_size = dp_size
+
+    async def _bind(self, ctx: zmq.asyncio.Context, first: int, end: int) -> list[ZmqPublisher]:
         ranks: list[ZmqPublisher] = []
         try:
-            for rank in range(self.dp_size):
+            for rank in range(first, end):
                 pub = ZmqPublisher(
                     self.endpoint(rank),
                     self.replay_endpoint(rank),
@@ -327,10 +347,8 @@ class PublisherGroup:
         except BaseException:
             for pub in ranks:
                 await pub.close()
-            self._ctx = None
-            await terminate_context(ctx, 0.0)
             raise
-        self.ranks = ranks
+        return ranks
 
     async def close(self, linger_s: float = 0.0) -> None:
         """Close every rank (PUB linger ``linger_s``) and terminate the context."""

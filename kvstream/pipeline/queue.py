@@ -112,6 +112,8 @@ class SinkQueue:
         self._want_events = 1
         self._urgent = 0
         self._marker_not_before = 0.0
+        # the last chunk failed permanently: at close, its markers are not offered again
+        self._refused = False
         #: Close's recording deadline (a ``time.monotonic()`` value): drops recorded after
         #: it are recorded per source from the batches' ends (see :meth:`drain_remaining`).
         self.record_until: float | None = None
@@ -288,6 +290,7 @@ class SinkQueue:
             c.events_out += n
             c.settled_batches += 1
             self._marker_not_before = 0.0
+            self._refused = False
             return True
 
     async def put_async(self, batch: AnyBatch, timeout_s: float | None = None) -> bool:
@@ -341,6 +344,10 @@ class SinkQueue:
         """Wait for work and take the next chunk; None once closed and nothing is left.
 
         Lingers up to ``linger_s`` for a full chunk unless a flush or close is in progress.
+        Once closed with no batch left, markers still owed are offered again only if the
+        last export did not fail permanently: the sink said retrying cannot help (e.g. the
+        vllm sink refusing a source it cannot publish), so close does not wait out its
+        deadline on them; they stay pending (``lost_pending_ids``).
         """
         assert self._wakeup is not None, "attach() first"
         wakeup = self._wakeup
@@ -348,10 +355,10 @@ class SinkQueue:
         while True:
             with self._lock:
                 now = time.monotonic()
+                if self._closed and not self._items and (not self.ledger or self._refused):
+                    return None
                 if self._ready(now):
                     break
-                if self._closed and not self._items and not self.ledger:
-                    return None
                 self._want_batches = self._want_events = 1
                 self._consumer_waiting = True
                 wakeup.clear()
@@ -440,6 +447,7 @@ class SinkQueue:
             c.markers_out += chunk.marker_events
             c.settled_batches += chunk.data_batches
             self._marker_not_before = 0.0
+            self._refused = False
 
     def failed(
         self,
@@ -491,6 +499,7 @@ class SinkQueue:
             c.settled_batches += chunk.data_batches
             self.ledger.merge(lost)
             self._marker_not_before = time.monotonic() + marker_backoff_s
+            self._refused = reason == DropReason.PERMANENT_ERROR
 
     def _record(
         self,
