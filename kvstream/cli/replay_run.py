@@ -52,7 +52,7 @@ from kvstream.cli.replay_result import LoadSample, ReplayResult, RequestRecord, 
 from kvstream.cli.replay_transport import Transport
 from kvstream.errors import ConfigError
 from kvstream.events.model import SourceId
-from kvstream.index import PrefixIndex, Router, RouterConfig, RoutingPolicy, WorkerKey
+from kvstream.index import KeyMode, PrefixIndex, Router, RouterConfig, RoutingPolicy, WorkerKey
 from kvstream.workloads import MooncakeTokens, TraceRow, load_trace, resolve_trace
 
 __all__ = [
@@ -285,6 +285,9 @@ class _Replay:
             for k in self.keys
         ]
         self.index = PrefixIndex(key_mode=opts.key_mode)
+        # the workers' own hashes spare hashing a prompt twice, but only an engine-keyed
+        # index looks blocks up by them (a token-keyed one hashes with its own keys)
+        self.reuse_hashes = self.index.key_mode is KeyMode.ENGINE
         self.router = Router(
             self.index,
             self.keys,
@@ -383,7 +386,10 @@ class _Replay:
                 # hashed once: the router matches the cache's own hashes (tokens[:-1])
                 prompt, hashed = ahead.popleft()
                 decision = router.route(
-                    prompt, block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs]
+                    prompt,
+                    block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs]
+                    if self.reuse_hashes
+                    else None,
                 )
                 w = self.slot[decision.worker]
                 chosen = decision.chosen
@@ -475,7 +481,9 @@ class _Replay:
                     tier_weights=self.router.config.tier_weights,
                     hash_algo=self.opts.hash_algo,
                     tokens_per_block=bs,
-                    block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs],
+                    block_hashes=hashed.hashes[: (hashed.num_tokens - 1) // bs]
+                    if self.reuse_hashes
+                    else None,
                 )
                 predicted = m.matches[0].usable_blocks
                 result.requeried += 1
