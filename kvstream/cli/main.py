@@ -147,9 +147,12 @@ app = typer.Typer(
 
 
 @app.callback()
-def _root() -> None:
-    # a callback makes the root a group even with one eager command (version)
-    pass
+def _root(ctx: typer.Context) -> None:
+    # a callback makes the root a group even with one eager command (version); every
+    # command's library logs go through one handler that collapses repeats (cli/logs.py)
+    from kvstream.cli.logs import cli_logging
+
+    ctx.with_resource(cli_logging())
 
 
 @app.command(short_help="Print the kvstream version and the event schema version it writes.")
