@@ -88,7 +88,7 @@ async def test_queries_answer_as_dynamo_does(service: IndexService, engines: Any
         rng.choice(list(fleet.values())).store(p, level=rng.choice([0, 0, 0, 1, 2]))
     for e in fleet.values():
         e.evict_leaves(3)
-    probes = served[-15:] + [p[: BS * 3] + [7] for p in served[:5]] + [[1, 2, 3]]
+    probes = [*served[-15:], *([*p[: BS * 3], 7] for p in served[:5]), [1, 2, 3]]
 
     def settled() -> bool:
         return all(c.query(p, model_name="m") == expected_answer(fleet, p, BS) for p in probes)
@@ -237,7 +237,7 @@ async def test_bad_requests_get_clear_errors(engines: Any, tmp_path: Path) -> No
             await run(c.call, "GET", "/query")
         with pytest.raises(InvalidRequestError, match="tcp://HOST:PORT"):
             await run(c.register, 2, "http://127.0.0.1:1")
-        with pytest.raises(InvalidRequestError, match="Unknown hash algorithm|did you mean"):
+        with pytest.raises(InvalidRequestError, match=r"did you mean"):
             await run(c.query, [1, 2, 3, 4], hash_algo="vllm_sha256_cbor64")
         with pytest.raises(ConflictError, match="publishes"):
             await run(c.query, [1, 2, 3, 4], hash_algo="v2_sha256")
