@@ -119,9 +119,9 @@ def test_stored_matches_vllm_reference_bytes() -> None:
     # bytes but for that key (test_vllm_export_golden holds whole captured frames equal)
     head = VLLM_033_STORED.index(b"\xa9group_idx")
     added = b"\xaaextra_keys\x91\xc0"
-    assert payload == VLLM_033_STORED[:13] + b"\x0b" + VLLM_033_STORED[14:head] + added + (
-        VLLM_033_STORED[head:]
-    )
+    # one more key in the map16 header (00 0a -> 00 0b), the key before group_idx
+    expected = VLLM_033_STORED[:13] + b"\x0b" + VLLM_033_STORED[14:head] + added
+    assert payload == expected + VLLM_033_STORED[head:]
     # the same keys and values as 0.24's encoding; only the map header's width differs
     decoded = msgspec.msgpack.decode(payload)
     assert decoded[1][0].pop("extra_keys") == [None]
