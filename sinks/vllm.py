@@ -33,10 +33,11 @@ drops the old process's blocks.
 endpoint — its rank is ``>= dp_size`` or cannot be bound, it is of a second instance (no
 ``instance`` selected), of an incarnation older than one already published, or a second
 source on one rank — is counted in :attr:`VllmSink.rejected` (by reason) and logged. An
-export that refused any batch fails permanently, its reason saying how many batches and
-events were refused and why; :meth:`VllmSink.abandon` then names the batches that were
-published (or skipped), so the pipeline records exactly the refused ones as lost (their
-``lost`` markers are refused too, so the ids stay pending and the run is not ok).
+export that refused any batch fails permanently, its reason saying why (in the same words
+for every export refused for the same reason); :meth:`VllmSink.abandon` then names the
+batches that were published (or skipped), so the pipeline records exactly the refused ones
+as lost (their ``lost`` markers are refused too, so the ids stay pending and the run is not
+ok).
 :meth:`VllmSink.details` sums it all up for reports (``kvstream bridge --json``).
 
 **Delivery.** As with vLLM, PUB has no acknowledgement and drops a subscriber's messages at
@@ -91,12 +92,12 @@ UNSELECTED_RANK: Final = "unselected_rank"
 class _Export:
     """One export's progress: where it is (a cancelled export retried with the same batches
     resumes there), the batches that reached the endpoint (published, or skipped on purpose)
-    and the refused ones by reason: ``[batches, events, first reason]``."""
+    and why the others were refused (the first reason of each kind)."""
 
     batches: Sequence[EventBatch]
     done: int = 0
     delivered: list[EventBatch] = field(default_factory=list)
-    refused: dict[str, list[Any]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def same(self, batches: Sequence[EventBatch]) -> bool:
         mine = self.batches
@@ -105,15 +106,11 @@ class _Export:
         )
 
     def summary(self) -> str:
-        n_batches = sum(r[0] for r in self.refused.values())
-        n_events = sum(r[1] for r in self.refused.values())
-        why = "; ".join(
-            f"{b} batch(es), {e} event(s) {kind}: {first}"
-            for kind, (b, e, first) in self.refused.items()
-        )
-        return (
-            f"{n_batches} of {len(self.batches)} batch(es) ({n_events} event(s)) not "
-            f"published: {why}"
+        """Why batches of this export were not published, one clause per reason. The same
+        words for every export refused for the same reason (so repeated log lines collapse);
+        the pipeline counts the refused batches exactly, :meth:`VllmSink.details` sums them."""
+        return "batches not published: " + "; ".join(
+            f"{kind}: {first}" for kind, first in self.refused.items()
         )
 
 
@@ -327,7 +324,7 @@ class VllmSink(Sink):
         Each batch is encoded and sent synchronously; the loop is yielded between groups of
         batches, and an export cancelled there and retried with the same batches resumes
         after the last one sent (nothing is published twice). An export that refused any
-        batch fails permanently, saying how many and why; the rest went out.
+        batch fails permanently, saying why; the rest went out (:meth:`abandon` names it).
         """
         if self._closed:
             return ExportResult.permanent("the vllm sink is shut down")
@@ -355,9 +352,7 @@ class VllmSink(Sink):
             else:
                 kind, reason = refusal
                 self.rejected_events[kind] = self.rejected_events.get(kind, 0) + len(batch.events)
-                entry = state.refused.setdefault(kind, [0, 0, reason])
-                entry[0] += 1
-                entry[1] += len(batch.events)
+                state.refused.setdefault(kind, reason)
             state.done = i + 1
         if state.refused:
             reason = state.summary()

@@ -325,7 +325,7 @@ async def test_rank_outside_dp_size_is_rejected(sink: VllmSink) -> None:
     ok, refused = stored_batch(2, rank=0), stored_batch(3, rank=5)
     mixed = await sink.export([ok, refused])
     assert mixed.status is ExportStatus.PERMANENT
-    assert "1 of 2 batch(es) (1 event(s)) not published" in mixed.reason
+    assert "batches not published: rank_out_of_range: rank 5 of 'w0'" in mixed.reason
     assert sink.abandon().delivered == (ok,)
     assert sink.next_seq(0) == 1
     assert sink.rejected == {"rank_out_of_range": 2}

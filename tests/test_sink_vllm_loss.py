@@ -170,7 +170,12 @@ async def test_abandon_names_exactly_the_batches_that_went_out() -> None:
         )
         result = await sink.export(mixed)
         assert result.status is ExportStatus.PERMANENT
-        assert "200 of 400 batch(es) (400 event(s)) not published" in result.reason
+        assert result.reason == (
+            "batches not published: rank_out_of_range: rank 1 of 'w0' is outside dp_size=1 "
+            "(dp_size=auto takes the ranks from the stream)"
+        )
+        assert sink.rejected == {"rank_out_of_range": 200}
+        assert sink.rejected_events == {"rank_out_of_range": 400}
         delivered = sink.abandon().delivered
         assert list(delivered) == [b for b in mixed if b.source.attention_dp_rank == 0]
     finally:
