@@ -10,8 +10,10 @@ Worker specs (``--workers``, Dynamo's syntax, plus an optional replay endpoint):
     ID[:RANK]=tcp://HOST:PORT[;tcp://HOST:REPLAY_PORT], ...
 
 Source URLs (``--source``) are what :func:`kvstream.index.open_source` reads (``kafka://``
-URLs, file-sink directories), plus the options ``model_name=``, ``routing_group=`` and
-``block_size=`` (which index the source feeds), removed before the source sees the URL.
+URLs, file-sink directories), plus the options ``model_name=``, ``routing_group=``,
+``block_size=`` (which index the source feeds) and ``key_mode=`` (how that index keys blocks:
+``dynamo``, the default, which Dynamo's ``/query`` needs; ``engine`` or ``tokens``, answered by
+``/match`` and ``/route``), removed before the source sees the URL.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvstream.errors import ConfigError
+from kvstream.index.keys import KeyMode
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -42,7 +45,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_GROUP = "default"
 _U64 = 2**64 - 1
 _ENV_PREFIX = "KVSTREAM_SERVE_"
-_SOURCE_OPTIONS = ("model_name", "routing_group", "block_size")
+_SOURCE_OPTIONS = ("model_name", "routing_group", "block_size", "key_mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,8 @@ class SourceSpec:
     model_name: str = DEFAULT_MODEL
     routing_group: str = DEFAULT_GROUP
     block_size: int | None = None
+    #: how the model's index keys blocks (:class:`kvstream.index.KeyMode`)
+    key_mode: KeyMode = KeyMode.DYNAMO
 
 
 def check_endpoint(text: str, what: str = "endpoint") -> str:
@@ -128,12 +133,17 @@ def parse_source(url: str) -> SourceSpec:
             ) from None
         if block_size < 1:
             raise ConfigError(f"{url}: block_size must be >= 1")
+    try:
+        key_mode = KeyMode.parse(mine.get("key_mode") or KeyMode.DYNAMO)
+    except ConfigError as exc:
+        raise ConfigError(f"{url}: {exc}") from None
     own = urlunsplit(parts._replace(query=urlencode(rest)))
     return SourceSpec(
         own,
         mine.get("model_name") or DEFAULT_MODEL,
         mine.get("routing_group") or DEFAULT_GROUP,
         block_size,
+        key_mode,
     )
 
 

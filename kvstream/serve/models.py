@@ -27,6 +27,7 @@ from kvstream.index.keys import DYNAMO_ALGO, KeyMode, dynamo_request_keys
 from kvstream.index.token_table import TokenGroupTable
 from kvstream.index.types import DomainKey
 from kvstream.serve.config import WorkerSpec
+from kvstream.serve.errors import ConflictError
 
 __all__ = ["ModelIndex", "ModelKey", "Registration"]
 
@@ -61,12 +62,22 @@ class Registration:
 
 
 class ModelIndex:
-    """The index of one (model, routing group) and its block size."""
+    """The index of one (model, routing group) and its block size.
 
-    def __init__(self, key: ModelKey, block_size: int) -> None:
+    ``key_mode`` is how the index keys blocks: ``dynamo`` (the default: Dynamo's local hashes,
+    which ``/query`` and ``/query_by_hash`` need), or ``engine``/``tokens`` for stream-fed
+    models matched through ``/match`` and ``/route`` only (:meth:`require_dynamo`); there
+    ``block_size`` is that of workers that advertise none.
+    """
+
+    def __init__(
+        self, key: ModelKey, block_size: int, key_mode: KeyMode | str = KeyMode.DYNAMO
+    ) -> None:
         self.key = key
         self.block_size = block_size
-        self.index = PrefixIndex(key_mode=KeyMode.DYNAMO, default_tokens_per_block=block_size)
+        self.index = PrefixIndex(
+            key_mode=KeyMode.parse(key_mode), default_tokens_per_block=block_size
+        )
         self.domain = DomainKey(DYNAMO_ALGO, block_size, 0)
         #: (instance_id, registered rank) -> registration
         self.registrations: dict[tuple[int, int], Registration] = {}
@@ -80,6 +91,20 @@ class ModelIndex:
         if self._router is None:
             self._router = Router(self.index)
         return self._router
+
+    @property
+    def key_mode(self) -> KeyMode:
+        """How the index keys blocks."""
+        return self.index.key_mode
+
+    def require_dynamo(self, endpoint: str) -> None:
+        """ConflictError unless the index is Dynamo-keyed (what ``endpoint`` needs)."""
+        if self.index.key_mode is not KeyMode.DYNAMO:
+            raise ConflictError(
+                f"{endpoint} needs a dynamo-keyed index; model={self.key.model_name} "
+                f"routing_group={self.key.routing_group} is {self.index.key_mode.value}-keyed: "
+                "use /match or /route"
+            )
 
     # ------------------------------------------------------------------ queries
 

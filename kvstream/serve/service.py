@@ -32,6 +32,7 @@ from typing import Any, Final
 from kvstream.errors import ConfigError, HashingError, KVStreamError
 from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
+from kvstream.index.keys import KeyMode
 from kvstream.index.snapshot import write_atomic
 from kvstream.serve.config import ServeConfig, SourceSpec, WorkerSpec, check_endpoint
 from kvstream.serve.errors import (
@@ -117,10 +118,20 @@ class IndexService:
             )
         return m
 
-    def _model_for(self, key: ModelKey, block_size: int) -> ModelIndex:
+    def _model_for(
+        self, key: ModelKey, block_size: int, key_mode: KeyMode | None = None
+    ) -> ModelIndex:
+        """The model's index, created (``key_mode``, default dynamo) when new; ConflictError
+        for another block size, or another key mode when ``key_mode`` is given."""
         m = self._models.get(key)
         if m is None:
-            m = self._models[key] = ModelIndex(key, block_size)
+            m = self._models[key] = ModelIndex(key, block_size, key_mode or KeyMode.DYNAMO)
+        elif key_mode is not None and m.key_mode is not KeyMode.parse(key_mode):
+            raise ConflictError(
+                f"key_mode mismatch for model={key.model_name} "
+                f"routing_group={key.routing_group}: existing={m.key_mode.value}, "
+                f"requested={KeyMode.parse(key_mode).value}"
+            )
         elif m.block_size != block_size:
             raise ConflictError(
                 f"block_size mismatch for model={key.model_name} "
@@ -270,6 +281,7 @@ class IndexService:
         with ``hash_algo`` (kvstream) and matched through the engine's hashes."""
         self._limit(len(req.token_ids), "token ids")
         m = self.model(req.model_name, req.routing_group)
+        m.require_dynamo("/query")
         if req.hash_algo is not None:
             return self._query_engine_tokens(m, req)
         if req.cache_salt is not None:
@@ -312,6 +324,7 @@ class IndexService:
         block hashes with ``hash_algo``."""
         self._limit(len(req.block_hashes), "block hashes")
         m = self.model(req.model_name, req.routing_group)
+        m.require_dynamo("/query_by_hash")
         if req.hash_algo is None:
             local: list[bytes] = []
             for i, h in enumerate(req.block_hashes):
@@ -480,7 +493,8 @@ class IndexService:
                     f"--source {spec.url}: give the model's block size (--block-size, or "
                     "block_size= in the source URL)"
                 )
-            sources.append((spec, ModelIndex(ModelKey(spec.model_name, spec.routing_group), bs)))
+            key = ModelKey(spec.model_name, spec.routing_group)
+            sources.append((spec, ModelIndex(key, bs, spec.key_mode)))
         await self._start_http()
         try:
             states = await self._restore()
@@ -495,7 +509,7 @@ class IndexService:
                     )
             for spec, fresh in sources:
                 try:
-                    m = self._model_for(fresh.key, fresh.block_size)
+                    m = self._model_for(fresh.key, fresh.block_size, fresh.key_mode)
                 except ConflictError as exc:
                     raise ConfigError(str(exc)) from None
                 m.sources.add(spec.url)

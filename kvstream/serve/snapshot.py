@@ -128,9 +128,7 @@ def decode_service_snapshot(data: bytes) -> list[ModelState]:
             raise SnapshotError(f"service snapshot: {where} is out of range")
         index = decode_snapshot(body[pos : pos + length]).index
         pos += length
-        model = ModelIndex(key, block_size)
-        if index.key_mode is not model.index.key_mode:
-            raise SnapshotError(f"service snapshot: {where} holds a {index.key_mode.value} index")
+        model = ModelIndex(key, block_size, index.key_mode)
         index.default_tokens_per_block = block_size
         model.index = index
         for j, r in enumerate(_field(m, "registrations", list, where)):
