@@ -21,6 +21,7 @@ Routes (Dynamo 1.6.1's, then kvstream's):
 ``/ready``                 GET     200 ``{"ready": true}`` / 503 with what is awaited
 ``/route``                 POST    the router's decision with every worker's cost
 ``/snapshot``              GET     the service's state (peer recovery)
+``/match``                 POST    per-worker matches (a sharded router's fan-out)
 =========================  ======  ==================================================
 """
 
@@ -42,6 +43,7 @@ from kvstream.serve.errors import (
     UnauthorizedError,
     UnavailableError,
 )
+from kvstream.serve.match_api import match_handler
 from kvstream.serve.requests import (
     PeerRequest,
     QueryByHashRequest,
@@ -142,6 +144,7 @@ def create_app(svc: IndexService) -> Callable[[Scope, Receive, Send], Awaitable[
         "/ready": ("GET", ready),
         "/route": ("POST", route),
         "/snapshot": ("GET", snapshot),
+        "/match": ("POST", match_handler(svc)),
     }
 
     async def read_body(scope: Scope, receive: Receive) -> bytes:
