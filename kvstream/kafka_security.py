@@ -52,6 +52,7 @@ __all__ = [
     "OPTIONS",
     "KafkaSecurity",
     "Secret",
+    "describe_error",
     "is_security_option",
     "redact_url",
     "security_options",
@@ -121,6 +122,15 @@ class Secret:
         return hash(self._value)
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Name: message`` with the exception's name once (aiokafka's errors already start
+    their text with it: ``KafkaConnectionError: Unable to bootstrap...``)."""
+    name, text = type(exc).__name__, str(exc)
+    if not text or text == name:
+        return name
+    return text if text.startswith(f"{name}:") else f"{name}: {text}"
+
+
 def is_security_option(key: str) -> bool:
     """True when ``key`` is a query key of this module (see :data:`OPTIONS`)."""
     return key in OPTIONS
@@ -186,6 +196,19 @@ class KafkaSecurity:
                 self.sasl_password.reveal() if self.sasl_password is not None else None
             )
         return out
+
+    def explain(self, exc: BaseException) -> str:
+        """A client's failure to connect, for people: :func:`describe_error`, and for a
+        failed SASL login what happened (aiokafka's SCRAM client raises a bare
+        ``KeyError: 'v'`` when the broker answers the exchange with an error, e.g. an
+        unknown user or a wrong password)."""
+        text = describe_error(exc)
+        if self.uses_sasl and isinstance(exc, KeyError):
+            return (
+                f"SASL {self.sasl_mechanism} login as {self.sasl_username!r} refused by the "
+                f"broker (unknown user or wrong password; aiokafka: {text})"
+            )
+        return text
 
     def describe(self) -> dict[str, Any]:
         """The settings for people and ``--json`` outputs: no secret, only whether it is set."""

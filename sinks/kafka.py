@@ -57,7 +57,7 @@ from kvstream.errors import (
 )
 from kvstream.events.model import EventBatch, SourceId
 from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
-from kvstream.kafka_security import KafkaSecurity
+from kvstream.kafka_security import KafkaSecurity, describe_error
 from kvstream.sink import Abandoned, ExportResult, Sink, SinkURL
 
 __all__ = [
@@ -135,15 +135,6 @@ def classify_kafka_error(exc: BaseException) -> ExportResult:
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return ExportResult.retry(reason, exc)
     return ExportResult.permanent(reason, exc)
-
-
-def describe_error(exc: BaseException) -> str:
-    """``Name: message``, the exception's name once (aiokafka's errors already start their
-    text with it: ``KafkaConnectionError: Unable to bootstrap...``)."""
-    name, text = type(exc).__name__, str(exc)
-    if not text or text == name:
-        return name
-    return text if text.startswith(f"{name}:") else f"{name}: {text}"
 
 
 def _raise_classified(exc: BaseException, what: str) -> None:
@@ -362,6 +353,10 @@ class KafkaSink(Sink):
                 await producer.start()
             except BaseException as exc:
                 _abandon(producer, kerr.KafkaConnectionError("the producer did not start"))
+                if isinstance(exc, KeyError) and self.security.uses_sasl:
+                    raise PermanentSinkError(
+                        f"cannot connect to {self.bootstrap_servers}: {self.security.explain(exc)}"
+                    ) from exc
                 if isinstance(exc, Exception):
                     _raise_classified(exc, f"cannot connect to {self.bootstrap_servers}")
                 raise

@@ -6,6 +6,13 @@ by the sink, over TLS) and read again over TLS by ``kvstream index``, by ``kvstr
 readers refused ``security_protocol`` as an unknown option. Mutual TLS (a client certificate
 whose key is encrypted) and the failures a user meets (an untrusted broker, no client
 certificate) are checked too, and no secret reaches any output.
+
+SASL: the only installable broker, tansu 0.6, speaks SCRAM when started with
+``--authentication`` but cannot hold a user (``tansu user create`` answers success and stores
+nothing, memory or S3 storage alike: every login gets ``e=unknown-user``) and does not offer
+PLAIN. So the SCRAM test below shows the settings reach a real broker that negotiates SCRAM
+with us, and that a refused login is a clean error; successful SASL logins are not tested
+against a broker (test_kafka_security.py checks the exact aiokafka arguments).
 """
 
 from __future__ import annotations
@@ -14,14 +21,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka_broker import BrokerUnavailable, tansu_binary
+from kafka_broker import BrokerUnavailable, _answers, free_port, tansu_binary
 from tls_broker import KEY_PASSWORD, Pki, TlsBroker, make_pki, stunnel_binary
 
+from kvstream.errors import PermanentSinkError
 from kvstream.events.model import EventBatch, SourceId
 from kvstream.index.errors import SourceError
 from kvstream.index.sources.kafka import KafkaSource
@@ -84,7 +93,7 @@ def written(tls: TlsBroker) -> dict[str, Any]:
     url = tls_url(tls, "kv-tls", partitions="2")
     done = run_cli("demo", "--sink", url, "--requests", "40", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result: dict[str, Any] = json.loads(done.stdout)
     assert result["ok"], result
     return result
 
@@ -184,3 +193,65 @@ async def test_mutual_tls_with_an_encrypted_client_key(mtls: TlsBroker, tmp_path
     bare = KafkaSource.from_url(tls_url(mtls, "kv-mtls") + "&stop_at_end=1&request_timeout_ms=5000")
     with pytest.raises(SourceError, match="cannot read kv-mtls"):
         await _drain(bare)
+
+
+@pytest.fixture(scope="module")
+def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """tansu requiring SASL authentication (``--authentication``); yields host:port."""
+    try:
+        binary = tansu_binary()
+    except BrokerUnavailable as exc:
+        pytest.skip(f"no Kafka broker for tests: {exc}")
+    port = free_port()
+    log = tmp_path_factory.mktemp("sasl") / "tansu.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                binary, "broker", "--authentication",
+                "--listener-url", f"tcp://127.0.0.1:{port}",
+                "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
+                "--storage-engine", "memory://tansu/",
+            ],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while not _answers(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"tansu --authentication did not start: {log.read_text()[-500:]}")
+            time.sleep(0.02)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def sasl_url(bootstrap: str, mechanism: str) -> str:
+    return (
+        f"kafka://{bootstrap}/kv?security_protocol=SASL_PLAINTEXT&sasl_mechanism={mechanism}"
+        f"&sasl_username=alice&sasl_password={SECRET}"
+    )
+
+
+async def test_scram_reaches_a_broker_that_speaks_it(sasl_broker: str) -> None:
+    source = KafkaSource.from_url(sasl_url(sasl_broker, "SCRAM-SHA-512") + "&stop_at_end=1")
+    with pytest.raises(SourceError, match="SASL SCRAM-SHA-512 login as 'alice' refused") as info:
+        await _drain(source)
+    assert SECRET not in str(info.value)
+    sink = create_sink(sasl_url(sasl_broker, "SCRAM-SHA-256"))
+    with pytest.raises(PermanentSinkError, match="SASL SCRAM-SHA-256 login as 'alice' refused"):
+        await sink.start()
+    await sink.shutdown(1)
+
+
+def test_a_refused_scram_login_on_the_command_line(sasl_broker: str) -> None:
+    done = run_cli("index", sasl_url(sasl_broker, "SCRAM-SHA-256"), "--json")
+    assert done.returncode == 1
+    err = " ".join(done.stderr.split())
+    assert "SASL SCRAM-SHA-256 login as 'alice' refused by the broker" in err
+    assert "Traceback" not in err
+    assert SECRET not in done.stdout + done.stderr

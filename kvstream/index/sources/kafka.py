@@ -252,7 +252,8 @@ class KafkaSource(EventSource):
                 await consumer.stop()
                 if isinstance(exc, Exception) and not isinstance(exc, SourceError):
                     raise SourceError(
-                        f"cannot read {self.topic} from {self.bootstrap_servers}: {exc}"
+                        f"cannot read {self.topic} from {self.bootstrap_servers}: "
+                        f"{self.security.explain(exc)}"
                     ) from exc
                 raise
             self._consumer = consumer
