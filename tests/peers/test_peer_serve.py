@@ -11,17 +11,13 @@ i64) too. Errors get the same status codes.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dynamo_indexer import Dynamo, flatten
 from engine_publisher import free_ports
 from vllm_fleet import VllmRank, Workload
 
@@ -50,74 +46,6 @@ def _ports(n: int) -> list[int]:
     return out
 
 
-class Dynamo:
-    """``python -m dynamo.indexer`` on a loopback port."""
-
-    def __init__(self, port: int, log: Path) -> None:
-        self.port = port
-        self._log = log.open("wb")
-        self.log_path = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--block-size", str(BS)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(log.read_text(errors="replace")[-2000:]) from None
-                time.sleep(0.1)
-
-    def call(self, path: str, body: Any = None) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=data,
-            headers={"content-type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-def flatten(dump: dict[str, Any]) -> set[tuple[Any, ...]]:
-    """Every block of a ``/dump`` as (worker, rank, tier, parent, block hash, tokens hash)."""
-    out = set()
-    for entry in dump.values():
-        for ev in entry["events"]:
-            stored = ev["event"]["data"]["stored"]
-            parent = stored["parent_hash"]
-            for b in stored["blocks"]:
-                out.add(
-                    (
-                        int(ev["worker_id"]),
-                        ev["event"]["dp_rank"],
-                        ev["storage_tier"],
-                        parent,
-                        b["block_hash"],
-                        b["tokens_hash"],
-                    )
-                )
-                parent = b["block_hash"]
-    return out
-
-
 @pytest.fixture
 def fleet(vllm_kv: Any) -> Iterator[dict[tuple[int, int], VllmRank]]:
     ranks: dict[tuple[int, int], VllmRank] = {}
@@ -138,7 +66,7 @@ async def test_kvstream_serve_answers_exactly_as_dynamos_indexer(
     from dynamo.llm import compute_block_hash_for_seq
 
     (dyn_port,) = _ports(1)
-    dynamo = Dynamo(dyn_port, tmp_path / "dynamo.log")
+    dynamo = Dynamo(dyn_port, tmp_path / "dynamo.log", BS)
     svc = IndexService(ServeConfig(port=0, block_size=BS))
     await svc.start()
     ours = Client(svc.url)
