@@ -255,3 +255,30 @@ def test_a_refused_scram_login_on_the_command_line(sasl_broker: str) -> None:
     assert "SASL SCRAM-SHA-256 login as 'alice' refused by the broker" in err
     assert "Traceback" not in err
     assert SECRET not in done.stdout + done.stderr
+
+
+def test_replay_over_mutual_tls(mtls: TlsBroker) -> None:
+    """The replay's workers publish through the Kafka sink and its index reads the topic back,
+    both over mutual TLS (before: the sink's URL got a second '?' and the reader dropped the
+    query); the key password given in the URL shows nowhere, human or JSON output."""
+    pki = mtls.pki
+    url = tls_url(
+        mtls,
+        "kv-replay",
+        ssl_certfile=str(pki.client_cert),
+        ssl_keyfile=str(pki.client_key),
+        ssl_password=KEY_PASSWORD,
+    )
+    args = ["replay", "conversation", "-n", "30", "-w", "2", "--no-progress", "--sink", url]
+    done = run_cli(*args, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert KEY_PASSWORD not in done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["requests"] == 30
+    assert result["events"] > 0
+    assert result["index"]["events"] == result["events"]  # every event came back from Kafka
+    assert "ssl_password=***" in result["options"]["sink"]
+    human = run_cli(*args)
+    assert human.returncode == 0, human.stderr[-3000:]
+    assert KEY_PASSWORD not in human.stdout + human.stderr
+    assert "ssl_password=***" in " ".join(human.stdout.split()).replace(" ", "")

@@ -246,6 +246,8 @@ def print_result(r: ReplayResult, out: Console) -> None:
     """The human-readable report of one run."""
     from rich.table import Table
 
+    from kvstream.kafka_security import redact_url
+
     o = r.options
     weight = (
         f" (overlap weight {o.overlap_weight:g})" if o.overlap_weight is not None else " (adaptive)"
@@ -255,7 +257,7 @@ def print_result(r: ReplayResult, out: Console) -> None:
         f"{o.workers} workers x {o.capacity_blocks:,} blocks of {r.block_size} tokens, "
         f"router [bold]{r.policy}[/bold]"
         + (weight if r.policy == "kv" else "")
-        + f", events via {o.sink}"
+        + f", events via {redact_url(o.sink)}"
     )
     t = Table(show_header=False, title_justify="left")
     t.add_column(style="bold")

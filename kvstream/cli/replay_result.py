@@ -18,6 +18,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstream.kafka_security import redact_url
+
 if TYPE_CHECKING:
     from kvstream.cli.replay_run import ReplayOptions
 
@@ -173,7 +175,7 @@ class ReplayResult:
     def as_dict(self) -> dict[str, Any]:
         """JSON-able summary."""
         return {
-            "options": asdict(self.options),
+            "options": {**asdict(self.options), "sink": redact_url(self.options.sink)},
             "policy": self.policy,
             "block_size": self.block_size,
             "trace_file": self.trace_file,

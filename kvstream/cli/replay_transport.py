@@ -101,7 +101,9 @@ class Transport:
 
 
 def _kafka_sink_url(url: str) -> str:
-    return url if "create_topic" in url or "partitions" in url else f"{url}?partitions=1"
+    if "create_topic" in url or "partitions" in url:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}partitions=1"
 
 
 def _kafka_source(url: str) -> Any:
