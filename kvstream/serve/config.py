@@ -13,7 +13,9 @@ Source URLs (``--source``) are what :func:`kvstream.index.open_source` reads (``
 URLs, file-sink directories), plus the options ``model_name=``, ``routing_group=``,
 ``block_size=`` (which index the source feeds) and ``key_mode=`` (how that index keys blocks:
 ``dynamo``, the default, which Dynamo's ``/query`` needs; ``engine`` or ``tokens``, answered by
-``/match`` and ``/route``), removed before the source sees the URL.
+``/match`` and ``/route``), removed before the source sees the URL. ``elastic=1`` with a
+Kafka ``group_id=`` makes the service an elastic shard: the group assigns its partitions, a
+partition it gains is read from its start, and the workers of one it loses leave its index.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_GROUP = "default"
 _U64 = 2**64 - 1
 _ENV_PREFIX = "KVSTREAM_SERVE_"
-_SOURCE_OPTIONS = ("model_name", "routing_group", "block_size", "key_mode")
+_SOURCE_OPTIONS = ("model_name", "routing_group", "block_size", "key_mode", "elastic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,8 @@ class SourceSpec:
     block_size: int | None = None
     #: how the model's index keys blocks (:class:`kvstream.index.KeyMode`)
     key_mode: KeyMode = KeyMode.DYNAMO
+    #: a Kafka consumer-group member whose index follows its assigned partitions
+    elastic: bool = False
 
 
 def check_endpoint(text: str, what: str = "endpoint") -> str:
@@ -137,6 +141,9 @@ def parse_source(url: str) -> SourceSpec:
         key_mode = KeyMode.parse(mine.get("key_mode") or KeyMode.DYNAMO)
     except ConfigError as exc:
         raise ConfigError(f"{url}: {exc}") from None
+    elastic = mine.get("elastic", "0").lower() in ("1", "true", "yes")
+    if elastic and not any(k == "group_id" and v for k, v in rest):
+        raise ConfigError(f"{url}: elastic=1 needs a Kafka group_id=")
     own = urlunsplit(parts._replace(query=urlencode(rest)))
     return SourceSpec(
         own,
@@ -144,6 +151,7 @@ def parse_source(url: str) -> SourceSpec:
         mine.get("routing_group") or DEFAULT_GROUP,
         block_size,
         key_mode,
+        elastic,
     )
 
 

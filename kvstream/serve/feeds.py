@@ -4,7 +4,8 @@
   :class:`~kvstream.index.sources.engine.EngineSource`: replay on start and on every gap, a
   new incarnation on an engine restart, each batch attributed to the DP rank it names.
 - :class:`StreamFeed` follows a ``kafka://`` topic or a file-sink directory
-  (:func:`~kvstream.index.sources.open_source` with ``follow=True``).
+  (:func:`~kvstream.index.sources.open_source` with ``follow=True``); an elastic Kafka
+  group member forgets the workers of the partitions the group takes away.
 
 A feed applies what it reads to its model's index and never raises out of its task: a
 source that fails is retried with backoff, and its error is kept for ``/workers``. Each feed
@@ -217,7 +218,19 @@ class StreamFeed(Feed):
         self.spec = spec
 
     def _open(self, resume_from: Mapping[str, Any] | None) -> EventSource:
-        return open_source(self.spec.url, follow=True, resume_from=resume_from)
+        extra: dict[str, Any] = {}
+        if self.spec.elastic:
+            extra = {"elastic": True, "on_drop": self._drop}
+        return open_source(self.spec.url, follow=True, resume_from=resume_from, **extra)
+
+    def _drop(self, partitions: set[int], num_partitions: int) -> None:
+        """An elastic shard lost ``partitions``: their workers leave the index."""
+        from kvstream.index.shards import worker_partition
+
+        index = self.model.index
+        for w in index.workers():
+            if worker_partition(w, num_partitions) in partitions:
+                index.forget(w)
 
     async def _check_caught_up(self, idle: bool) -> bool:
         caught_up = getattr(self.source, "caught_up", None)
