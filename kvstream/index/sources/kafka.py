@@ -203,7 +203,12 @@ class KafkaSource(EventSource):
         async with self._lock:
             if self._consumer is not None:
                 return
-            from aiokafka import AIOKafkaConsumer, TopicPartition
+            try:
+                from aiokafka import AIOKafkaConsumer, TopicPartition
+            except ImportError as exc:
+                raise SourceError(
+                    f"reading Kafka needs aiokafka ({exc}): pip install 'kvstream[kafka]'"
+                ) from None
 
             options: dict[str, Any] = {
                 "enable_auto_commit": False,
