@@ -71,7 +71,7 @@ COMMANDS: dict[str, _Lazy] = {
         "kvstream.cli.shard_cmd",
         "shard",
         False,
-        "Consume one shard of a Kafka topic into a prefix index and serve matches to a router.",
+        "Consume one shard of a Kafka topic into an index service that a router fans out to.",
     ),
     "hash": _Lazy(
         "kvstream.cli.hash_cmd",

@@ -1,9 +1,16 @@
-"""``kvstream shard``: one index shard process: consume shard K/N of a Kafka topic, serve matches.
+"""``kvstream shard``: one index shard process: an index service on shard K/N of a Kafka topic.
+
+It runs :class:`kvstream.serve.IndexService` on one source,
+``kafka://HOST:PORT/TOPIC?shard=K/N`` (or an elastic consumer-group member), in the key mode
+given (``engine`` by default), so a router reaches it over the service's HTTP API
+(``POST /match``, :class:`kvstream.serve.shards.RemoteShard`). It is shorthand for::
+
+    kvstream serve --port PORT --block-size N --snapshot FILE \\
+        --source "kafka://HOST:PORT/TOPIC?shard=K/N&key_mode=engine"
 
 Register with ``app.command("shard")(shard_cmd.shard)``. Only typer is imported at module
-level; the index and aiokafka are imported when the command runs. Exit codes: 0 done; 1 the
-stream could not be read; 2 bad arguments (shard, URL, unreadable or mismatched snapshot,
-address in use).
+level. Exit codes: 0 done; 1 the stream could not be read (``--no-follow``); 2 bad arguments
+(shard, URL, an unreadable snapshot or one of another shard or key mode, address in use).
 """
 
 from __future__ import annotations
@@ -40,44 +47,57 @@ def shard(
     ] = None,
     listen: Annotated[
         str,
-        typer.Option(help="HOST:PORT to serve matches on (port 0: a free one; printed)."),
+        typer.Option(help="HOST:PORT to serve HTTP on (port 0: a free one; printed)."),
     ] = "127.0.0.1:0",
     snapshot: Annotated[
         Path | None,
-        typer.Option(help="Snapshot file: resumed from when it exists, written on exit."),
-    ] = None,
-    snapshot_every: Annotated[
-        int | None, typer.Option(min=1, help="Also snapshot every N batches.")
+        typer.Option(help="Service snapshot file: resumed from when it exists, written on exit."),
     ] = None,
     snapshot_every_s: Annotated[
         float | None, typer.Option(min=0.1, help="Also snapshot every S seconds.")
     ] = None,
     key_mode: Annotated[
-        str, typer.Option(help="How blocks are keyed: engine or tokens (see kvstream index).")
+        str,
+        typer.Option(help="How blocks are keyed: engine, tokens or dynamo (see kvstream serve)."),
     ] = "engine",
     block_size: Annotated[
         int | None,
-        typer.Option(min=1, help="Block size of workers that advertise none."),
+        typer.Option(
+            min=1,
+            help="The workers' KV block size (required; in engine and tokens mode only used "
+            "for workers that advertise none).",
+        ),
+    ] = None,
+    model_name: Annotated[
+        str, typer.Option(help="The model name the router asks for (/match model_name).")
+    ] = "default",
+    auth_token_file: Annotated[
+        Path | None, typer.Option(help="Require this bearer token on every request.")
     ] = None,
     follow: Annotated[
         bool,
-        typer.Option(help="Keep consuming until SIGINT/SIGTERM (else stop at the end offsets)."),
+        typer.Option(
+            help="Keep consuming until SIGINT/SIGTERM (else catch up to the end offsets, "
+            "snapshot and exit)."
+        ),
     ] = True,
 ) -> None:
-    """Consume one shard of a Kafka topic into a prefix index and serve matches to a router.
+    """Consume one shard of a Kafka topic into an index service that a router fans out to.
 
-    Prints one JSON line when it listens ({"listening": "HOST:PORT", "shard": "K/N" or
-    "group G"}) and one when it ends (batches, snapshots). A router reaches it with
-    kvstream.index.shard_rpc.RemoteShard; see docs/scaling.md.
+    Prints one JSON line when it listens ({"listening": "HOST:PORT", "url": "http://...",
+    "shard": "K/N" or "group G"}) and one when it ends (batches, snapshots, workers). A
+    router reaches it with kvstream.serve.shards.RemoteShard; see docs/scaling.md.
     """
     import asyncio
     import json
+    import logging
     import signal
+    from urllib.parse import urlencode
 
     from kvstream.errors import ConfigError, KVStreamError
-    from kvstream.index import PrefixIndex, SnapshotError
-    from kvstream.index.shard_rpc import ShardServer, serve_shard
-    from kvstream.index.shards import ShardSpec, open_group_shard, open_shard
+    from kvstream.index import KeyMode
+    from kvstream.index.errors import SnapshotError
+    from kvstream.index.shards import ShardSpec
     from kvstream.index.sources.kafka import KafkaSource
 
     def fail(code: int, msg: str) -> typer.Exit:
@@ -98,78 +118,86 @@ def shard(
         base = KafkaSource.from_url(stream)
         if base.group_id is not None or base.partitions is not None or base.shard is not None:
             raise ConfigError("give the shard with --shard or --group-id, not in the URL")
-        from kvstream.index import KeyMode
-
         mode = KeyMode.parse(key_mode)
+        if block_size is None:
+            raise ConfigError("give --block-size (the workers' KV block size)")
+        opts = {"shard": str(spec)} if spec is not None else {"group_id": group_id, "elastic": 1}
+        url = f"{stream}{'&' if '?' in stream else '?'}{urlencode(opts)}"
+        from kvstream.serve import IndexService, ServeConfig, SourceSpec
+        from kvstream.serve.snapshot import read_snapshot
+
+        source = SourceSpec(
+            url,
+            model_name=model_name,
+            block_size=block_size,
+            key_mode=mode,
+            elastic=spec is None,
+        )
+        cfg = ServeConfig(
+            host=host or "127.0.0.1",
+            port=int(port),
+            block_size=block_size,
+            sources=(source,),
+            snapshot=snapshot,
+            snapshot_every_s=snapshot_every_s,
+            auth_token_file=auth_token_file,
+        )
+        feed_name = f"source:{source.url}"
+        for state in (read_snapshot(snapshot) or []) if snapshot is not None else []:
+            others = sorted(set(state.positions) - {feed_name})
+            if others:
+                raise ConfigError(
+                    f"snapshot {snapshot} was taken reading {', '.join(others)}, "
+                    f"not {source.url}: give this shard its own snapshot"
+                )
+        service = IndexService(cfg)
+    except ModuleNotFoundError as exc:
+        raise fail(2, f"kvstream shard needs {exc.name}: pip install 'kvstream[serve]'") from None
+    except (ConfigError, SnapshotError) as exc:
+        raise fail(2, str(exc)) from None
     except KVStreamError as exc:
         raise fail(2, str(exc)) from None
-
-    def fresh() -> PrefixIndex:
-        return PrefixIndex(default_tokens_per_block=block_size, key_mode=mode)
-
-    options: dict[str, Any] = {
-        "stop_at_end": not follow,
-        "client_id": base.client_id,
-        "schema_ids": base.schema_ids,
-        "consumer_options": base.consumer_options,
-        "security": base.security,
-    }
-    try:
-        if spec is None:
-            assert group_id is not None
-            consumer = open_group_shard(
-                snapshot,
-                base.bootstrap_servers,
-                base.topic,
-                group_id,
-                index_factory=fresh,
-                **options,
-            )
-        else:
-            consumer = open_shard(
-                snapshot, base.bootstrap_servers, base.topic, spec, index_factory=fresh, **options
-            )
-        if consumer.index.key_mode is not mode:
-            raise ConfigError(
-                f"snapshot {snapshot} holds a {consumer.index.key_mode.value}-keyed index; "
-                f"pass --key-mode {consumer.index.key_mode.value}"
-            )
-    except (SnapshotError, ConfigError) as exc:
+    except ValueError as exc:  # pydantic's, for settings out of range
         raise fail(2, str(exc)) from None
-    except KVStreamError as exc:
-        raise fail(1, str(exc)) from None
     where = str(spec) if spec is not None else f"group {group_id}"
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
 
-    def listening(server: ShardServer) -> None:
-        line = {"listening": f"{host or '127.0.0.1'}:{server.port}", "shard": where}
-        typer.echo(json.dumps(line), nl=True)
-
-    async def main() -> Any:
+    async def main() -> tuple[int, dict[str, Any]]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await serve_shard(
-            consumer,
-            host or "127.0.0.1",
-            int(port),
-            stop=stop if follow else None,
-            on_listen=listening,
-            snapshot_every_batches=snapshot_every,
-            snapshot_every_s=snapshot_every_s,
-        )
+        try:
+            await service.start()
+        except (KVStreamError, OSError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            return 2, {}
+        line = {"listening": f"{cfg.host}:{service.port}", "url": service.url, "shard": where}
+        typer.echo(json.dumps(line))
+        (feed,) = service.feeds()
+        code = 0
+        if follow:
+            await stop.wait()
+        while not follow and not stop.is_set():  # catch up, then snapshot and exit
+            if feed.last_error:
+                typer.echo(f"error: {feed.last_error}", err=True)
+                code = 1
+                break
+            if service.ready()[0]:
+                break
+            await asyncio.sleep(0.1)
+        done = {
+            "shard": where,
+            "batches": feed.batches,
+            "events": feed.events,
+            "workers": len(feed.model.index.workers()),
+        }
+        await service.aclose(snapshot=code == 0)
+        done["snapshots"] = service.snapshots
+        return code, done
 
-    try:
-        report = asyncio.run(main())
-    except OSError as exc:
-        raise fail(2, f"{listen}: {exc}") from None
-    except KVStreamError as exc:
-        raise fail(1, str(exc)) from None
-    done = {
-        "shard": where,
-        "batches": report.batches,
-        "snapshots": report.snapshots,
-        "workers": len(consumer.index.workers()),
-        "source": consumer.source.stats.as_dict(),
-    }
-    typer.echo(json.dumps(done))
+    code, done = asyncio.run(main())
+    if done:
+        typer.echo(json.dumps(done))
+    if code:
+        raise typer.Exit(code)
