@@ -343,7 +343,7 @@ class IndexService:
         self._engine_algo(m, req.hash_algo)
         from kvstream._types import hash_width
 
-        width = hash_width(req.hash_algo)
+        width = hash_width(req.hash_algo) or 8  # a registered name (checked above)
         hashes: list[bytes] = []
         for i, h in enumerate(req.block_hashes):
             try:
