@@ -3,17 +3,24 @@ report opened in a real headless browser (Chromium) when one is installed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from kvstream.cli import replay_cmd
+from kvstream.cli.replay_compare import Comparison, Sweep, run_many
+from kvstream.cli.replay_run import ReplayOptions
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 app = typer.Typer()
 app.callback()(lambda: None)  # a command group, as in kvstream's own app
@@ -130,6 +137,84 @@ def test_report_is_self_contained_html(report: Path) -> None:
     assert "Per-worker load over time" in text
 
 
+# ------------------------------------------------------------------ what each plot says
+
+SWEPT = (300, 600, 1200)
+
+
+@pytest.fixture(scope="module")
+def swept() -> Comparison:
+    """kv and round-robin over 8 workers at three capacities (the base is 600 blocks)."""
+    pytest.importorskip("matplotlib")
+    base = ReplayOptions(trace="synthetic", limit=200, workers=8, capacity_blocks=600)
+    return asyncio.run(run_many(base, ["kv", "round_robin"], Sweep("capacity", SWEPT)))
+
+
+def _drawn(fig: Figure) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()  # type: ignore[attr-defined]
+
+
+def test_capacity_plot_has_a_tick_at_every_swept_value_and_clips_no_marker(
+    swept: Comparison,
+) -> None:
+    from kvstream.cli.replay_report import capacity_figure
+
+    fig = capacity_figure(swept)
+    _drawn(fig)
+    (ax,) = fig.axes
+    totals = [8 * v for v in SWEPT]
+    lo, hi = ax.get_xlim()
+    shown = [t for t in ax.get_xticks() if lo <= t <= hi]
+    assert shown == totals  # not powers of two between them
+    assert [t.get_text() for t in ax.get_xticklabels() if t.get_text()] == [
+        "2,400",
+        "4,800",
+        "9,600",
+    ]
+    assert not [t for t in ax.xaxis.get_minorticklabels() if t.get_text()]
+    box = ax.get_window_extent()
+    for line in ax.get_lines():
+        radius = line.get_markersize() / 72 * fig.dpi / 2
+        for x, y in ax.transData.transform(line.get_xydata()):
+            assert box.x0 <= x - radius, line.get_label()
+            assert x + radius <= box.x1, line.get_label()
+            assert box.y0 <= y - radius, line.get_label()
+            assert y + radius <= box.y1, line.get_label()
+    assert "8 workers" in ax.get_xlabel()
+
+
+def test_ttft_plot_names_the_capacity_it_shows_and_its_units(swept: Comparison) -> None:
+    from kvstream.cli.replay_report import ttft_figure
+
+    (ax,) = ttft_figure(swept.at(600)).axes
+    assert "8 workers x 600 blocks" in ax.get_title()
+    assert "seconds" in ax.get_xlabel()
+    assert "%" in ax.get_ylabel()
+
+
+def test_load_plot_is_a_band_whose_legend_leaves_the_axis_label_free(swept: Comparison) -> None:
+    from kvstream.cli.replay_report import load_figure
+
+    r = swept.at(600)[0]
+    fig = load_figure(r)
+    renderer = _drawn(fig)
+    (ax,) = fig.axes
+    assert "8 workers x 600 blocks" in ax.get_title()
+    assert "minutes" in ax.get_xlabel()
+    assert len(ax.get_lines()) == 1  # the median worker, not one line per worker
+    assert len(ax.collections) == 1  # the least..most loaded band
+    legend = ax.get_legend()
+    assert legend is not None
+    assert len(legend.get_texts()) == 2
+    legend_box = legend.get_window_extent(renderer)
+    label_box = ax.yaxis.label.get_window_extent(renderer)
+    assert not legend_box.overlaps(label_box)
+    assert legend_box.x0 >= ax.get_window_extent().x0
+
+
 def _browser() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -149,6 +234,10 @@ def test_report_renders_in_a_headless_browser(report: Path, tmp_path: Path) -> N
         check=True,
     ).stdout
     assert dom.count("<svg") >= 4  # the browser parsed every inline plot
+    # the TTFT and load plots say which capacity they show (3 workers, the 600 of 300,600)
+    assert "Time to first token at 3 workers x 600 blocks" in dom
+    assert dom.count("(3 workers x 600 blocks).</figcaption>") == 2  # a load plot per policy
+    assert "replayed total capacity: 900, 1,800 blocks" in dom
     subprocess.run(
         [*base, f"--screenshot={shot}", "--window-size=1100,1600", report.as_uri()],
         capture_output=True,

@@ -7,7 +7,11 @@ fetch, so it opens the same offline, from a mail attachment or a CI artefact. Pl
 1. hit ratio against cache capacity per policy (one point per policy unless the run swept
    ``capacity=``), with the ceiling (an unlimited shared cache);
 2. the distribution (CDF) of the modelled time to first token per policy;
-3. requests running and queued per worker over simulated time, per policy.
+3. requests running and queued per worker over simulated time, per policy: a band from the
+   least to the most loaded worker with the median worker as a line.
+
+Plots 2 and 3 show one capacity (the swept value nearest the base options'); their titles,
+headings and captions name it. The capacity axis has a tick at every replayed value.
 
 matplotlib is an optional dependency (``pip install 'kvstream[report]'``).
 """
@@ -27,7 +31,7 @@ from kvstream.errors import ConfigError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["render_report", "write_report"]
+__all__ = ["capacity_figure", "load_figure", "render_report", "ttft_figure", "write_report"]
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 _STYLE = """
@@ -36,7 +40,7 @@ h1 { font-size: 1.5em } h2 { font-size: 1.2em; margin-top: 2em }
 table { border-collapse: collapse; margin: 1em 0 } td, th { padding: .3em .8em;
 border-bottom: 1px solid #ddd; text-align: right } th:first-child, td:first-child {
 text-align: left } .note { color: #666; font-size: .9em } figure { margin: 1em 0 }
-svg { max-width: 100%; height: auto }
+figcaption { color: #555; font-size: .9em } svg { max-width: 100%; height: auto }
 """
 
 
@@ -55,28 +59,58 @@ def _svg(fig: Figure) -> str:
     return text[text.index("<svg") :]  # drop the XML prolog and doctype
 
 
-def _capacity_plot(c: Comparison) -> str:
+def _setup(r: ReplayResult) -> str:
+    """The cache a run had, in words: ``8 workers x 4,000 blocks``."""
+    o = r.options
+    return f"{o.workers} worker{'s' if o.workers != 1 else ''} x {o.capacity_blocks:,} blocks"
+
+
+def _total(r: ReplayResult) -> int:
+    return r.options.capacity_blocks * r.options.workers
+
+
+def capacity_figure(c: Comparison) -> Figure:
+    """Hit ratio against total cache capacity: one line per policy and the ceiling, a tick
+    at every replayed capacity (log2 axis for 3+ values), margins so no marker is cut."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
     fig = _figure(7.5, 4.2)
     ax = fig.add_subplot()
-    swept = c.sweep is not None and c.sweep.param == "capacity"
     for i, p in enumerate(c.policies):
         runs = [c.at(v)[i] for v in c.values]
-        xs = [r.options.capacity_blocks * r.options.workers for r in runs]
-        ax.plot(xs, [r.hit_ratio for r in runs], marker="o", label=p)
+        ax.plot([_total(r) for r in runs], [r.hit_ratio for r in runs], marker="o", label=p)
     first = [c.at(v)[0] for v in c.values]
-    xs = [r.options.capacity_blocks * r.options.workers for r in first]
+    xs = [_total(r) for r in first]
     ax.plot(xs, [r.ceiling_ratio for r in first], "k--", marker="x", label="ceiling (unlimited)")
-    ax.set_xlabel("total cache capacity, blocks (workers x blocks per worker)")
-    ax.set_ylabel("prefix hit ratio")
+    workers = sorted({r.options.workers for r in first})
+    per = f"{workers[0]} workers" if len(workers) == 1 else "workers as swept"
+    ax.set_xlabel(f"total cache capacity, blocks ({per} x blocks per worker)")
+    ax.set_ylabel("prefix hit ratio (share of prompt blocks cached)")
     ax.set_ylim(0, max(1e-3, *(r.ceiling_ratio for r in first)) * 1.1)
-    if swept and len(c.values) > 2:
+    lo, hi = min(xs), max(xs)
+    if len(set(xs)) > 2:
         ax.set_xscale("log", base=2)
+    if lo == hi:
+        ax.set_xlim(lo * 0.5, hi * 1.5)
+    elif ax.get_xscale() == "log":
+        pad = (hi / lo) ** 0.06
+        ax.set_xlim(lo / pad, hi * pad)
+    else:
+        pad = (hi - lo) * 0.06
+        ax.set_xlim(lo - pad, hi + pad)
+    ticks = sorted(set(xs))
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{x:,}" for x in ticks])
+    ax.set_title(f"Hit ratio at each replayed capacity ({len(ticks)} values)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
-    return _svg(fig)
+    ax.legend(fontsize=8)
+    return fig
 
 
-def _ttft_plot(runs: list[ReplayResult]) -> str:
+def ttft_figure(runs: list[ReplayResult]) -> Figure:
+    """The CDF of the modelled time to first token per policy, for one capacity (named in
+    the title), cut at the largest p99."""
     fig = _figure(7.5, 4.2)
     ax = fig.add_subplot()
     top = 0.0
@@ -85,38 +119,71 @@ def _ttft_plot(runs: list[ReplayResult]) -> str:
         if not xs:
             continue
         n = len(xs)
-        ax.step(xs, [(i + 1) / n for i in range(n)], where="post", label=r.policy)
+        ax.step(xs, [100 * (i + 1) / n for i in range(n)], where="post", label=r.policy)
         top = max(top, r.ttft(0.99))
-    ax.set_xlabel("modelled time to first token, s (queue wait + uncached prefill)")
-    ax.set_ylabel("share of requests")
+    ax.set_xlabel("modelled time to first token, seconds (queue wait + uncached prefill)")
+    ax.set_ylabel("requests at or below, %")
     if top > 0:
         ax.set_xlim(0, top * 1.05)
-    ax.set_ylim(0, 1.0)
+    ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title("CDF, cut at the largest p99", fontsize=9)
-    return _svg(fig)
+    ax.legend(loc="lower right", fontsize=8)
+    setup = _setup(runs[0]) if runs else ""
+    ax.set_title(f"TTFT distribution (CDF) at {setup}, cut at the largest p99", fontsize=10)
+    return fig
 
 
-def _load_plot(r: ReplayResult) -> str:
+def load_figure(r: ReplayResult, ymax: float | None = None) -> Figure:
+    """Requests running + queued per worker over simulated time, as a band: the least and
+    the most loaded worker at each moment, with the median worker as a line. ``ymax``: a
+    shared y limit, so the policies' plots compare at a glance."""
     fig = _figure(7.5, 3.0)
     ax = fig.add_subplot()
     ts = [s.t_s / 60 for s in r.timeline]
-    n = len(r.timeline[0].running) if r.timeline else 0
-    for w in range(n):
-        ax.plot(
-            ts,
-            [s.running[w] + s.waiting[w] for s in r.timeline],
-            linewidth=0.9,
-            label=r.workers[w].worker if w < len(r.workers) else str(w),
-        )
+    loads = [sorted(a + b for a, b in zip(s.running, s.waiting, strict=True)) for s in r.timeline]
+    n = len(loads[0]) if loads else 0
+    if n:
+        lows, highs = [x[0] for x in loads], [x[-1] for x in loads]
+        mids = [(x[(n - 1) // 2] + x[n // 2]) / 2 for x in loads]
+        if n > 1:
+            ax.fill_between(
+                ts, lows, highs, step="post", alpha=0.3, linewidth=0,
+                label=f"least to most loaded of {n} workers",
+            )  # fmt: skip
+        ax.step(ts, mids, where="post", linewidth=1.2, label="median worker" if n > 1 else None)
     ax.set_xlabel("simulated time, minutes")
-    ax.set_ylabel("requests running + queued")
-    ax.set_title(f"{r.policy}: per-worker load", fontsize=10)
+    ax.set_ylabel("requests per worker\n(running + queued)")
+    if ymax:
+        ax.set_ylim(0, ymax * 1.05)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_title(f"{r.policy}: load per worker at {_setup(r)}", fontsize=10)
     ax.grid(alpha=0.3)
-    if 1 < n <= 16:
-        ax.legend(fontsize=7, ncol=min(n, 8), loc="upper right")
-    return _svg(fig)
+    if n > 1:
+        ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def _capacity_plot(c: Comparison) -> str:
+    return _svg(capacity_figure(c))
+
+
+def _ttft_plot(runs: list[ReplayResult]) -> str:
+    return _svg(ttft_figure(runs))
+
+
+def _load_plots(runs: list[ReplayResult]) -> list[str]:
+    shown = [r for r in runs if r.timeline]
+    ymax = max(
+        (
+            a + b
+            for r in shown
+            for s in r.timeline
+            for a, b in zip(s.running, s.waiting, strict=True)
+        ),
+        default=0,
+    )
+    return [_svg(load_figure(r, ymax or None)) for r in shown]
 
 
 def _table(runs: list[ReplayResult]) -> str:
@@ -159,6 +226,7 @@ def render_report(c: Comparison) -> str:
     first = c.results[0]
     swept = c.sweep is not None and c.sweep.param == "capacity"
     title = f"kvstream replay: {Path(first.trace_file).name or base.trace}"
+    totals = ", ".join(f"{_total(c.at(v)[0]):,}" for v in c.values)
     parts: list[str] = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -175,19 +243,32 @@ def render_report(c: Comparison) -> str:
         "larger than a worker's cache, are left out of both). TTFT = queue wait + uncached "
         "prompt tokens / prefill rate.</p>",
         "<h2>Hit ratio against cache capacity</h2>",
-        f"<figure>{_capacity_plot(c)}</figure>",
+        f"<figure>{_capacity_plot(c)}<figcaption>Prefix hit ratio per policy at each "
+        f"replayed total capacity: {totals} blocks.</figcaption></figure>",
     ]
     if not swept:
         parts.append(
             '<p class="note">One capacity was replayed; run with '
             "<code>--sweep capacity=1000,2000,4000,8000</code> for the curve.</p>"
         )
+    setup = html.escape(_setup(main[0]))
     parts += [
-        "<h2>Time to first token</h2>",
-        f"<figure>{_ttft_plot(main)}</figure>",
-        "<h2>Per-worker load over time</h2>",
+        f"<h2>Time to first token at {setup}</h2>",
+        f"<figure>{_ttft_plot(main)}<figcaption>Modelled time to first token, per policy, "
+        f"with {setup} each.</figcaption></figure>",
+        f"<h2>Per-worker load over time at {setup}</h2>",
     ]
-    parts += [f"<figure>{_load_plot(r)}</figure>" for r in main if r.timeline]
+    parts += [
+        f"<figure>{svg}<figcaption>{html.escape(r.policy)}: the band spans the least to the "
+        f"most loaded worker, the line is the median worker ({setup}).</figcaption></figure>"
+        for r, svg in zip([r for r in main if r.timeline], _load_plots(main), strict=True)
+    ]
+    if len(c.values) > 1:
+        parts.append(
+            f'<p class="note">The TTFT and load plots show the runs at {setup}; '
+            f"the summary table has every {html.escape(c.sweep.param if c.sweep else '')} "
+            "value.</p>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts)
 
