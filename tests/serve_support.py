@@ -84,6 +84,29 @@ class Engine:
         batch = EventBatch(source=self.source, ts_ns=time.time_ns(), events=[ev])
         self.pub.publish(self.exporter.encode(batch).payload)
 
+    def payload_of_store(self, tokens: Sequence[int]) -> bytes:
+        """The vLLM payload storing ``tokens``' full blocks from the root, not published and
+        not remembered (for tests that play a misconfigured engine)."""
+        blocks = split_blocks(list(tokens), self.bs)
+        hashes = _engine_hasher.chain_bytes(blocks)
+        ev = KVCacheEvent(
+            event_id=0,
+            hash_algo=ENGINE_ALGO,
+            layer_group_id=0,
+            window_size=1 << 30,
+            data=Stored(
+                parent_hash=None,
+                blocks=tuple(
+                    StoredBlock(block_hash=h, token_ids=b)
+                    for h, b in zip(hashes, blocks, strict=True)
+                ),
+            ),
+        )
+        batch = EventBatch(source=self.source, ts_ns=time.time_ns(), events=[ev])
+        payload = VllmExporter().encode(batch).payload
+        assert payload is not None
+        return payload
+
     def store(self, tokens: Sequence[int], level: int = 0) -> None:
         """Cache the full blocks of ``tokens`` not cached yet (under the cached prefix)."""
         blocks = split_blocks(list(tokens), self.bs)
@@ -146,9 +169,7 @@ def expected_answer(
         if not depth:
             continue
         i, r = str(inst), str(rank)
-        e = instances.setdefault(
-            i, {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
-        )
+        e = instances.setdefault(i, {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0})
         if gpu:
             scores.setdefault(i, {})[r] = gpu * bs
             e["dp"][r] = gpu * bs

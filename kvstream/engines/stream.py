@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from kvstream._types import hash_width
@@ -102,6 +102,32 @@ class EngineStream:
     def next_event_id(self) -> int:
         """The id the next event will get."""
         return self._next_id
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`resume` needs to go on with this incarnation after a process restart
+        (a consumer's checkpoint keeps it next to the engine's seq)."""
+        return {
+            "incarnation": self.source.incarnation,
+            "next_id": self._next_id,
+            "windows": {str(g): w for g, w in self._windows.items()},
+        }
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Continue the incarnation of a :meth:`state`: same incarnation, ids on from where
+        it stopped, its groups' windows; ConfigError for a malformed state."""
+        try:
+            incarnation = int(state["incarnation"])
+            next_id = int(state["next_id"])
+            windows = {int(g): int(w) for g, w in dict(state.get("windows") or {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not an engine stream state: {state!r} ({exc})") from None
+        if incarnation < 0 or next_id < 0:
+            raise ConfigError(f"engine stream state out of range: {state!r}")
+        self.source = SourceId(
+            instance_id=self.instance_id, attention_dp_rank=self.rank, incarnation=incarnation
+        )
+        self._next_id = next_id
+        self._windows = windows
 
     def restart(self) -> None:
         """Begin a new incarnation: ids restart at 0, group windows are forgotten."""

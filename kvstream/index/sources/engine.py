@@ -26,7 +26,7 @@ from kvstream.engines.endpoint import EngineEndpoint, parse_engine_url
 from kvstream.engines.stream import EngineStream
 from kvstream.engines.vllm import decode_payload
 from kvstream.engines.zmq_sub import BadFrame, EngineSubscriber, Frame, Gap, Restart
-from kvstream.errors import InteropError
+from kvstream.errors import ConfigError, InteropError
 from kvstream.index.errors import SourceError
 from kvstream.index.sources.base import EventSource, SourceItem
 
@@ -67,6 +67,29 @@ class EngineSource(EventSource):
         ranks = checkpoint.get("engine_seq")
         if not isinstance(ranks, Mapping):
             raise SourceError(f"{self.name}: not an engine checkpoint: {dict(checkpoint)!r}")
+        streams = checkpoint.get("streams")
+        if isinstance(streams, Mapping):  # go on with the same incarnations and ids
+            for key, state in streams.items():
+                try:
+                    rank = int(key)
+                    if not isinstance(state, Mapping):
+                        raise ConfigError(f"{state!r} is not a mapping")
+                    self._stream(rank).resume(state)
+                except (ConfigError, ValueError) as exc:
+                    raise SourceError(
+                        f"{self.name}: bad checkpoint stream {key!r}: {exc}"
+                    ) from None
+        rank_of = checkpoint.get("rank_of")
+        if isinstance(rank_of, Mapping):
+            for sub, rank in rank_of.items():
+                try:
+                    s, r = int(sub), int(rank)
+                except (TypeError, ValueError):
+                    raise SourceError(
+                        f"{self.name}: bad checkpoint rank {sub!r}: {rank!r}"
+                    ) from None
+                if s in self._rank_of and 0 <= r < 65536:
+                    self._rank_of[s] = r
         out = {}
         for key, seq in ranks.items():
             try:
@@ -137,7 +160,14 @@ class EngineSource(EventSource):
         return None
 
     def checkpoint(self) -> dict[str, Any]:
-        return {"engine_seq": {str(r): s for r, s in sorted(self._last_seq.items())}}
+        """The last engine seq delivered per socket, and each stream's incarnation and next
+        event id, so a source resumed from it continues the same incarnations (a consumer's
+        restored index keeps its state) instead of starting new ones."""
+        return {
+            "engine_seq": {str(r): s for r, s in sorted(self._last_seq.items())},
+            "streams": {str(r): st.state() for r, st in sorted(self.streams.items())},
+            "rank_of": {str(s): r for s, r in sorted(self._rank_of.items())},
+        }
 
     async def aclose(self) -> None:
         await self.subscriber.aclose()
