@@ -86,7 +86,10 @@ async def test_from_0_replays_what_was_published_before_the_bridge_started(
     assert ids(got) == [0, 1, 2, 3, 4, 5]
     assert all(b.source.instance_id == "w0" and b.source.attention_dp_rank == 0 for b in got)
     assert src.subscriber.stats[0].replayed == 5
-    assert src.checkpoint() == {"engine_seq": {"0": 5}}
+    ckpt = src.checkpoint()
+    assert ckpt["engine_seq"] == {"0": 5}
+    assert ckpt["streams"]["0"]["next_id"] == 6
+    assert ckpt["streams"]["0"]["incarnation"] == got[0].source.incarnation
     assert engine.replay_requests == [0]
 
 
@@ -268,6 +271,38 @@ async def test_resume_from_a_checkpoint_replays_only_what_came_after(
         got = await collect(src, 3)
     assert hashes(got) == [5, 6, 7]
     assert engine.replay_requests == [4]
+
+
+async def test_a_resumed_source_goes_on_with_the_same_incarnation_and_ids(
+    engine: TestEnginePublisher, ports: list[int]
+) -> None:
+    """A consumer restored from a snapshot keeps the engine's state only if the resumed
+    source continues the incarnation (a new one would tell the index to forget it)."""
+    from kvstream.index import PrefixIndex
+
+    for i in range(3):
+        engine.publish(payload(i))
+    url = f"vllm://127.0.0.1:{ports[0]}?replay={ports[2]}&instance=w0"
+    index = PrefixIndex()
+    async with open_source(url) as src:
+        first = await collect(src, 3)
+        ckpt = src.checkpoint()
+    for b in first:
+        index.apply(b)
+    for i in range(3, 5):
+        engine.publish(payload(i))  # while the consumer is down
+    async with open_source(url, resume_from=ckpt) as src:
+        await asyncio.sleep(0.3)
+        engine.publish(payload(5))
+        later = await collect(src, 3)
+    assert {b.source.incarnation for b in later} == {first[0].source.incarnation}
+    assert ids(later) == [3, 4, 5]
+    for b in later:
+        index.apply(b)
+    info = index.info(("w0", 0))
+    assert not info.stale
+    assert info.stats.incarnation_changes == 0
+    assert info.stats.stored_blocks == 6
 
 
 def test_bad_urls_are_config_errors() -> None:
