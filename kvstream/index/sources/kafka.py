@@ -367,6 +367,21 @@ class KafkaSource(EventSource):
             for tp in sorted(got, key=lambda t: t.partition):
                 self._buf.extend(got[tp])
 
+    def lag(self) -> dict[int, int]:
+        """Records between the next one this source delivers and each assigned partition's
+        high watermark (records fetched but not yet read count as behind), as of the last
+        fetch; only partitions with both known. Call it on the event loop's thread."""
+        consumer = self._consumer
+        if consumer is None:
+            return {}
+        out: dict[int, int] = {}
+        for tp in consumer.assignment():
+            hw = consumer.highwater(tp)
+            nxt = self._next.get(tp.partition)
+            if hw is not None and nxt is not None:
+                out[tp.partition] = max(hw - nxt, 0)
+        return out
+
     async def caught_up(self) -> bool:
         """True once every assigned partition has been read up to the end offset it had when
         this was first asked (what a service waits for before it reports ready)."""
