@@ -127,7 +127,9 @@ def test_bridge_reads_kafka_over_tls(
 
 
 def test_shard_reads_over_tls(tls: TlsBroker, written: dict[str, Any]) -> None:
-    done = run_cli("shard", tls_url(tls, "kv-tls"), "--shard", "0/1", "--no-follow")
+    done = run_cli(
+        "shard", tls_url(tls, "kv-tls"), "--shard", "0/1", "--no-follow", "--block-size", "16"
+    )  # the demo's chat workload: 16 tokens per block
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines[0]["shard"] == "0/1"
