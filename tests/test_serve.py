@@ -245,3 +245,54 @@ async def test_bad_requests_get_clear_errors(engines: Any, tmp_path: Path) -> No
             await run(c.call, "POST", "/register_peer", None)
         c.close()
         anon.close()
+
+
+async def test_tls_and_a_bearer_token(engines: Any, tmp_path: Path) -> None:
+    from tls_broker import make_pki
+
+    from kvstream.serve import UnavailableError
+
+    pki = make_pki(tmp_path / "pki")
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    cfg = ServeConfig(
+        port=0,
+        block_size=BS,
+        tls_cert=pki.server_cert,
+        tls_key=pki.server_key,
+        auth_token_file=token,
+    )
+    e = engines()
+    async with IndexService(cfg) as svc:
+        assert svc.url.startswith("https://127.0.0.1:")
+        with Client(svc.url, token="t0k3n", ca_file=str(pki.ca)) as c:
+            await run(c.register, 1, e.endpoint, replay_endpoint=e.replay_endpoint)
+            prompt = list(range(1, 1 + BS * 2))
+            e.store(prompt)
+            await eventually(lambda: c.query(prompt) == expected_answer({(1, 0): e}, prompt, BS))
+        untrusted = Client(svc.url, token="t0k3n", ca_file=str(pki.other_ca))
+        with untrusted, pytest.raises(UnavailableError, match="CERTIFICATE_VERIFY_FAILED"):
+            await run(untrusted.workers)
+        anonymous = Client(svc.url, ca_file=str(pki.ca))
+        with anonymous, pytest.raises(UnauthorizedError):
+            await run(anonymous.workers)
+
+
+async def test_route_picks_the_worker_holding_the_prefix(
+    service: IndexService, engines: Any
+) -> None:
+    a, b = engines(), engines()
+    with Client(service.url) as c:
+        await run(c.register, 1, a.endpoint, replay_endpoint=a.replay_endpoint)
+        await run(c.register, 2, b.endpoint, replay_endpoint=b.replay_endpoint)
+        long_prompt = list(range(1, 1 + BS * 8))
+        a.store(long_prompt[: BS * 2])
+        b.store(long_prompt)
+        await eventually(lambda: c.query(long_prompt)["scores"].get("2"))
+        decision = await run(c.route, long_prompt)
+        assert (decision["instance_id"], decision["dp_rank"]) == ("2", 0)
+        assert decision["policy"] == "kv"
+        by_worker = {s["worker"]: s for s in decision["scores"]}
+        assert by_worker["2/0"]["matched_blocks"] == 8
+        assert by_worker["1/0"]["matched_blocks"] == 2
+        assert by_worker["2/0"]["cost"] < by_worker["1/0"]["cost"]
