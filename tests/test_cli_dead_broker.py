@@ -121,12 +121,22 @@ def test_handler_lines_and_exit_summary(capsys: pytest.CaptureFixture[str]) -> N
         raise ConnectionRefusedError("refused")
     except ConnectionRefusedError:
         record = _record("sink failed", name="kvstream.pipeline.worker")
+        handler.handle(_record(f"source:kafka://h:1/t?sasl_password={SECRET}&x=1: down"))
         record.exc_info = sys.exc_info()
     handler.handle(record)
     handler.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
         "error: aiokafka: Unable connect",
+        "error: aiokafka: source:kafka://h:1/t?sasl_password=***&x=1: down",
         "error: kvstream: sink failed (ConnectionRefusedError: refused)",
         "error: aiokafka: Unable connect (repeated 2 more times)",
     ]
+
+
+def test_shard_to_a_dead_broker_keeps_secrets() -> None:
+    done = run_cli("shard", dead_sink(), "--shard", "0/1", "--no-follow", "--block-size", "16")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert SECRET not in done.stdout + done.stderr
+    assert "Unable to bootstrap" in done.stderr

@@ -7,7 +7,7 @@ installs :class:`CliLogHandler` on the root logger for the length of a command
 (aiokafka, asyncio...) are printed as ``warning: aiokafka: <message>``, and
 :class:`RepeatFilter` lets the first of identical messages through, counts the others, and
 says how many there were when the message changes, when the repeat window ends, or when the
-command ends.
+command ends. Secrets in URLs (``sasl_password=...``) are masked in every line.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, TextIO
+
+from kvstream.kafka_security import redact_url
 
 __all__ = ["CliLogHandler", "RepeatFilter", "cli_logging"]
 
@@ -122,7 +124,7 @@ class CliLogHandler(logging.Handler):
                 line += (
                     f" ({type(exc).__name__}: {exc})" if str(exc) else f" ({type(exc).__name__})"
                 )
-        return line
+        return redact_url(line)  # a library may log a URL holding a password
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
