@@ -90,6 +90,11 @@ class VllmRank:
 
     def serve(self, prompt: list[int], output: list[int]) -> None:
         """Prefill ``prompt``, decode ``output``, free the request, publish its events."""
+        for batch in self.run(prompt, output):
+            self.publisher.publish(batch)
+
+    def run(self, prompt: list[int], output: list[int]) -> list[Any]:
+        """Like :meth:`serve`, returning the ``KVEventBatch`` instead of publishing it."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
@@ -108,7 +113,7 @@ class VllmRank:
         computed, num_computed, _ = m.get_computed_blocks(req)
         if m.allocate_slots(req, req.num_tokens - num_computed, num_computed, computed) is None:
             m.free(req)
-            return  # the pool is full of running requests: rejected, as a scheduler would
+            return []  # the pool is full of running requests: rejected, as a scheduler would
         req.num_computed_tokens = req.num_tokens
         for tok in output:
             req.append_output_token_ids(tok)
@@ -117,13 +122,14 @@ class VllmRank:
             req.num_computed_tokens += 1
         m.free(req)
         events = m.take_events()
-        if events:
-            for ev in events:
-                hashes = getattr(ev, "block_hashes", None)
-                self.blocks += len(hashes) if hashes else 0
-            self.events += len(events)
-            self.batches += 1
-            self.publisher.publish(self.kv.KVEventBatch(ts=time.time(), events=events))
+        if not events:
+            return []
+        for ev in events:
+            hashes = getattr(ev, "block_hashes", None)
+            self.blocks += len(hashes) if hashes else 0
+        self.events += len(events)
+        self.batches += 1
+        return [self.kv.KVEventBatch(ts=time.time(), events=events)]
 
     @property
     def endpoint(self) -> str:

@@ -1,0 +1,331 @@
+"""``kvstream serve`` against NVIDIA Dynamo's standalone indexer (issue 21), side by side.
+
+Both services run as processes pinned to the same core(s) (``--server-cores``, default one
+core), the load client to the others, and follow the same real vLLM 0.33 publishers
+(``tests/peers/vllm_fleet.py``: vLLM's ``KVCacheManager`` and ``ZmqEventPublisher``,
+``--instances`` x ``--ranks``, a pool small enough for LRU evictions), registered with the
+same ``/register`` calls. Each round, with a fresh workload:
+
+1. **ingest**: the engines serve ``--requests`` requests; their event batches are held, then
+   published as fast as vLLM's publishers send them (the same bytes reach both services);
+   then one sentinel request per rank. Reported: each server's CPU per 1,000 blocks ingested
+   (its sustainable rate on its core: blocks per CPU-second) and how long after the last
+   publish each answered the sentinels (caught up);
+2. **state**: both ``/dump``s, flattened, must hold the same blocks; RSS of each process;
+3. **answers**: ``--probes`` distinct requests (served prompts, their prefixes with new tails,
+   new ones) to both: identical answers are counted;
+4. **latency**: the probes sequentially over one keep-alive connection per service, the
+   services alternating request by request: p50 and p99;
+5. **throughput**: the probes from 16 concurrent connections (aiohttp), one service at a
+   time, the order alternating by round: queries/s and the server's CPU per query
+   (utime+stime from /proc: a Python client saturates first, so CPU is the figure).
+
+Run with the peer venv (``scripts/test-peers`` builds it)::
+
+    .peers-venv/bin/python benchmarks/bench_serve.py [--rounds 3] [--requests 600]
+
+Spread is reported as median (min-max) over rounds; ratios are kvstream / Dynamo (for
+ingest capacity and throughput, higher is better; for latency, CPU and RSS, lower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "peers"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from dynamo_indexer import Dynamo, flatten  # noqa: E402
+from engine_publisher import free_ports  # noqa: E402
+from vllm_fleet import VllmRank, Workload  # noqa: E402
+
+BS = 16
+MODEL = "bench"
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Kvstream:
+    """``kvstream serve`` in a subprocess."""
+
+    def __init__(self, port: int, log: Path, cmd_prefix: tuple[str, ...]) -> None:
+        self.port = port
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                *cmd_prefix,
+                sys.executable,
+                "-m",
+                "kvstream.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                "--block-size",
+                str(BS),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    c.close()
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(log.read_text(errors="replace")[-2000:])
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
+
+
+class Conn:
+    """One keep-alive JSON connection."""
+
+    def __init__(self, port: int) -> None:
+        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self.c.request("POST", path, body=body, headers={"content-type": "application/json"})
+        r = self.c.getresponse()
+        return r.status, r.read()
+
+    def get(self, path: str) -> Any:
+        self.c.request("GET", path)
+        return json.loads(self.c.getresponse().read())
+
+
+def query_body(tokens: list[int]) -> bytes:
+    return json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def hammer(port: int, bodies: list[bytes], concurrency: int) -> float:
+    import aiohttp
+
+    it = iter(bodies)
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    url = f"http://127.0.0.1:{port}/query"
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(connector=conn) as session:
+
+        async def one() -> None:
+            for body in it:
+                async with session.post(
+                    url, data=body, headers={"content-type": "application/json"}
+                ) as r:
+                    await r.read()
+                    assert r.status == 200
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=600, help="requests per round")
+    ap.add_argument("--probes", type=int, default=1000, help="distinct queries per round")
+    ap.add_argument("--num-blocks", type=int, default=1500, help="KV blocks per engine rank")
+    ap.add_argument("--server-cores", default="1", help="taskset -c list for both services")
+    ap.add_argument("--client-cores", default="0", help="CPU list for this process")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--json", action="store_true", help="also print the raw rows as JSON")
+    args = ap.parse_args()
+    import vllm.distributed.kv_events as kv
+
+    os.sched_setaffinity(0, {int(c) for c in args.client_cores.split(",")})
+    pin = ("taskset", "-c", args.server_cores)
+    tmp = Path(tempfile.mkdtemp(prefix="kvs-bench-serve-"))
+    ports = free_ports(2)
+    dyn = Dynamo(ports[0], tmp / "dynamo.log", BS, cmd_prefix=pin)
+    ours = Kvstream(ports[1], tmp / "kvstream.log", pin)
+    services = {"kvstream": (ours.proc.pid, ours.port), "dynamo": (dyn.proc.pid, dyn.port)}
+    ranks: list[tuple[int, int, VllmRank]] = []
+    for i in range(args.instances):
+        pub, rep = free_ports(args.ranks), free_ports(args.ranks)
+        for r in range(args.ranks):
+            ranks.append(
+                (
+                    1000 + i,
+                    r,
+                    VllmRank(
+                        kv, pub[r], rep[r], dp_rank=r, block_size=BS, num_blocks=args.num_blocks
+                    ),
+                )
+            )
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in services}
+    answers_same = answers_total = 0
+
+    def add(name: str, key: str, value: float) -> None:
+        rows[name].setdefault(key, []).append(value)
+
+    try:
+        for inst, r, eng in ranks:
+            body = json.dumps(
+                {
+                    "instance_id": inst,
+                    "endpoint": eng.endpoint,
+                    "replay_endpoint": eng.replay_endpoint,
+                    "model_name": MODEL,
+                    "block_size": BS,
+                    "dp_rank": r,
+                }
+            ).encode()
+            for _, port in services.values():
+                status, text = Conn(port).post("/register", body)
+                assert status == 201, text
+        time.sleep(1.0)
+        conns = {name: Conn(port) for name, (_, port) in services.items()}
+        for rnd in range(args.rounds):
+            work = Workload(seed=1000 + rnd, system_tokens=1024)
+            # 1. ingest: hold the batches, then publish them all
+            held: list[tuple[VllmRank, Any]] = []
+            blocks = 0
+            for _ in range(args.requests):
+                prompt, output = work.next_request()
+                eng = random.Random(len(held) + rnd).choice(ranks)[2]
+                for batch in eng.run(prompt, output):
+                    held.append((eng, batch))
+                    blocks += sum(len(getattr(e, "block_hashes", ()) or ()) for e in batch.events)
+            # one sentinel prompt served last by every rank: one /query sees them all
+            sentinel = [random.Random(f"sentinel/{rnd}").randrange(3, 30000) for _ in range(BS * 4)]
+            for _, _, eng in ranks:
+                for batch in eng.run(sentinel, []):
+                    held.append((eng, batch))
+            want_ranks = {(str(inst), str(r)) for inst, r, _ in ranks}
+            sentinel_body = query_body(sentinel)
+            cpu0 = {n: cpu_s(pid) for n, (pid, _) in services.items()}
+            for eng, batch in held:
+                eng.publisher.publish(batch)
+            t_pub = time.perf_counter()
+            pending = dict.fromkeys(services)
+            seen: dict[str, float] = {}
+            while pending and time.perf_counter() - t_pub < 120:
+                for name in list(pending):
+                    _, raw = conns[name].post("/query", sentinel_body)
+                    scores = json.loads(raw)["scores"]
+                    held_by = {
+                        (i, r)
+                        for i, ranks_ in scores.items()
+                        for r, n in ranks_.items()
+                        if n == BS * 4
+                    }
+                    if want_ranks <= held_by:
+                        seen[name] = time.perf_counter() - t_pub
+                        del pending[name]
+                time.sleep(0.01)  # ~10 polls per 100 ms: under 5% of either's ingest CPU
+            for name, (pid, _) in services.items():
+                add(name, "ingest CPU ms / 1k blocks", (cpu_s(pid) - cpu0[name]) / blocks * 1e6)
+                add(name, "caught up after publish, ms", seen.get(name, float("nan")) * 1e3)
+            # 2. state
+            deadline = time.monotonic() + 30
+            while True:
+                dumps = {n: flatten(conns[n].get("/dump")) for n in services}
+                if dumps["kvstream"] == dumps["dynamo"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            same_state = dumps["kvstream"] == dumps["dynamo"]
+            n_blocks = len(dumps["dynamo"])
+            for name, (pid, _) in services.items():
+                add(name, "RSS MiB", rss_mib(pid))
+            # 3. answers and 4. sequential latency, alternating request by request
+            probes = work.probes(args.probes)
+            bodies = [query_body(p) for p in probes]
+            lat: dict[str, list[float]] = {n: [] for n in services}
+            order = list(services) if rnd % 2 == 0 else list(services)[::-1]
+            for body in bodies:
+                got = {}
+                for name in order:
+                    t0 = time.perf_counter()
+                    status, raw = conns[name].post("/query", body)
+                    lat[name].append(time.perf_counter() - t0)
+                    got[name] = json.loads(raw)
+                answers_total += 1
+                answers_same += got["kvstream"] == got["dynamo"]
+            for name in services:
+                add(name, "query p50 us", pct(lat[name], 0.5) * 1e6)
+                add(name, "query p99 us", pct(lat[name], 0.99) * 1e6)
+            # 5. throughput with concurrent clients
+            for name in order:
+                pid, port = services[name]
+                c0 = cpu_s(pid)
+                wall = asyncio.run(hammer(port, bodies, args.concurrency))
+                add(name, f"queries/s ({args.concurrency} conns)", len(bodies) / wall)
+                add(name, "server CPU us / query", (cpu_s(pid) - c0) / len(bodies) * 1e6)
+            print(
+                f"round {rnd + 1}/{args.rounds}: {blocks} blocks ingested, {n_blocks} cached, "
+                f"state {'identical' if same_state else 'DIFFERENT'}, "
+                f"answers identical {answers_same}/{answers_total}",
+                flush=True,
+            )
+    finally:
+        for _, _, eng in ranks:
+            eng.close()
+        ours.close()
+        dyn.close()
+
+    def fmt(v: list[float]) -> str:
+        return f"{statistics.median(v):,.1f} ({min(v):,.1f}-{max(v):,.1f})"
+
+    print(
+        f"\nkvstream serve vs Dynamo {args.instances}x{args.ranks} vLLM ranks, block size {BS},"
+        f" {args.rounds} rounds; services on cores {args.server_cores}, client on "
+        f"{args.client_cores}; median (min-max)"
+    )
+    print(f"{'metric':34} {'kvstream':>24} {'dynamo':>24} {'ratio':>7}")
+    for key in rows["kvstream"]:
+        k, d = rows["kvstream"][key], rows["dynamo"][key]
+        ratio = statistics.median(k) / statistics.median(d)
+        print(f"{key:34} {fmt(k):>24} {fmt(d):>24} {ratio:>6.2f}x")
+    print(f"answers identical: {answers_same}/{answers_total}")
+    cap = [1e6 / v for v in rows["kvstream"]["ingest CPU ms / 1k blocks"]]
+    dcap = [1e6 / v for v in rows["dynamo"]["ingest CPU ms / 1k blocks"]]
+    print(
+        f"ingest capacity (blocks per CPU-second): kvstream {statistics.median(cap):,.0f}, "
+        f"dynamo {statistics.median(dcap):,.0f}, "
+        f"ratio {statistics.median(cap) / statistics.median(dcap):.2f}x"
+    )
+    if args.json:
+        print(json.dumps({"rows": rows, "answers": [answers_same, answers_total]}))
+
+
+if __name__ == "__main__":
+    main()
