@@ -15,11 +15,14 @@ allows: the table shows the largest shard's share of the blocks.
 Then a replica joining shard 0/2: loading the shard's snapshot (taken ``--tail`` before the
 end) and reading on from its offsets, against rebuilding the shard from the start. Last, the
 router's side: ``route()`` latency over one in-process index against the same decision
-fanned out over TCP to 1, 2, 4 shard processes serving their indexes (every decision must be
-identical to the unsharded one).
+fanned out over HTTP (``POST /match``, :class:`kvstream.serve.shards.RemoteShard`) to 1, 2, 4
+index services each reading its shard (every decision must be identical to the unsharded
+one), and a match over every worker fanned out against the same requests sent to one shard
+after the other (the fan-out should cost the slowest shard, not the sum).
 
 Usage: python benchmarks/bench_scaleout.py [--workers 64] [--blocks 200000] [--partitions 8]
        [--processes 1,2,4] [--rounds 3] [--tail 0.05] [--queries 500] [--bootstrap HOST:PORT]
+       [--fan-out-only]
 
 The processes share the machine's cores (printed, with the load average): N processes on
 fewer than N free cores cannot scale N-fold in wall time. The table therefore also gives the
@@ -60,9 +63,10 @@ from kvstream.events.model import (
 )
 from kvstream.hashing import get_hasher
 from kvstream.index import IndexConsumer, PrefixIndex, Router, RouterConfig, load_snapshot
-from kvstream.index.shard_rpc import RemoteShard, ShardServer
 from kvstream.index.shards import ShardedIndex, ShardSpec, open_shard, sharded_router
 from kvstream.index.sources.kafka import KafkaSource
+from kvstream.serve import IndexService, ServeConfig
+from kvstream.serve.shards import RemoteShard
 
 ALGO = "blake3_64"
 TPB = 32
@@ -176,19 +180,45 @@ def shard_process(where: tuple[str, str, str], ready: Any, go: Any, out: Any) ->
     asyncio.run(main())
 
 
-def serving_shard(where: tuple[str, str, str], ports: Any, done: Any) -> None:
-    """A shard that reads its partitions to the end, then serves matches until ``done``."""
+def serving_shard(where: tuple[str, str, str], urls: Any, done: Any) -> None:
+    """An index service on shard ``spec`` (what ``kvstream shard`` runs): once it has read
+    its partitions to the end (``/ready``), its URL goes to ``urls``; it serves until
+    ``done``."""
     bootstrap, topic, spec = where
 
     async def main() -> None:
-        consumer = open_shard(None, bootstrap, topic, spec, stop_at_end=True)
-        async with consumer.source:
-            await consumer.run()
-        async with ShardServer(consumer.index) as server:
-            ports.put(server.port)
+        source = f"kafka://{bootstrap}/{topic}?shard={spec}&key_mode=engine&block_size={TPB}"
+        cfg = ServeConfig(port=0, sources=[source], snapshot_every_s=None)
+        async with IndexService(cfg) as svc:
+            while not svc.ready()[0]:
+                await asyncio.sleep(0.05)
+            urls.put(svc.url)
             await asyncio.get_running_loop().run_in_executor(None, done.wait)
 
     asyncio.run(main())
+
+
+def match_latency(fan: ShardedIndex, queries: list[list[int]]) -> tuple[list[float], list[float]]:
+    """Per-query match latency in microseconds over every worker of ``fan``: fanned out (sent
+    to every shard, then the answers read) and one shard after the other (the sum)."""
+    cands = fan.workers()
+    owners = fan.owners()
+    subsets = [[w for w in cands if owners[w] == [i]] for i in range(len(fan.shards))]
+    par, seq = [], []
+    gc.disable()
+    try:
+        for q in queries:
+            t0 = time.perf_counter_ns()
+            fan.match(q, workers=cands)
+            t1 = time.perf_counter_ns()
+            for shard, subset in zip(fan.shards, subsets, strict=True):
+                shard.match(q, workers=subset)
+            t2 = time.perf_counter_ns()
+            par.append((t1 - t0) / 1e3)
+            seq.append((t2 - t1) / 1e3)
+    finally:
+        gc.enable()
+    return par, seq
 
 
 def route_latency(router: Router, queries: list[list[int]]) -> tuple[list[float], list[Any]]:
@@ -244,22 +274,24 @@ def fan_out(
             f"{pct(lat, 0.5) / pct(base, 0.5):10.2f}x"
         )
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    spread: list[tuple[int, list[float], list[float]]] = []
     for n in counts:
-        ports, done = ctx.Queue(), ctx.Event()
+        urls, done = ctx.Queue(), ctx.Event()
         procs = [
             ctx.Process(
-                target=serving_shard, args=((bootstrap, topic, str(s)), ports, done), daemon=True
+                target=serving_shard, args=((bootstrap, topic, str(s)), urls, done), daemon=True
             )
             for s in ShardSpec.all(n)
         ]
         try:
             for p in procs:
                 p.start()
-            remotes = [RemoteShard("127.0.0.1", ports.get(timeout=600)) for _ in procs]
+            remotes = [RemoteShard(urls.get(timeout=600), timeout_s=30) for _ in procs]
             fan = ShardedIndex(remotes)
             for q in queries[:20]:  # connect, warm up (a router's tie rotation starts fresh)
                 fan.match(q)
             lat, got = route_latency(sharded_router(fan, None, cfg), queries)
+            spread.append((n, *match_latency(fan, queries)))
             for r in remotes:
                 r.close()
         finally:
@@ -270,12 +302,23 @@ def fan_out(
                     p.terminate()
         if got != want:
             raise SystemExit(f"{n} shard(s) decided otherwise than one index")
-        label = f"{n} shard process{'es' if n > 1 else ''} (TCP)"
+        label = f"{n} shard service{'s' if n > 1 else ''} (HTTP)"
         print(
             f"{label:28} {pct(lat, 0.5):9.0f} {pct(lat, 0.99):9.0f} "
             f"{pct(lat, 0.5) / pct(base, 0.5):10.2f}x"
         )
     print("decisions (worker and every score) identical to one index: yes")
+    print(
+        "\n== a match over every worker: fanned out (every request sent, then the answers "
+        "read) vs one shard after the other =="
+    )
+    head = ("services", "fan-out p50", "p99", "in turn p50", "p99", "ratio")
+    print("{:>8} {:>12} {:>9} {:>12} {:>9} {:>6}".format(*head))
+    for n, par, seq in spread:
+        print(
+            f"{n:8} {pct(par, 0.5):12.0f} {pct(par, 0.99):9.0f} {pct(seq, 0.5):12.0f} "
+            f"{pct(seq, 0.99):9.0f} {pct(par, 0.5) / pct(seq, 0.5):5.2f}x"
+        )
 
 
 def run_shards(bootstrap: str, topic: str, n: int) -> tuple[float, float, int]:
@@ -395,6 +438,11 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=500, help="routing decisions timed (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting tansu")
+    ap.add_argument(
+        "--fan-out-only",
+        action="store_true",
+        help="only the routing decisions (skip the consume rounds and the replica)",
+    )
     args = ap.parse_args()
     counts = [int(x) for x in args.processes.split(",")]
     if max(counts) > args.partitions:
@@ -408,6 +456,9 @@ def main() -> None:
 
     def run(bootstrap: str, direct: str) -> None:
         topic, blocks, by_part, batches, queries = asyncio.run(prepare(args, bootstrap, direct))
+        if args.fan_out_only:
+            fan_out((bootstrap, topic, args.partitions), counts, batches, queries)
+            return
         print(f"\n== shard processes reading the topic to its end (best of {args.rounds}) ==")
         print(
             "wall: blocks / (start .. last process done), on this machine's cores;\n"

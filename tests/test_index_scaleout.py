@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import socket
-import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import zlib
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from index_support import Producer, tokens
 from kafka_broker import create_topic
 from kvstream.sinks.kafka import KafkaSink, partition_for, source_key
+from serve_support import eventually
 
 from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch
@@ -36,6 +38,7 @@ from kvstream.index import (
     HashConfigMismatchError,
     HashRequest,
     IndexConsumer,
+    KeyMode,
     PrefixIndex,
     Router,
     RouterConfig,
@@ -44,16 +47,28 @@ from kvstream.index import (
     load_snapshot,
     open_source,
 )
-from kvstream.index.shard_rpc import RemoteShard, ShardServer, ShardUnavailableError
 from kvstream.index.shards import (
     ShardedIndex,
     ShardSpec,
+    ShardUnavailableError,
     open_group_shard,
     open_shard,
     sharded_router,
     worker_partition,
 )
 from kvstream.index.sources.kafka import KafkaSource
+from kvstream.serve import (
+    Client,
+    ConflictError,
+    IndexService,
+    InvalidRequestError,
+    NotFoundError,
+    ServeConfig,
+)
+from kvstream.serve.config import parse_source
+from kvstream.serve.models import ModelIndex, ModelKey
+from kvstream.serve.shards import RemoteShard
+from kvstream.serve.snapshot import encode_service_snapshot, read_snapshot
 
 KVSTREAM = str(Path(sys.executable).with_name("kvstream"))
 TPB = 4
@@ -283,26 +298,41 @@ def test_fan_out_raises_what_a_shard_raises() -> None:
 
 
 @contextlib.contextmanager
-def served(indexes: list[PrefixIndex]) -> Iterator[list[RemoteShard]]:
-    """Each index behind a ShardServer on an event loop in a background thread."""
+def services(indexes: list[PrefixIndex], tmp: Path) -> Iterator[list[IndexService]]:
+    """Each index served by an index service on a loopback port (restored from a service
+    snapshot holding it as the ``default`` model), on an event loop in a background thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    servers = [
-        asyncio.run_coroutine_threadsafe(ShardServer(idx).start(), loop).result(10)
-        for idx in indexes
-    ]
-    remotes = [RemoteShard("127.0.0.1", s.port, timeout_s=10) for s in servers]
+    started: list[IndexService] = []
     try:
-        yield remotes
+        for i, idx in enumerate(indexes):
+            model = ModelIndex(ModelKey("default", "default"), TPB, idx.key_mode)
+            model.index = idx
+            snap = tmp / f"shard{i}.snap"
+            snap.write_bytes(encode_service_snapshot([(model, {})]))
+            svc = IndexService(ServeConfig(port=0, snapshot=snap, snapshot_every_s=None))
+            asyncio.run_coroutine_threadsafe(svc.start(), loop).result(30)
+            started.append(svc)
+        yield started
     finally:
-        for r in remotes:
-            r.close()
-        for s in servers:
-            asyncio.run_coroutine_threadsafe(s.aclose(), loop).result(10)
+        for svc in started:
+            asyncio.run_coroutine_threadsafe(svc.aclose(snapshot=False), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@contextlib.contextmanager
+def served(indexes: list[PrefixIndex], tmp: Path) -> Iterator[list[RemoteShard]]:
+    """A :class:`RemoteShard` of each index, served by an index service (:func:`services`)."""
+    with services(indexes, tmp) as svcs:
+        remotes = [RemoteShard(svc.url, timeout_s=10) for svc in svcs]
+        try:
+            yield remotes
+        finally:
+            for r in remotes:
+                r.close()
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -316,7 +346,7 @@ def test_remote_shards_answer_like_local_ones(
     batches = random_streams(ops)
     whole = build(batches, mode)
     pieces = [build(bs, mode) for bs in split(batches, 4, 2)]
-    with served(pieces) as remotes:
+    with tempfile.TemporaryDirectory() as tmp, served(pieces, Path(tmp)) as remotes:
         fan = ShardedIndex(remotes)
         assert fan.workers() == ShardedIndex(pieces).workers()
         cands = [*fan.workers(), WorkerKey("nobody")]
@@ -335,24 +365,88 @@ def test_remote_shards_answer_like_local_ones(
             assert decision(many.route(r)) == decision(one.route(r))
 
 
-def test_remote_shard_errors() -> None:
+def test_match_endpoint(tmp_path: Path) -> None:
+    """``POST /match`` over plain HTTP: rows in candidate order, the model's workers, and
+    errors as the API's JSON (409 for a hash mismatch, 422 for a bad body, 404 for an
+    unknown model); Dynamo's ``/query`` refuses an engine-keyed model (409)."""
+    a = build(_stored("a") + _stored("b", rank=1), "engine")
+    with services([a], tmp_path) as (svc,):
+        c = Client(svc.url)
+        body = {"token_ids": REQUESTS[0], "workers": [["b", 1], ["a", None], ["x", None]]}
+        got = c.call("POST", "/match", body)
+        assert got["workers"] == [["a", None], ["b", 1]]
+        assert got["num_tokens"] == len(REQUESTS[0])
+        rows = got["matches"]
+        assert [(r["instance_id"], r["dp_rank"], r["matched_blocks"]) for r in rows] == [
+            ("b", 1, 4),
+            ("a", None, 4),
+            ("x", None, 0),
+        ]
+        assert rows[0]["trusted"]
+        assert rows[0]["hash_algo"] == "blake3_64"
+        assert rows[2]["note"] == "unknown worker"
+        with pytest.raises(ConflictError, match="worker a/-"):
+            c.call("POST", "/match", {"token_ids": REQUESTS[0], "hash_algo": "v2_sha256_64"})
+        with pytest.raises(InvalidRequestError):
+            c.call("POST", "/match", {"token_ids": [-1]})
+        with pytest.raises(NotFoundError):
+            c.call("POST", "/match", {"token_ids": [1], "model_name": "other"})
+        with pytest.raises(ConflictError, match="use /match or /route"):
+            c.query(REQUESTS[0])
+        assert c.route(REQUESTS[0])["instance_id"] in ("a", "b")
+        c.close()
+
+
+def test_source_key_mode_and_elastic_options(tmp_path: Path) -> None:
+    spec = parse_source("kafka://h:1/t?shard=0/2&key_mode=engine&block_size=4")
+    assert (spec.key_mode, spec.block_size, spec.elastic) == (KeyMode.ENGINE, 4, False)
+    assert "key_mode" not in spec.url
+    assert parse_source("/some/dir").key_mode is KeyMode.DYNAMO
+    assert parse_source("kafka://h:1/t?group_id=g&elastic=1").elastic
+    with pytest.raises(ConfigError, match="unknown key mode"):
+        parse_source("kafka://h:1/t?key_mode=nope")
+    with pytest.raises(ConfigError, match="needs a Kafka group_id"):
+        parse_source("kafka://h:1/t?elastic=1")
+
+    # a snapshot's model keeps its key mode: a source of another mode does not start on it
+    model = ModelIndex(ModelKey("default", "default"), TPB, "engine")
+    snap = tmp_path / "svc.snap"
+    snap.write_bytes(encode_service_snapshot([(model, {})]))
+    (state,) = read_snapshot(snap) or []
+    assert state.model.key_mode is KeyMode.ENGINE
+    source = f"{tmp_path / 'events'}?key_mode=tokens&block_size={TPB}"
+    svc = IndexService(ServeConfig(port=0, snapshot=snap, sources=[source]))
+    with pytest.raises(ConfigError, match="key_mode mismatch"):
+        asyncio.run(svc.start())
+
+
+def test_remote_shard_errors(tmp_path: Path) -> None:
     a = build(_stored("a"), "engine")
     b = build(_stored("b", algo="v2_sha256_64"), "engine")
-    with served([a, b]) as remotes:
+    with services([a, b], tmp_path) as svcs:
+        remotes = [RemoteShard(s.url, timeout_s=10) for s in svcs]
         fan = ShardedIndex(remotes)
         with pytest.raises(HashConfigMismatchError, match="worker b/-"):
             sharded_router(fan, config=RouterConfig(hash_algo="blake3_64")).check()
-        # the server answers garbage with an error and keeps serving
-        sock = socket.create_connection(("127.0.0.1", remotes[0].port), 5)
-        with sock:
-            sock.sendall(struct.pack(">I", 3) + b"{x}")
-            n = struct.unpack(">I", sock.recv(4))[0]
-            reply = json.loads(sock.recv(n))
-        assert reply["ok"] is False
+        # the service answers garbage with an error and keeps serving
+        with Client(svcs[0].url) as c:
+            status, data = c.request_raw("POST", "/match", b"{x}")
+        assert status == 400
+        assert json.loads(data)["type"] == "BadRequestError"
         assert fan.match(REQUESTS[0]).matches[0].matched_blocks == 4
-        port = remotes[1].port
+        for r in remotes:
+            r.close()
+        url = svcs[1].url
     with pytest.raises(ShardUnavailableError):
-        RemoteShard("127.0.0.1", port, timeout_s=1).match(REQUESTS[0])
+        RemoteShard(url, timeout_s=1).match(REQUESTS[0])
+    with (
+        services([a], tmp_path) as (svc,),
+        RemoteShard(svc.url, model_name="other") as other,
+        pytest.raises(ShardUnavailableError, match="HTTP 404"),
+    ):
+        other.workers()
+    with pytest.raises(ConfigError, match="http://HOST:PORT"):
+        RemoteShard("127.0.0.1:80")
 
 
 @pytest.mark.parametrize(
@@ -364,6 +458,8 @@ def test_remote_shard_errors() -> None:
         (["/some/dir", "--shard", "0/2"], "kafka://"),
         (["kafka://127.0.0.1:1/t"], "exactly one"),
         (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--group-id", "g"], "exactly one"),
+        (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--key-mode", "nope"], "key mode"),
+        (["kafka://127.0.0.1:1/t", "--shard", "0/2", "--key-mode", "dynamo"], "--block-size"),
     ],
 )
 def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None:
@@ -376,16 +472,16 @@ def test_shard_command_rejects_bad_arguments(args: list[str], says: str) -> None
     assert says in result.output
 
 
-def test_a_shard_that_stops_answering_leaves_its_workers_untrusted() -> None:
+def test_a_shard_that_stops_answering_leaves_its_workers_untrusted(tmp_path: Path) -> None:
     a = build(_stored("a"), "engine")
     b = build(_stored("b"), "engine")
-    with served([a, b]) as remotes:
+    with served([a, b], tmp_path) as remotes:
         fan = ShardedIndex(remotes)
         strict = ShardedIndex(remotes, tolerate_unavailable=False)
         assert [m.matched_blocks for m in fan.match(REQUESTS[0])] == [4, 4]
-        dead = RemoteShard("127.0.0.1", remotes[1].port, timeout_s=1)
+        dead = RemoteShard(remotes[1].url, timeout_s=1)
         dead.workers()
-    # the servers are gone: `dead` knows b but cannot reach it; a local shard still answers
+    # the services are gone: `dead` knows b but cannot reach it; a local shard still answers
     fan = ShardedIndex([a, dead])
     res = fan.match(REQUESTS[0])
     assert res.matches[0].matched_blocks == 4
@@ -398,42 +494,122 @@ def test_a_shard_that_stops_answering_leaves_its_workers_untrusted() -> None:
         strict.match(REQUESTS[0])
 
 
-def test_fan_out_reads_every_reply_before_raising() -> None:
+def test_fan_out_reads_every_reply_before_raising(tmp_path: Path) -> None:
     a = build(_stored("a", algo="v2_sha256_64"), "engine")
     b = build(_stored("b"), "engine")
-    with served([a, b]) as remotes:
+    with served([a, b], tmp_path) as remotes:
         fan = ShardedIndex(remotes)
         with pytest.raises(HashConfigMismatchError):
             fan.match(REQUESTS[0], hash_algo="blake3_64")
-        # both connections are still in step: the next answers are this request's (a reply
-        # left unread would answer it with the previous request's 4 blocks)
+        # both connections are still in step: the next answers are this request's (an
+        # answer left unread would answer it with the previous request's 4 blocks)
         res = fan.match(REQUESTS[1])
         assert [m.matched_blocks for m in res] == [2, 2]
 
 
+def test_remote_shard_reopens_a_connection_the_service_closed(tmp_path: Path) -> None:
+    """A keep-alive connection the service dropped while idle (a restart, an idle timeout)
+    is re-opened and the request sent again, on submit and on reading the answer."""
+    a = build(_stored("a"), "engine")
+    with served([a], tmp_path) as (remote,):
+        assert remote.match(REQUESTS[0]).matches[0].matched_blocks == 4
+        conn = remote._conn
+        assert conn is not None
+        assert conn.sock is not None
+        conn.sock.shutdown(socket.SHUT_RDWR)  # as if the peer had closed it
+        assert remote.match(REQUESTS[0]).matches[0].matched_blocks == 4
+
+
+def test_fan_out_sends_to_every_shard_before_reading_any() -> None:
+    """Each of two shards answers only once both have received their request (a barrier
+    across the two servers), so a client that waited for one answer before sending the next
+    request would never get one: the fan-out costs the slowest shard, not the sum."""
+    barrier = threading.Barrier(2, timeout=20)
+
+    class Both(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                self.send_error(503)
+                return
+            (inst, rank), *_ = req["workers"]
+            row = {
+                "instance_id": inst,
+                "dp_rank": rank,
+                "matched_blocks": 1,
+                "weighted_blocks": 1.0,
+                "request_blocks": 1,
+                "tokens_per_block": TPB,
+                "hash_algo": "blake3_64",
+                "trusted": True,
+            }
+            body = json.dumps(
+                {"num_tokens": 5, "matches": [row], "workers": [[inst, rank]]}
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    servers = [http.server.HTTPServer(("127.0.0.1", 0), Both) for _ in range(2)]
+    threads = [threading.Thread(target=s.handle_request, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    remotes = [RemoteShard(f"http://127.0.0.1:{s.server_address[1]}") for s in servers]
+    for r, name in zip(remotes, "ab", strict=True):  # what a worker list would have said
+        r._workers, r._seen = [WorkerKey(name)], float("inf")
+    try:
+        res = ShardedIndex(remotes, tolerate_unavailable=False).match(REQUESTS[0][:5])
+        assert [(m.worker, m.matched_blocks) for m in res] == [
+            (WorkerKey("a"), 1),
+            (WorkerKey("b"), 1),
+        ]
+    finally:
+        for r in remotes:
+            r.close()
+        for t in threads:
+            t.join(30)
+        for s in servers:
+            s.server_close()
+
+
 @pytest.mark.parametrize(
     "reply",
-    [b"[1, 2]", b'{"ok": true, "num_tokens": 3, "matches": [[1]]}', b'{"ok": true}', b"{no"],
+    [
+        b"[1, 2]",
+        b'{"num_tokens": 3, "matches": [[1]], "workers": []}',
+        b'{"num_tokens": 3}',
+        b"{no",
+    ],
 )
 def test_remote_shard_rejects_a_malformed_reply(reply: bytes) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
 
-    def answer() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(1 << 20)
-            conn.sendall(struct.pack(">I", len(reply)) + reply)
+        def log_message(self, *args: Any) -> None:
+            pass
 
-    thread = threading.Thread(target=answer, daemon=True)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Garbage)
+    thread = threading.Thread(target=server.handle_request, daemon=True)
     thread.start()
     try:
-        remote = RemoteShard("127.0.0.1", listener.getsockname()[1], timeout_s=5)
-        with pytest.raises(ShardUnavailableError):
+        remote = RemoteShard(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5)
+        with pytest.raises(ShardUnavailableError, match="malformed"):
             remote.match(REQUESTS[0], workers=[("a", None)])
         remote.close()
     finally:
         thread.join(5)
-        listener.close()
+        server.server_close()
 
 
 # ---------------------------------------------------------------------- the real broker
@@ -560,13 +736,75 @@ async def test_replica_from_snapshot_and_offsets_equals_a_rebuild(
 
 
 @pytest_kafka
+async def test_services_on_kafka_shards_fan_out_like_one_index(kafka: KafkaEnv) -> None:
+    """Two index services, each reading its shard of the topic (``?shard=K/2&key_mode=
+    engine``): a router fanning out to them over HTTP decides as one unsharded index, follows
+    what is published later, and carries on without a service that went down (its workers
+    untrusted), or raises ShardUnavailableError when told not to tolerate it."""
+    topic = kafka.topic("idx-svc")
+    await create_topic(kafka.broker.bootstrap, topic, PARTS)
+    ps = fleet()
+    batches = events(ps, range(4), created=True)
+    await publish(kafka, topic, batches)
+    svcs = []
+    for spec in ShardSpec.all(2):
+        url = f"kafka://{kafka.bootstrap}/{topic}?shard={spec}&key_mode=engine&block_size={TPB}"
+        svcs.append(await IndexService(ServeConfig(port=0, sources=[url])).__aenter__())
+    remotes = [RemoteShard(svc.url, timeout_s=10, refresh_s=0) for svc in svcs]
+    try:
+        fan = ShardedIndex(remotes)
+        queries = [tokens(8, seed=1) + tail(name, i) for name in NAMES for i in (0, 3, 5)]
+
+        def same_as(whole: PrefixIndex) -> bool:
+            cands = sorted(whole.workers())
+            if fan.workers() != cands:
+                return False
+            for q in queries:
+                if fan.match(q, workers=cands) != whole.match(q, workers=cands):
+                    return False
+            one = Router(whole, cands, RouterConfig(overlap_weight=2.0))
+            many = sharded_router(fan, None, RouterConfig(overlap_weight=2.0))
+            return all(decision(many.route(q)) == decision(one.route(q)) for q in queries)
+
+        await eventually(lambda: same_as(build(batches, "engine")), 60)
+        await eventually(lambda: all(svc.ready()[0] for svc in svcs), 30)
+        for spec, svc in zip(ShardSpec.all(2), svcs, strict=True):
+            (m,) = svc.models()
+            assert m.index.workers()
+            assert m.key_mode.value == "engine"
+            assert all(spec.owns_worker(w, PARTS) for w in m.index.workers())
+        more = events(ps, range(4, 6), created=False)
+        await publish(kafka, topic, more)
+        await eventually(lambda: same_as(build(batches + more, "engine")), 60)
+
+        lost = set(await asyncio.to_thread(remotes[1].workers))
+        down = svcs.pop()
+        await down.aclose()
+        res = await asyncio.to_thread(fan.match, queries[0])
+        assert {m.worker for m in res if not m.trusted} == lost
+        assert all(m.note.startswith("shard unavailable") for m in res if m.worker in lost)
+        assert all(m.trusted for m in res if m.worker not in lost)
+        routed = await asyncio.to_thread(sharded_router(fan).route, queries[0])
+        assert routed.worker not in lost
+        strict = ShardedIndex(remotes, tolerate_unavailable=False)
+        with pytest.raises(ShardUnavailableError):
+            await asyncio.to_thread(strict.match, queries[0])
+    finally:
+        for r in remotes:
+            r.close()
+        for svc in svcs:
+            await svc.aclose()
+
+
+@pytest_kafka
 @pytest.mark.slow
 async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
     kafka: KafkaEnv, tmp_path: Path
 ) -> None:
     """Two ``kvstream shard`` processes, one per shard: a router fans matches out to them
-    over TCP and gets the unsharded index's answers; on SIGTERM each snapshots its index with
-    its offsets, and the snapshots together hold the unsharded index."""
+    over HTTP and gets the unsharded index's answers; on SIGTERM each snapshots its index
+    with its offsets, and the snapshots together hold the unsharded index; a snapshot of
+    one shard does not start the other."""
     topic = kafka.topic("idx-procs")
     await create_topic(kafka.broker.bootstrap, topic, PARTS)
     batches = events(fleet(), range(5), created=True)
@@ -579,15 +817,15 @@ async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
             snap = tmp_path / f"shard{spec.shard}.snap"
             cmd = [KVSTREAM, "shard", url, "--shard", str(spec), "--snapshot", str(snap)]
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                *cmd, "--block-size", str(TPB), stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
             procs.append((snap, proc))
         remotes = []
         for _, proc in procs:
             assert proc.stdout is not None
             line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
-            host, port = line["listening"].rsplit(":", 1)
-            remotes.append(RemoteShard(host, int(port), timeout_s=10))
+            assert line["url"] == f"http://{line['listening']}"
+            remotes.append(RemoteShard(line["url"], timeout_s=10, refresh_s=0))
         fan = ShardedIndex(remotes)
         cands = sorted(whole.workers())
         queries = [tokens(8, seed=1) + tail(name, i) for name in NAMES for i in (0, 4)]
@@ -596,12 +834,7 @@ async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
             return [index.match(q, workers=cands) for q in queries]
 
         want = answers(whole)
-        for _ in range(300):  # until both processes have read their partitions to the end
-            got = await asyncio.to_thread(answers, fan)
-            if got == want:
-                break
-            await asyncio.sleep(0.1)
-        assert got == want
+        await eventually(lambda: answers(fan) == want, 60)
         one = Router(whole, cands, RouterConfig(overlap_weight=2.0))
         many = sharded_router(fan, None, RouterConfig(overlap_weight=2.0))
         for q in queries:
@@ -617,8 +850,19 @@ async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, err.decode()
         assert json.loads(out.splitlines()[-1])["snapshots"] >= 1
-        pieces.append(load_snapshot(snap).index)
+        (state,) = read_snapshot(snap) or []
+        assert len(state.positions) == 1
+        pieces.append(state.model.index)
     assert union_state(pieces) == whole.canonical_state()
+    wrong = await asyncio.create_subprocess_exec(
+        *[KVSTREAM, "shard", url, "--shard", "0/2", "--block-size", str(TPB)],
+        *["--snapshot", str(procs[1][0]), "--no-follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(wrong.communicate(), 60)
+    assert wrong.returncode == 2
+    assert b"give this shard its own snapshot" in err
 
 
 @pytest_kafka

@@ -7,16 +7,17 @@ index state depends only on its own batches, so the partitions can be split amon
 - :class:`ShardSpec` ``K/N`` owns the partitions ``p`` with ``p % N == K`` (``KafkaSource(...,
   shard="K/N")`` or ``kafka://host:port/topic?shard=K/N`` reads exactly those, with
   ``assign()``); :func:`worker_partition` and :meth:`ShardSpec.owns_worker` say where a worker's
-  events land. Each shard is an :class:`~kvstream.index.consumer.IndexConsumer` in its own
-  process, snapshotting its index with its offsets; a replica restores that snapshot and
-  reads on from the stored offsets (:func:`open_shard`).
+  events land. Each shard is an :class:`~kvstream.index.consumer.IndexConsumer` (in a
+  library, :func:`open_shard`) or an index service reading ``?shard=K/N`` (``kvstream
+  shard``) in its own process, snapshotting its index with its offsets; a replica restores
+  that snapshot and reads on from the stored offsets.
 - :class:`ShardedIndex` fans a match out to the shards (anything with ``workers()`` and
-  ``match()``: a :class:`~kvstream.index.index.PrefixIndex` in this process, or a
-  :class:`~kvstream.index.shard_rpc.RemoteShard` served by the shard's process) and merges the
-  per-worker
-  results; :func:`sharded_router` puts a :class:`~kvstream.index.router.Router` on top, so the
-  Dynamo-style scoring is the router's own and its decision equals that of one unsharded index
-  given the same candidates in the same order (property-tested).
+  ``match()``: a :class:`~kvstream.index.index.PrefixIndex` in this process, or, for a shard
+  served by an index service in another process, ``kvstream.serve.shards.RemoteShard``, an
+  HTTP client of the service's ``POST /match``) and merges the per-worker results;
+  :func:`sharded_router` puts a :class:`~kvstream.index.router.Router` on top, so the
+  Dynamo-style scoring is the router's own and its decision equals that of one unsharded
+  index given the same candidates in the same order (property-tested).
 
 A worker held by two shards (a shard resumed with another split, or reading partitions it
 does not own) is reported untrusted rather than matched from either copy. Re-partitioning
@@ -130,9 +131,10 @@ def worker_partition(worker: _Worker, num_partitions: int) -> int:
 
 
 class IndexShard(Protocol):
-    """What :class:`ShardedIndex` needs from a shard: a :class:`PrefixIndex`, or a
-    :class:`~kvstream.index.shard_rpc.RemoteShard` for a shard in another process (which
-    also has ``submit_match``: send now, wait later, so remote shards work in parallel)."""
+    """What :class:`ShardedIndex` needs from a shard: a :class:`PrefixIndex`, or
+    ``kvstream.serve.shards.RemoteShard`` for a shard served by an index service in another
+    process (which also has ``submit_match``: send now, wait later, so remote shards work in
+    parallel)."""
 
     def workers(self) -> list[WorkerKey]:
         """The workers the shard holds."""
