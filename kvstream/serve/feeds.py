@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from kvstream.errors import KVStreamError
 from kvstream.index.sources import EventSource, open_source
+from kvstream.kafka_security import redact_url
 from kvstream.serve.config import SourceSpec
 from kvstream.serve.models import ModelIndex, Registration
 
@@ -214,7 +215,8 @@ class StreamFeed(Feed):
     """A Kafka topic or a file-sink directory (see the module docstring)."""
 
     def __init__(self, spec: SourceSpec, model: ModelIndex) -> None:
-        super().__init__(f"source:{spec.url}", model)
+        # the name shows in /workers, /metrics and snapshots: never a password in it
+        super().__init__(f"source:{redact_url(spec.url)}", model)
         self.spec = spec
 
     def _open(self, resume_from: Mapping[str, Any] | None) -> EventSource:

@@ -34,6 +34,7 @@ from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
 from kvstream.index.keys import KeyMode
 from kvstream.index.snapshot import write_atomic
+from kvstream.kafka_security import redact_url
 from kvstream.serve.config import ServeConfig, SourceSpec, WorkerSpec, check_endpoint
 from kvstream.serve.errors import (
     ConflictError,
@@ -490,8 +491,8 @@ class IndexService:
             bs = spec.block_size or cfg.block_size
             if bs is None:
                 raise ConfigError(
-                    f"--source {spec.url}: give the model's block size (--block-size, or "
-                    "block_size= in the source URL)"
+                    f"--source {redact_url(spec.url)}: give the model's block size "
+                    "(--block-size, or block_size= in the source URL)"
                 )
             key = ModelKey(spec.model_name, spec.routing_group)
             sources.append((spec, ModelIndex(key, bs, spec.key_mode)))
