@@ -134,6 +134,9 @@ async def test_two_kafka_fed_replicas_survive_a_kill_and_resume(
         async with IndexService(cfg("b")) as b:
             ca, cb = Client(a.url), Client(b.url)
             await eventually(lambda: ca.ready()["ready"] and cb.ready()["ready"], 30)
+            metrics = await asyncio.to_thread(ca.metrics)
+            assert "kvstream_serve_feed_records_behind{" in metrics
+            assert 'kvstream_serve_feed_caught_up{feed="source:kafka://' in metrics
             for p in prompts1:
                 want = expected(workers, p)
                 assert (await asyncio.to_thread(ca.query, p, model_name="m"))["scores"] == want

@@ -8,7 +8,8 @@ service when Prometheus scrapes:
   ``kvstream_serve_request_duration_seconds{endpoint}`` (histogram);
 - ``kvstream_serve_ingested_batches_total{feed}``, ``..._events_total{feed}``,
   ``kvstream_serve_feed_errors_total{feed}``, ``kvstream_serve_feed_caught_up{feed}``,
-  ``kvstream_serve_feed_lag_seconds{feed}`` (since its last batch);
+  ``kvstream_serve_feed_lag_seconds{feed}`` (since its last batch),
+  ``kvstream_serve_feed_records_behind{feed,partition}`` (Kafka: records not read yet);
 - ``kvstream_serve_lost_events_total{model}`` (lost markers and id gaps the index saw),
   ``kvstream_serve_blocks{model}`` (cached blocks), ``kvstream_serve_workers{model,status}``,
   ``kvstream_serve_models``, ``kvstream_serve_ready``;
@@ -109,6 +110,11 @@ class ServiceMetrics(Collector):
             "Seconds since the feed's last batch (since its start before any)",
             labels=["feed"],
         )
+        behind = GaugeMetricFamily(
+            "kvstream_serve_feed_records_behind",
+            "Kafka records between the feed's position and the partition's high watermark",
+            labels=["feed", "partition"],
+        )
         now = time.monotonic()
         for feed in svc.feeds():
             batches.add_metric([feed.name], feed.batches)
@@ -116,7 +122,11 @@ class ServiceMetrics(Collector):
             errors.add_metric([feed.name], feed.errors)
             caught.add_metric([feed.name], 1 if feed.caught_up else 0)
             lag.add_metric([feed.name], now - (feed.last_batch_at or feed.started_at))
-        yield from (batches, events, errors, caught, lag)
+            records_lag = getattr(feed.source, "lag", None)  # Kafka sources
+            if records_lag is not None:
+                for partition, n in sorted(records_lag().items()):
+                    behind.add_metric([feed.name, str(partition)], n)
+        yield from (batches, events, errors, caught, lag, behind)
         lost = CounterMetricFamily(
             "kvstream_serve_lost_events",
             "Events the index knows it missed (lost markers and id gaps)",
