@@ -209,6 +209,8 @@ def create_app(svc: IndexService) -> Callable[[Scope, Receive, Send], Awaitable[
             log.exception("%s %s failed", method, path)
             status = 500
             payload = _encode({"error": f"internal error: {exc}", "type": type(exc).__name__})
+        # a known length: no chunked encoding for the client to undo
+        headers = [*headers, (b"content-length", b"%d" % len(payload))]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": b"" if method == "HEAD" else payload})
         metrics.observe(endpoint, method, status, time.perf_counter() - t0)
