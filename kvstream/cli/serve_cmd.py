@@ -103,6 +103,8 @@ def serve(
     from kvstream.index.errors import SnapshotError
 
     try:
+        import uvicorn  # noqa: F401 - the HTTP server: the serve extra
+
         from kvstream.serve import IndexService, ServeConfig
 
         cfg = ServeConfig.load(
