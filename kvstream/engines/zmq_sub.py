@@ -170,10 +170,13 @@ class EngineSubscriber:
         for task in self._tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
+        queue = self._queue
+        if not queue.empty():  # the common case under load: no wait_for task to create
+            return queue.get_nowait()
         try:
             if timeout_s is None:
-                return await self._queue.get()
-            return await asyncio.wait_for(self._queue.get(), timeout_s)
+                return await queue.get()
+            return await asyncio.wait_for(queue.get(), timeout_s)
         except asyncio.TimeoutError:
             return None
 
