@@ -273,7 +273,9 @@ async def test_fuzzed_requests_never_crash_the_service(engines: Any) -> None:
                 conn.request(method, path, body=body, headers={"content-type": "application/json"})
                 resp = conn.getresponse()
                 resp.read()
-                assert resp.status < 500, (method, path, body, resp.status)
+                # 503 is /ready's "not yet" (a fuzzed /register added a feed to wait for)
+                ok = resp.status < 500 or (resp.status == 503 and path == "/ready")
+                assert ok, (method, path, body, resp.status)
             finally:
                 conn.close()
 
