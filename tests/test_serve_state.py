@@ -282,3 +282,36 @@ async def test_fuzzed_requests_never_crash_the_service(engines: Any) -> None:
         await asyncio.to_thread(one)
         with Client(svc.url) as c:
             assert await asyncio.to_thread(c.health)
+
+
+async def test_a_dead_publisher_shows_as_stale_and_its_restart_as_a_new_incarnation(
+    engines: Any,
+) -> None:
+    e = engines()
+    async with IndexService(ServeConfig(port=0, block_size=BS)) as svc:
+        with Client(svc.url) as c:
+            await asyncio.to_thread(c.register, 3, e.endpoint, replay_endpoint=e.replay_endpoint)
+            prompt = chats(12, 1)[0]
+            e.store(prompt)
+            await eventually(lambda: c.query(prompt)["scores"])
+            port, replay = e.port, e.replay_port
+            await asyncio.to_thread(e.close)  # the engine process dies
+
+            def listener() -> dict[str, Any]:
+                return c.workers()[0]["listeners"]["0"]
+
+            await eventually(lambda: listener()["status"] == "stale")
+            assert "disconnected" in (await asyncio.to_thread(listener))["note"]
+            # a new engine process on the same ports: seq from 0, an empty cache
+            from engine_publisher import TestEnginePublisher
+
+            e.pub = await asyncio.to_thread(TestEnginePublisher, port, replay)
+            e.blocks.clear()
+            e.next_id = 0
+            other = chats(13, 1)[0]
+            e.store(other)
+            await eventually(lambda: listener()["status"] == "active")
+            await eventually(lambda: c.query(other) == expected_answer({(3, 0): e}, other, BS))
+            assert await asyncio.to_thread(c.query, prompt) == expected_answer(
+                {(3, 0): e}, prompt, BS
+            )

@@ -195,13 +195,13 @@ class EngineFeed(Feed):
 
     def status(self) -> tuple[str, str]:
         """``(status, note)`` for ``/workers``: pending (nothing heard yet), active, stale
-        (a rank's index state is untrusted), disconnected (the publisher went away), failed
-        (the source keeps failing)."""
+        (the publisher went away, or a rank's index state is untrusted; the note says
+        which), failed (the source keeps failing)."""
         st = self.rank_stats()
         if self.last_error and self.source is None:
             return "failed", self.last_error
         if st is not None and st.connected is False:
-            return "disconnected", "the engine's publisher disconnected"
+            return "stale", "disconnected: the engine's publisher went away"
         for w in self.model.workers_of(self.reg.spec.instance_id):
             info = self.model.index.info(w)
             if info.stale:
