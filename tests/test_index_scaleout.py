@@ -10,6 +10,7 @@ index. Against the real broker: shards reading their partitions (in-process and 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.server
 import json
@@ -32,6 +33,7 @@ from kafka_broker import create_topic
 from kvstream.sinks.kafka import KafkaSink, partition_for, source_key
 from serve_support import eventually
 
+from kvstream._types import TokenIds
 from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch
 from kvstream.index import (
@@ -387,8 +389,11 @@ def test_match_endpoint(tmp_path: Path) -> None:
         assert rows[2]["note"] == "unknown worker"
         with pytest.raises(ConflictError, match="worker a/-"):
             c.call("POST", "/match", {"token_ids": REQUESTS[0], "hash_algo": "v2_sha256_64"})
-        with pytest.raises(InvalidRequestError):
-            c.call("POST", "/match", {"token_ids": [-1]})
+        raw = base64.b64encode(TokenIds(REQUESTS[0]).raw).decode()
+        assert c.call("POST", "/match", {"tokens": raw, "workers": body["workers"]}) == got
+        for bad in ({"token_ids": [-1]}, {"tokens": "AAA="}, {"token_ids": [1], "tokens": ""}):
+            with pytest.raises(InvalidRequestError):
+                c.call("POST", "/match", bad)
         with pytest.raises(NotFoundError):
             c.call("POST", "/match", {"token_ids": [1], "model_name": "other"})
         with pytest.raises(ConflictError, match="use /match or /route"):

@@ -142,7 +142,11 @@ def shard(
             snapshot_every_s=snapshot_every_s,
             auth_token_file=auth_token_file,
         )
-        feed_name = f"source:{source.url}"
+        from kvstream.serve.feeds import StreamFeed
+        from kvstream.serve.models import ModelIndex, ModelKey
+
+        # the name the service keeps this source's offsets under in its snapshots
+        feed_name = StreamFeed(source, ModelIndex(ModelKey(model_name, ""), block_size)).name
         for state in (read_snapshot(snapshot) or []) if snapshot is not None else []:
             others = sorted(set(state.positions) - {feed_name})
             if others:

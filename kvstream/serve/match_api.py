@@ -9,8 +9,9 @@ the merged matches itself, so a sharded decision equals an unsharded one.
 
 Request (JSON)::
 
-    {"token_ids": [u32, ...],                 # required ([] with "workers": [] asks only
-     "model_name": "default",                 #  for the worker list)
+    {"token_ids": [u32, ...],                 # or "tokens": base64 of u32 little-endian
+     "model_name": "default",                 #  ids (one of the two; [] with "workers": []
+                                              #  asks only for the worker list)
      "routing_group": null,
      "workers": [["instance", rank or null], ...] or null (every worker of the model),
      "layer_group_id": 0, "tier_weights": [1.0, ...] or null (the index's defaults),
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import msgspec
 
+from kvstream._types import TokenIds
 from kvstream.errors import ConfigError, HashingError
 from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
@@ -82,9 +84,11 @@ class WireHashRequest(msgspec.Struct, forbid_unknown_fields=False):
 
 
 class MatchRequest(msgspec.Struct, forbid_unknown_fields=False):
-    """``POST /match`` (module docstring)."""
+    """``POST /match`` (module docstring): ``token_ids``, or ``tokens`` (base64 in JSON;
+    what :class:`~kvstream.serve.shards.RemoteShard` sends: a tenth of the decoding)."""
 
-    token_ids: list[U32]
+    token_ids: list[U32] | None = None
+    tokens: bytes | None = None
     model_name: str = DEFAULT_MODEL
     routing_group: str | None = None
     workers: list[WireWorker] | None = None
@@ -241,10 +245,20 @@ def result_from_wire(answer: MatchAnswer) -> MatchResult:
 
 def answer_match(svc: IndexService, req: MatchRequest) -> MatchAnswer:
     """``POST /match``'s answer from ``svc``'s index of the request's model."""
+    tokens: list[int] | TokenIds
+    if (req.token_ids is None) == (req.tokens is None):
+        raise InvalidRequestError("give one of token_ids and tokens")
+    if req.tokens is not None:
+        if len(req.tokens) % 4:
+            raise InvalidRequestError("tokens must be base64 of u32 little-endian ids")
+        tokens = TokenIds.from_bytes(req.tokens)
+    else:
+        assert req.token_ids is not None
+        tokens = req.token_ids
     limit = svc.config.max_tokens
-    if len(req.token_ids) > limit:
+    if len(tokens) > limit:
         raise PayloadTooLargeError(
-            f"{len(req.token_ids)} token ids is over the limit of {limit} (--max-tokens)"
+            f"{len(tokens)} token ids is over the limit of {limit} (--max-tokens)"
         )
     m = svc.model(req.model_name, req.routing_group)
     kwargs: dict[str, Any] = {}
@@ -252,7 +266,7 @@ def answer_match(svc: IndexService, req: MatchRequest) -> MatchAnswer:
         kwargs["tier_weights"] = tuple(req.tier_weights)
     try:
         res = m.index.match(
-            req.token_ids,
+            tokens,
             layer_group_id=req.layer_group_id,
             workers=req.workers,
             request=request_from_wire(req.request),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import sys
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -49,14 +50,17 @@ _decode_answer: Final = msgspec.json.Decoder(MatchAnswer)
 _STALE: Final = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
-def _token_list(tokens: Any) -> list[int]:
-    if isinstance(tokens, list):
-        return tokens
+def _token_bytes(tokens: Any) -> bytes:
+    """u32 little-endian ids (what ``/match`` takes as ``tokens``)."""
     if isinstance(tokens, TokenIds):
-        arr = array("I")
-        arr.frombytes(tokens.raw)
-        return arr.tolist()
-    return list(tokens)
+        return tokens.raw
+    try:
+        arr = array("I", tokens)
+    except OverflowError:
+        raise ConfigError("token ids must be unsigned 32-bit integers") from None
+    if sys.byteorder == "big":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
 
 
 class RemoteShard:
@@ -201,7 +205,7 @@ class RemoteShard:
         if time.monotonic() - self._seen > self.refresh_s:
             body = _encode(
                 MatchRequest(
-                    token_ids=[],
+                    tokens=b"",
                     model_name=self.model_name,
                     routing_group=self.routing_group,
                     workers=[],
@@ -227,7 +231,7 @@ class RemoteShard:
         cands = self.workers() if workers is None else workers
         body = _encode(
             MatchRequest(
-                token_ids=_token_list(tokens),
+                tokens=_token_bytes(tokens),
                 model_name=self.model_name,
                 routing_group=self.routing_group,
                 workers=[(w[0], w[1]) for w in cands],
