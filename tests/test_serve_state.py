@@ -308,9 +308,9 @@ async def test_a_dead_publisher_shows_as_stale_and_its_restart_as_a_new_incarnat
             e.pub = await asyncio.to_thread(TestEnginePublisher, port, replay)
             e.blocks.clear()
             e.next_id = 0
+            await eventually(lambda: listener()["status"] == "active")  # reconnected
             other = chats(13, 1)[0]
             e.store(other)
-            await eventually(lambda: listener()["status"] == "active")
             await eventually(lambda: c.query(other) == expected_answer({(3, 0): e}, other, BS))
             assert await asyncio.to_thread(c.query, prompt) == expected_answer(
                 {(3, 0): e}, prompt, BS
