@@ -29,10 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from kvstream._types import hash_width
 from kvstream.errors import ConfigError, HashingError, KVStreamError
+from kvstream.hashing import get_hasher, split_blocks
 from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
-from kvstream.index.keys import KeyMode
+from kvstream.index.keys import KeyMode, keys_from_local
 from kvstream.index.snapshot import write_atomic
 from kvstream.kafka_security import redact_url
 from kvstream.serve.config import ServeConfig, SourceSpec, WorkerSpec, check_endpoint
@@ -264,8 +266,6 @@ class IndexService:
     # ------------------------------------------------------------------ queries
 
     def _check_algo(self, name: str) -> None:
-        from kvstream.hashing import get_hasher
-
         try:
             get_hasher(name)
         except HashingError as exc:
@@ -302,8 +302,6 @@ class IndexService:
             )
 
     def _query_engine_tokens(self, m: ModelIndex, req: QueryRequest) -> dict[str, Any]:
-        from kvstream.hashing import get_hasher, split_blocks
-
         assert req.hash_algo is not None
         self._engine_algo(m, req.hash_algo)
         blocks = split_blocks(req.token_ids, m.block_size)
@@ -334,16 +332,12 @@ class IndexService:
                         f"block_hashes[{i}]: invalid value: {h!r}, expected i64"
                     )
                 local.append((h % _U64).to_bytes(8, "big"))
-            from kvstream.index.keys import keys_from_local
-
             if req.lora_name:
                 raise InvalidRequestError(
                     "lora_name does not apply to /query_by_hash: local hashes include it"
                 )
             return m.query_keys(keys_from_local(local), include_stale=self.config.include_stale)
         self._engine_algo(m, req.hash_algo)
-        from kvstream._types import hash_width
-
         width = hash_width(req.hash_algo) or 8  # a registered name (checked above)
         hashes: list[bytes] = []
         for i, h in enumerate(req.block_hashes):
