@@ -356,6 +356,7 @@ class FileSink(Sink):
     def _write(self, batches: Sequence[EventBatch]) -> list[tuple[EventBatch, int]]:
         """Write ``batches``; returns the ones too large for any file (with their size)."""
         with self._lock:
+            self._written = []  # a timed-out attempt's thread may have finished meanwhile
             self._rotate()
             too_big: list[tuple[EventBatch, int]] = []
             try:
