@@ -253,8 +253,17 @@ class SinkURL:
 
     @property
     def hosts(self) -> list[str]:
-        """``host:port`` entries of a comma-separated netloc (Kafka bootstrap servers)."""
-        return [h for h in self.netloc.split(",") if h]
+        """``host:port`` entries of a comma-separated netloc (Kafka bootstrap servers);
+        ConfigError for a port that is not a number in 1..65535 (caught here, not at
+        connect time)."""
+        hosts = [h for h in self.netloc.split(",") if h]
+        for h in hosts:
+            if h.endswith("]") or ":" not in h:  # no port: the client's default
+                continue
+            port = h.rpartition(":")[2]
+            if not (port.isdigit() and 1 <= int(port) <= 65535):
+                raise ConfigError(f"port {port!r} of {h!r} in {self.raw!r} is not in 1..65535")
+        return hosts
 
     def get(self, key: str, default: str | None = None) -> str | None:
         """The raw parameter value, or ``default``."""

@@ -143,7 +143,8 @@ def test_index_errors(tmp_path: Path) -> None:
     res = runner.invoke(app, ["index", str(tmp_path / "d"), "--snapshot", str(bad)])
     assert res.exit_code == 2
     res = runner.invoke(app, ["index", str(tmp_path / "missing")])
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # a missing input is a usage error, as in `events dump`
+    assert "no such file" in res.output
     del t
 
 

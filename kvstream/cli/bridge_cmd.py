@@ -107,14 +107,14 @@ def bridge(
     from rich.console import Console
 
     from kvstream.cli.bridge_run import BridgeOptions
+    from kvstream.cli.output import EXIT_RUNTIME, EXIT_USAGE, fail
     from kvstream.errors import ConfigError, KVStreamError
 
     err = Console(stderr=True)
     try:
         pipeline_config = _pipeline_config(config, overflow)
     except ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(err, str(exc), EXIT_USAGE)
     source_options = {}
     if tokens_per_block is not None:
         source_options["tokens_per_block"] = tokens_per_block
@@ -132,11 +132,9 @@ def bridge(
     try:
         result = asyncio.run(_run(opts, err, show_progress=not (quiet or as_json)))
     except ConfigError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(err, str(exc), EXIT_USAGE)
     except (KVStreamError, OSError, TimeoutError) as exc:
-        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        fail(err, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
     if as_json:
         typer.echo(json.dumps(result.as_dict(), default=str))
     else:

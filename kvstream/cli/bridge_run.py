@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstream.errors import ConfigError
 from kvstream.events.model import EventBatch, Lost, Removed, Stored
 from kvstream.index import EventSource, open_source
 from kvstream.kafka_security import redact_url
@@ -74,6 +75,8 @@ class BridgeProgress:
     started: float = field(default_factory=time.monotonic)
     last_item: float | None = None
     waiting: str = ""
+    #: Kafka sources: records behind the high watermark, per partition (refreshed each second)
+    kafka_lag: dict[int, int] = field(default_factory=dict)
 
     def rate(self) -> float:
         """Stored + removed blocks per second since the start."""
@@ -220,14 +223,27 @@ async def run_bridge(
         if opts.metrics_port is not None:
             from prometheus_client import start_http_server
 
+            from kvstream.cli.metrics import register_process_metrics
+
             pipe.registry.register(_ProgressCollector(progress, source))
-            metrics_server = start_http_server(opts.metrics_port, registry=pipe.registry)
-        last_report = 0.0
+            register_process_metrics(pipe.registry)
+            try:
+                metrics_server = start_http_server(opts.metrics_port, registry=pipe.registry)
+            except OSError as exc:
+                raise ConfigError(
+                    f"--metrics-port {opts.metrics_port}: cannot serve metrics there "
+                    f"({exc.strerror or exc}); pick a free port"
+                ) from None
+        last_report = last_lag = 0.0
+        lag = getattr(source, "lag", None)  # a Kafka source's consumer lag, for /metrics
         while True:
             if stop.is_set():
                 reason = "stopped by signal"
                 break
             now = time.monotonic()
+            if lag is not None and metrics_server is not None and now - last_lag >= 1.0:
+                progress.kafka_lag = lag()
+                last_lag = now
             if on_progress is not None and now - last_report >= progress_every_s:
                 progress.malformed = source.stats.malformed
                 quiet_for = now - (progress.last_item or t0)
@@ -333,6 +349,15 @@ class _ProgressCollector:
         )
         waiting.add_metric(label, time.monotonic() - (p.last_item or p.started))
         yield waiting
+        if p.kafka_lag:
+            lag = GaugeMetricFamily(
+                "kvstream_bridge_kafka_lag",
+                "records behind the partition's high watermark (Kafka sources)",
+                labels=["source", "partition"],
+            )
+            for part, behind in sorted(p.kafka_lag.items()):
+                lag.add_metric([*label, str(part)], behind)
+            yield lag
 
 
 async def _read_or_stop(source: EventSource, wait: float, stop: asyncio.Event) -> Any:

@@ -2,7 +2,8 @@
 
 Register with ``app.command("demo")(demo_cmd.demo)``. Exit codes: 0 every sink got every
 event back identical; 1 something was lost or differs (or a sink failed at run time);
-2 bad arguments (unknown trace, malformed sink URL, missing trace data). The cache, the
+2 bad arguments (unknown trace, malformed sink URL, missing trace data); 130 Ctrl-C, after
+saying how far it got. The cache, the
 pipeline and the workloads are imported inside the command, so ``kvstream --help`` does not
 pay for them.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvstream.cli.output import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, fail, interruptible
 from kvstream.errors import ConfigError, KVStreamError
 
 if TYPE_CHECKING:
@@ -45,13 +47,16 @@ def demo(
             "--sink",
             "-s",
             help=(
-                "Where events go; repeat for several: memory, file:///DIR[?format=jsonl], "
-                "kafka://HOST:PORT/TOPIC[?partitions=N]. Default: Avro files in a temp dir."
+                "Where events go; repeat for several: file (Avro files in --out, else in a "
+                "temporary directory removed at the end), memory, "
+                "file:///DIR[?format=jsonl], kafka://HOST:PORT/TOPIC[?partitions=N]. "
+                "Default: file."
             ),
         ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Directory for the default file sink.")
+        Path | None,
+        typer.Option("--out", "-o", help="Directory for the file sink (kept after the run)."),
     ] = None,
     trace: Annotated[
         str,
@@ -119,26 +124,73 @@ def demo(
         seed=seed,
     )
     err = Console(stderr=True)
+    served = _Served()
     try:
-        result = asyncio.run(run_demo(opts)) if as_json else _run_with_progress(opts, err)
+        with interruptible():
+            if as_json:
+                result = asyncio.run(run_demo(opts, on_start=served.start, advance=served.one))
+            else:
+                result = _run_with_progress(opts, err, served)
+    except KeyboardInterrupt:
+        total = f" of {served.total:,}" if served.total else ""
+        err.print(
+            f"interrupted: {served.done:,}{total} requests served; nothing was read back",
+            highlight=False,
+            markup=False,
+        )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(err, str(exc), EXIT_USAGE)
     except (KVStreamError, OSError, TimeoutError) as exc:
-        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        fail(err, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
     if as_json:
         typer.echo(json.dumps(result.as_dict(), default=str))
     else:
         _print_summary(result, Console())
     if not result.ok:
+        from rich.markup import escape
+
         bad = [s for s in result.sinks if not s.ok]
         for s in bad:
-            err.print(f"[red]{s.url}: {s.problem or 'incomplete'}[/red]", highlight=False)
-        raise typer.Exit(1)
+            problem = escape(f"{s.url}: {s.problem or 'incomplete'}")
+            err.print(f"[red]{problem}[/red]", highlight=False)
+        raise typer.Exit(EXIT_RUNTIME)
 
 
-def _run_with_progress(opts: DemoOptions, console: Console) -> DemoResult:
+class _Served:
+    """Requests served so far (what an interrupted demo reports)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.total: int | None = None
+
+    def start(self, label: str, total: int | None) -> None:
+        self.total = total
+
+    def one(self) -> None:
+        self.done += 1
+
+
+def _run_with_progress(opts: DemoOptions, console: Console, served: _Served) -> DemoResult:
+    """Run with a progress bar on a terminal, else a plain line every few seconds."""
+    from kvstream.cli.demo_run import run_demo
+
+    if not console.is_terminal:
+        from kvstream.cli.output import PlainProgress
+
+        plain = PlainProgress(console)
+
+        def on_start_plain(label: str, total: int | None) -> None:
+            served.start(label, total)
+            plain(f"serving requests: {label}", force=True)
+
+        def advance_plain() -> None:
+            served.one()
+            of = f"/{served.total:,}" if served.total else ""
+            plain(f"served {served.done:,}{of} requests")
+
+        return asyncio.run(run_demo(opts, on_start=on_start_plain, advance=advance_plain))
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -146,8 +198,6 @@ def _run_with_progress(opts: DemoOptions, console: Console) -> DemoResult:
         TextColumn,
         TimeElapsedColumn,
     )
-
-    from kvstream.cli.demo_run import run_demo
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -161,9 +211,11 @@ def _run_with_progress(opts: DemoOptions, console: Console) -> DemoResult:
     task_id = progress.add_task("starting", total=None)
 
     def on_start(label: str, total: int | None) -> None:
+        served.start(label, total)
         progress.update(task_id, description="serving requests", total=total)
 
     def advance() -> None:
+        served.one()
         progress.advance(task_id)
 
     with progress:
@@ -256,7 +308,13 @@ def _print_summary(r: DemoResult, out: Console) -> None:
     out.print(sinks)
     if r.close is not None and r.close.undelivered_events:
         out.print(f"[red]{r.close.undelivered_events} events were not delivered[/red]")
-    files = [s for s in r.sinks if s.files and s.avro_files]
+    if r.removed_dir is not None:
+        out.print(
+            f"\nThe event files in {r.removed_dir} were read back and removed; keep them "
+            "with --out DIR.",
+            highlight=False,
+        )
+    files = [s for s in r.sinks if s.files and s.avro_files and s.location != r.removed_dir]
     if files:
         out.print(
             f"\nThe files are Avro object containers; read them with any Avro tool, or "

@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
+import threading
 import time
 import zlib
 from collections import Counter, deque
@@ -114,6 +116,8 @@ class DemoResult:
     sources: list[str] = field(default_factory=list)
     close: CloseReport | None = None
     sinks: list[SinkCheck] = field(default_factory=list)
+    #: The temporary directory of the default file sink, removed once read back.
+    removed_dir: str | None = None
 
     @property
     def events(self) -> int:
@@ -157,6 +161,7 @@ class DemoResult:
             "events_per_second": round(self.events / self.engine_s, 1) if self.engine_s else None,
             "pipeline": self.close.as_dict() if self.close else None,
             "sinks": [vars(s) for s in self.sinks],
+            "removed_dir": self.removed_dir,
         }
 
 
@@ -267,8 +272,10 @@ def _drive(
     submit: Callable[[EventBatch], object],
     result: DemoResult,
     advance: Callable[[], None],
+    stop: threading.Event | None = None,
 ) -> list[EventBatch]:
-    """The engine thread: continuous batching over every rank; returns the emitted batches.
+    """The engine thread: continuous batching over every rank; returns the emitted batches
+    (those of the iterations run so far once ``stop`` is set).
 
     Requests are routed to a rank (a conversation sticks to one rank, where its history is
     cached) and wait there until the rank has a free slot and enough free blocks; a request
@@ -334,7 +341,7 @@ def _drive(
             running[rank].append(_Running(req, rank))
             refill()
 
-    while True:
+    while stop is None or not stop.is_set():
         refill()
         for rank in range(n):
             admit(rank)
@@ -369,15 +376,25 @@ def _drive(
 
 
 def _sinks(opts: DemoOptions) -> tuple[list[tuple[str, Sink]], Path | None]:
-    urls = list(opts.sinks)
-    made_dir = None
-    if not urls:
+    """The sinks, and the temporary directory made for the file sink (None: ``out_dir`` or
+    none). The bare word ``file`` (and no sink at all) is a file sink in ``out_dir``, or in a
+    new temporary directory, as in ``kvstream bridge``."""
+    urls = list(opts.sinks) or ["file"]
+    temp = None
+    if "file" in urls:
         if opts.out_dir is not None:
-            made_dir = opts.out_dir
+            where = opts.out_dir
         else:
-            made_dir = Path(tempfile.mkdtemp(prefix="kvstream-demo-"))
-        urls = [f"file://{made_dir.resolve()}"]
-    return [(url, create_sink(url)) for url in urls], made_dir
+            where = temp = Path(tempfile.mkdtemp(prefix="kvstream-demo-"))
+        urls = [f"file://{where.resolve()}" if u == "file" else u for u in urls]
+    elif opts.out_dir is not None:
+        raise ConfigError("--out is the directory of the file sink: add --sink file")
+    try:
+        return [(url, create_sink(url)) for url in urls], temp
+    except BaseException:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
 
 
 async def _read_back(
@@ -439,13 +456,15 @@ async def run_demo(
     """Run the whole demo; ``on_start(label, total)``/``advance()`` drive a progress bar.
 
     Raises :class:`ConfigError` for bad options or sink URLs and
-    :class:`~kvstream.errors.SinkError` when a sink cannot be reached at all.
+    :class:`~kvstream.errors.SinkError` when a sink cannot be reached at all. The default
+    file sink's temporary directory is removed once read back, or when the run fails or is
+    cancelled (``result.removed_dir``); ``out_dir`` keeps the files.
     """
     if opts.ranks < 1 or opts.concurrency < 1:
         raise ConfigError("--ranks and --concurrency must be >= 1")
     opts = _resolved(opts)
     work = _requests(opts)
-    label, requests, total = work.label, work.requests, work.total
+    label = work.label
     if opts.gpu_blocks is None:
         opts = replace(opts, gpu_blocks=max(work.blocks_needed or 0, 64))
     cfg = _cache_config(opts)
@@ -465,7 +484,26 @@ async def run_demo(
         for g in cfg.groups
     ]
     result.sources = [f"{opts.instance_id}/rank {r}" for r in range(opts.ranks)]
-    named, _ = _sinks(opts)
+    named, temp = _sinks(opts)
+    try:
+        return await _stream(opts, result, named, work, managers, on_start, advance)
+    finally:
+        if temp is not None:  # the files were read back: nothing left to look at
+            shutil.rmtree(temp, ignore_errors=True)
+            result.removed_dir = str(temp)
+
+
+async def _stream(
+    opts: DemoOptions,
+    result: DemoResult,
+    named: list[tuple[str, Sink]],
+    work: Any,
+    managers: list[KVCacheManager],
+    on_start: Callable[[str, int | None], None] | None,
+    advance: Callable[[], None] | None,
+) -> DemoResult:
+    """Serve the workload into the sinks, read them back, compare."""
+    label, requests, total = work.label, work.requests, work.total
     starts: dict[str, object] = {}
     try:
         for url, sink in named:
@@ -489,17 +527,23 @@ async def run_demo(
     )
     t0 = time.perf_counter()
     pipe = Pipeline([s for _, s in named], config)
+    stop = threading.Event()
     async with pipe:
-        emitted = await asyncio.to_thread(
-            lambda: _drive(
-                opts,
-                requests=requests,
-                managers=managers,
-                submit=pipe.submit,
-                result=result,
-                advance=advance or (lambda: None),
+        try:
+            emitted = await asyncio.to_thread(
+                lambda: _drive(
+                    opts,
+                    requests=requests,
+                    managers=managers,
+                    submit=pipe.submit,
+                    result=result,
+                    advance=advance or (lambda: None),
+                    stop=stop,
+                )
             )
-        )
+        except BaseException:  # cancelled (Ctrl-C): the engine thread stops too
+            stop.set()
+            raise
         await pipe.flush(60)
     result.engine_s = time.perf_counter() - t0
     result.close = await pipe.aclose()

@@ -1,8 +1,9 @@
 """``kvstream index``: build a prefix index from an event stream and answer queries.
 
 Register with ``app.command("index")(index_cmd.index)``. Exit codes: 0 done; 1 the stream
-could not be read; 2 bad arguments (unreadable query file, hash configuration mismatch,
-unreadable snapshot).
+could not be read; 2 bad arguments (a missing input file, a file that holds no event batch
+but only malformed input, unreadable query file, hash configuration mismatch, unreadable
+snapshot).
 
 The index, the sources and rich are imported inside the command, so ``kvstream --help``
 and the other commands do not pay for them.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvstream.cli.output import EXIT_RUNTIME, EXIT_USAGE, check_input_path, fail
 from kvstream.errors import ConfigError, KVStreamError
 
 if TYPE_CHECKING:
@@ -149,8 +151,10 @@ def index(
         if queries is not None:
             qs += _load_queries(queries)
         mode = KeyMode.parse(key_mode)
+        check_input_path(stream)
         consumer = _consumer(stream, follow, idle_timeout, group_id, snapshot, block_size, mode)
         asyncio.run(_build(consumer, max_batches, snapshot_every))
+        _check_read(stream, consumer)
         results = [
             consumer.index.match(
                 q.tokens,
@@ -162,11 +166,9 @@ def index(
             for q in qs
         ]
     except (ConfigError, SnapshotError, HashConfigMismatchError, FileNotFoundError) as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(err, str(exc), EXIT_USAGE)
     except (KVStreamError, OSError, TimeoutError) as exc:
-        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        fail(err, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
     if as_json:
         typer.echo(json.dumps(_as_json(stream, consumer, qs, results)))
     else:
@@ -207,6 +209,22 @@ def _consumer(
             consumer.index.default_tokens_per_block = block_size
         return consumer
     return IndexConsumer(make(None), fresh())
+
+
+def _check_read(stream: str, consumer: IndexConsumer) -> None:
+    """ConfigError when the stream held nothing but malformed input (e.g. a file that is
+    not an event file): an empty table would say the stream is empty, which it is not."""
+    src = consumer.source.stats
+    if consumer.batches or not src.malformed:
+        return
+    from kvstream.kafka_security import redact_url
+
+    first = list(consumer.source.recent_malformed)[:1]
+    why = f": {first[0].where}: {first[0].error}" if first else ""
+    raise ConfigError(
+        f"{redact_url(stream)} is not a kvstream event stream: {src.malformed} malformed "
+        f"input(s), no batch read{why}"
+    )
 
 
 async def _build(consumer: IndexConsumer, max_batches: int | None, every: int | None) -> None:

@@ -107,7 +107,17 @@ def load_command(name: str) -> Any:
         single.command(name)(target)
         sub = typer.main.get_command(single)
     sub.name = name
+    _plain_help(sub)
     return sub
+
+
+def _plain_help(cmd: Any) -> None:
+    """Help as plain text, like the root's: rich markup would eat every ``[...]`` in a
+    help text (``pip install 'kvstream[report]'``, ``[default: ...]``) and rich panels
+    show a ``<bool>`` metavar on flags."""
+    cmd.rich_markup_mode = None
+    for sub in getattr(cmd, "commands", {}).values():
+        _plain_help(sub)
 
 
 class _LazyGroup(TyperGroup):
@@ -146,8 +156,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        full_version()
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(ctx: typer.Context) -> None:
+def _root(
+    ctx: typer.Context,
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_print_version,
+        help="Print the version, the event schema version and the C extensions in use.",
+    ),
+) -> None:
     # a callback makes the root a group even with one eager command (version); every
     # command's library logs go through one handler that collapses repeats (cli/logs.py)
     from kvstream.cli.logs import cli_logging
@@ -161,8 +186,21 @@ def version() -> None:
     typer.echo(f"kvstream {__version__} (writes event schema v{EVENT_SCHEMA_VERSION})")
 
 
+def full_version() -> None:
+    """``kvstream --version``: :func:`version`'s line, then each optional C extension and
+    whether this installation loads it (:mod:`kvstream.cli.native_info`)."""
+    from kvstream.cli.native_info import native_status
+
+    version()
+    status = native_status()
+    active = sum(s == "active" for s in status.values())
+    typer.echo(f"native extensions: {active} of {len(status)} active")
+    for name, state in status.items():
+        typer.echo(f"  {name.removeprefix('kvstream.')}: {state}")
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (also ``python -m kvstream``)."""
     if sys.argv[1:] == ["version"]:  # nothing to parse: skip typer's per-option coercion
         version()
         return

@@ -2,20 +2,31 @@
 built from the workers' own KV-cache events (see :mod:`kvstream.cli.replay_run`).
 
 Register with ``app.command("replay")(replay_cmd.replay)``. Exit codes: 0 done; 1 a sink or
-the stream failed; 2 bad arguments or a missing/malformed trace. The simulation modules are
-imported inside the command, so ``kvstream --help`` does not pay for them.
+the stream failed; 2 bad arguments, a missing/malformed trace or an output path that cannot
+be written (checked before the replay); 130 Ctrl-C, after printing the runs that finished.
+The simulation modules are imported inside the command, so ``kvstream --help`` does not pay
+for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvstream.cli.output import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    PlainProgress,
+    fail,
+    interruptible,
+)
 from kvstream.errors import ConfigError, KVStreamError
 
 if TYPE_CHECKING:
@@ -129,7 +140,11 @@ def replay(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     progress: Annotated[
         bool | None,
-        typer.Option("--progress/--no-progress", help="Progress bar [default: on a terminal]."),
+        typer.Option(
+            "--progress/--no-progress",
+            help="Progress on stderr: a bar on a terminal, else a line every few seconds "
+            "[default: on, but for --json].",
+        ),
     ] = None,
 ) -> None:
     """Replay a request trace over N workers; report hit ratio, TTFT, balance and accuracy.
@@ -166,22 +181,58 @@ def replay(
         time_unit=time_unit,
     )
     err = Console(stderr=True)
-    show = progress if progress is not None else (not as_json and sys.stderr.isatty())
+    show = progress if progress is not None else not as_json
     try:
-        comparison = _run(opts, compare, sweep, err if show else None)
+        _check_outputs(report, requests_out)
+        comparison = _comparison(opts, compare, sweep)
+    except ConfigError as exc:
+        fail(err, str(exc), EXIT_USAGE)
+    done = _Done()
+    try:
+        _run(comparison, err if show else None, done)
         if report is not None:
             from kvstream.cli.replay_report import write_report
 
             write_report(comparison, report)
         if requests_out is not None:
             _write_requests(comparison, requests_out)
+    except KeyboardInterrupt:
+        _interrupted(comparison, done, err, as_json)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(2) from None
+        fail(err, str(exc), EXIT_USAGE)
     except (KVStreamError, OSError, TimeoutError, RuntimeError) as exc:
-        err.print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(1) from None
-    single = compare is None and sweep is None
+        fail(err, f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
+    _print(comparison, as_json, single=compare is None and sweep is None)
+    if report is not None and not as_json:
+        err.print(f"report: {report}", highlight=False, markup=False)
+
+
+def _check_outputs(report: Path | None, requests_out: Path | None) -> None:
+    """Fail before a long replay, not after it, on an output that cannot be written."""
+    from kvstream.cli.output import check_output_path
+
+    if report is not None:
+        check_output_path(report, what="--report")
+        try:
+            import matplotlib  # noqa: F401  (the report needs it; found out before the run)
+        except ImportError:
+            raise ConfigError("--report needs matplotlib: pip install 'kvstream[report]'") from None
+    if requests_out is not None:
+        check_output_path(requests_out, what="--requests-out")
+
+
+def _comparison(opts: ReplayOptions, compare: str | None, sweep: str | None) -> Comparison:
+    from kvstream.cli.replay_compare import Comparison, parse_compare, parse_sweep
+
+    policies = parse_compare(compare) if compare is not None else [opts.router]
+    spec = parse_sweep(sweep) if sweep is not None else None
+    opts.check()
+    return Comparison(opts, policies, spec)
+
+
+def _print(comparison: Comparison, as_json: bool, *, single: bool) -> None:
+    from rich.console import Console
+
     if as_json:
         out = comparison.results[0].as_dict() if single else comparison.as_dict()
         typer.echo(json.dumps(out))
@@ -189,48 +240,83 @@ def replay(
         print_result(comparison.results[0], Console())
     else:  # a wide table: piped into a file it need not fit 80 columns
         print_comparison(comparison, Console() if sys.stdout.isatty() else Console(width=140))
-    if report is not None and not as_json:
-        err.print(f"report: {report}", highlight=False)
 
 
-def _run(
-    opts: ReplayOptions, compare: str | None, sweep: str | None, console: Console | None
-) -> Comparison:
-    from kvstream.cli.replay_compare import parse_compare, parse_sweep, run_many
+class _Done:
+    """How far the replay got: the run under way and its requests (for Ctrl-C)."""
 
-    policies = parse_compare(compare) if compare is not None else [opts.router]
-    spec = parse_sweep(sweep) if sweep is not None else None
-    if console is None:
-        return asyncio.run(run_many(opts, policies, spec))
+    def __init__(self) -> None:
+        self.label = ""
+        self.requests = 0
+        self.total = 0
 
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("requests"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-    task = bar.add_task("replaying", total=None)
+def _interrupted(comparison: Comparison, done: _Done, err: Console, as_json: bool) -> None:
+    """Ctrl-C: print the runs that finished (as a normal result would be printed) and what
+    the one under way had done, then exit 130."""
+    finished = comparison.finished()
+    n, total = len(comparison.results), comparison.total_runs
+    line = f"interrupted: {n} of {total} run(s) finished"
+    if n < total and done.total:
+        line += f"; {done.label} had replayed {done.requests:,} of {done.total:,} requests"
+    err.print(line, highlight=False, markup=False, soft_wrap=True)
+    if finished.results:  # only a comparison has finished runs to show
+        if as_json:
+            typer.echo(json.dumps({**finished.as_dict(), "interrupted": True}))
+        else:
+            _print(finished, False, single=False)
+    raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _run(comparison: Comparison, console: Console | None, done: _Done) -> None:
+    """Run every replay of ``comparison`` into it; progress on ``console`` (None: none): a
+    bar on a terminal, else a plain line every few seconds."""
+    from kvstream.cli.replay_compare import run_many
+
+    c = comparison
+    bar: Any = None
+    task: Any = None
+    plain: PlainProgress | None = None
+    if console is not None and console.is_terminal:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        task = bar.add_task("replaying", total=None)
+    elif console is not None:
+        plain = PlainProgress(console)
 
     def on_run(i: int, total: int, label: str) -> None:
-        what = f"replaying {label}" + (f" ({i + 1}/{total})" if total > 1 else "")
-        bar.reset(task, description=what, total=None)
+        done.label = f"replaying {label}" + (f" ({i + 1}/{total})" if total > 1 else "")
+        done.requests = done.total = 0
+        if bar is not None:
+            bar.reset(task, description=done.label, total=None)
+        elif plain is not None:
+            plain(f"{done.label}", force=True)
 
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
+    def update(n: int, total: int) -> None:
+        done.requests, done.total = n, total
+        if bar is not None:
+            bar.update(task, completed=n, total=total)
+        elif plain is not None:
+            plain(f"{done.label}: {n:,}/{total:,} requests")
 
-    with bar:
-        return asyncio.run(run_many(opts, policies, spec, on_run=on_run, progress=update))
+    coro = run_many(c.base, c.policies, c.sweep, on_run=on_run, progress=update, into=comparison)
+    with interruptible(), bar if bar is not None else contextlib.nullcontext():
+        asyncio.run(coro)
 
 
 def _write_requests(c: Comparison, path: Path) -> None:

@@ -80,6 +80,24 @@ class Comparison:
         i = self.values.index(value) * len(self.policies)
         return self.results[i : i + len(self.policies)]
 
+    @property
+    def total_runs(self) -> int:
+        """Runs in the whole comparison (policies x swept values)."""
+        return len(self.policies) * len(self.values)
+
+    def finished(self) -> Comparison:
+        """The runs done so far, as a comparison of its own: the policies run so far
+        without a sweep, the swept values whose every policy ran with one (an interrupted
+        comparison prints this)."""
+        n = len(self.results)
+        if self.sweep is None:
+            return Comparison(self.base, self.policies[:n], None, list(self.results))
+        done = n // len(self.policies)
+        sweep = Sweep(self.sweep.param, self.sweep.values[:done])
+        return Comparison(
+            self.base, self.policies, sweep, self.results[: done * len(self.policies)]
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-able: the sweep, the policies and every run's summary (without the
         per-request lists)."""
@@ -99,12 +117,15 @@ async def run_many(
     *,
     on_run: Callable[[int, int, str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    into: Comparison | None = None,
 ) -> Comparison:
     """Replay ``base``'s trace once per policy (per swept value); ``on_run(i, total,
-    label)`` is called before each run, ``progress(done, total)`` as its requests arrive."""
+    label)`` is called before each run, ``progress(done, total)`` as its requests arrive.
+    ``into``: an empty Comparison of the same base, policies and sweep to fill (so a caller
+    interrupted midway still holds the runs that finished); a new one by default."""
     base.check()
     rows = load_rows(base)
-    out = Comparison(base, list(policies), sweep)
+    out = Comparison(base, list(policies), sweep) if into is None else into
     total = len(out.values) * len(policies)
     for value in out.values:
         if sweep is None:

@@ -1,10 +1,15 @@
-"""``kvstream schema``: inspect the event schemas and check that versions stay compatible."""
+"""``kvstream schema``: inspect the event schemas and check that versions stay compatible.
+
+Both commands print JSON with ``--json`` (one document on stdout). Exit codes: 0 done; 1 the
+check found an incompatibility; 2 bad arguments (an unknown version, a bad schema dir).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -28,6 +33,9 @@ def check(
         bool,
         typer.Option(help="Fail if Apache avro (the static checker) is not installed."),
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON (ok, pairs, issues).")
+    ] = False,
 ) -> None:
     """Check that every schema version reads every other version's data (FULL_TRANSITIVE).
 
@@ -43,7 +51,12 @@ def check(
     except KVStreamError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(report.render())
+    if as_json:
+        doc: dict[str, Any] = {"ok": report.ok, **dataclasses.asdict(report)}
+        doc["pairs"] = [{"writer": w, "reader": r} for w, r in report.pairs]
+        typer.echo(json.dumps(doc))
+    else:
+        typer.echo(report.render())
     if not report.ok:
         raise typer.Exit(1)
 
@@ -59,12 +72,25 @@ def show(
     list_versions: Annotated[
         bool, typer.Option("--list", help="List every version with its fingerprint.")
     ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="One JSON document: {version, fingerprint, current, schema} (with "
+            "--canonical, the canonical form as a string), or with --list a list of "
+            "{version, fingerprint, source, current}.",
+        ),
+    ] = False,
 ) -> None:
     """Print a schema version (full JSON with docs, or canonical form) or list them all."""
     from kvstream.codec import CURRENT_VERSION, schema_registry
     from kvstream.errors import KVStreamError
 
     registry = schema_registry()
+    if list_versions and as_json:
+        rows = [_info(registry.get(v), CURRENT_VERSION) for v in registry.versions()]
+        typer.echo(json.dumps(rows))
+        return
     if list_versions:
         for v in registry.versions():
             info = registry.get(v)
@@ -76,7 +102,20 @@ def show(
     except KVStreamError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if canonical:
+    if as_json:
+        doc = _info(info, CURRENT_VERSION)
+        doc["schema"] = info.canonical_form if canonical else info.schema_json
+        typer.echo(json.dumps(doc))
+    elif canonical:
         typer.echo(info.canonical_form)
     else:
         typer.echo(json.dumps(info.schema_json, indent=2))
+
+
+def _info(info: Any, current: int) -> dict[str, Any]:
+    return {
+        "version": info.version,
+        "fingerprint": info.fingerprint.hex(),
+        "source": str(info.source),
+        "current": info.version == current,
+    }
