@@ -206,13 +206,13 @@ def test_load_plot_is_a_band_whose_legend_leaves_the_axis_label_free(swept: Comp
     assert "minutes" in ax.get_xlabel()
     assert len(ax.get_lines()) == 1  # the median worker, not one line per worker
     assert len(ax.collections) == 1  # the least..most loaded band
-    legend = ax.get_legend()
-    assert legend is not None
+    (legend,) = fig.legends
     assert len(legend.get_texts()) == 2
     legend_box = legend.get_window_extent(renderer)
-    label_box = ax.yaxis.label.get_window_extent(renderer)
-    assert not legend_box.overlaps(label_box)
-    assert legend_box.x0 >= ax.get_window_extent().x0
+    for other in (ax.yaxis.label, ax.xaxis.label):
+        assert not legend_box.overlaps(other.get_window_extent(renderer))
+    assert legend_box.y1 <= ax.get_window_extent().y0  # under the plot: covers no data
+    assert fig.bbox.contains(legend_box.x0, legend_box.y0)  # and inside the figure
 
 
 def _browser() -> str | None:

@@ -137,7 +137,7 @@ def load_figure(r: ReplayResult, ymax: float | None = None) -> Figure:
     """Requests running + queued per worker over simulated time, as a band: the least and
     the most loaded worker at each moment, with the median worker as a line. ``ymax``: a
     shared y limit, so the policies' plots compare at a glance."""
-    fig = _figure(7.5, 3.0)
+    fig = _figure(7.5, 3.3)
     ax = fig.add_subplot()
     ts = [s.t_s / 60 for s in r.timeline]
     loads = [sorted(a + b for a, b in zip(s.running, s.waiting, strict=True)) for s in r.timeline]
@@ -159,8 +159,8 @@ def load_figure(r: ReplayResult, ymax: float | None = None) -> Figure:
         ax.set_ylim(bottom=0)
     ax.set_title(f"{r.policy}: load per worker at {_setup(r)}", fontsize=10)
     ax.grid(alpha=0.3)
-    if n > 1:
-        ax.legend(fontsize=8, loc="upper right")
+    if n > 1:  # under the plot: it covers neither data nor the axis label
+        fig.legend(loc="outside lower center", ncol=2, fontsize=8, frameon=False)
     return fig
 
 
