@@ -11,11 +11,17 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
-# torch first, pinned to the CPU build these machines carry, so the project's torch range is
-# already satisfied and pip does not pull a multi-GB CUDA build.
-if ! python -c "import torch" 2>/dev/null; then
-  echo "== installing torch (CPU)"
-  python -m pip install -q "torch==${KVSTREAM_TORCH_VERSION:-2.13.0}"
-fi
+# torch only where it is used (the cache's tensor storage: the `cache` extra, and `dev` for the
+# test suite); the demo runs the cache metadata-only and needs none. Installed first, pinned to
+# the CPU build these machines carry, so the project's torch range is already satisfied and pip
+# does not pull a multi-GB CUDA build.
+case ",$_extras," in
+  *,dev,* | *,cache,*)
+    if ! python -c "import torch" 2>/dev/null; then
+      echo "== installing torch (CPU)"
+      python -m pip install -q "torch==${KVSTREAM_TORCH_VERSION:-2.13.0}"
+    fi
+    ;;
+esac
 echo "== installing kvstream[$_extras]"
 python -m pip install -q -e ".[$_extras]"
