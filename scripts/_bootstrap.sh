@@ -10,7 +10,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
 # torch only where it is used (the cache's tensor storage: the `cache` extra, and `dev` for the
 # test suite); the demo runs the cache metadata-only and needs none. Installed first, pinned to
 # the CPU build these machines carry, so the project's torch range is already satisfied and pip
@@ -23,5 +22,16 @@ case ",$_extras," in
     fi
     ;;
 esac
-echo "== installing kvstream[$_extras]"
-python -m pip install -q -e ".[$_extras]"
+# Installed before with these extras, and neither pyproject.toml nor a C source changed since:
+# the editable install is current (Python edits need no reinstall), so a second run starts at
+# once.
+_stamp="$VENV/.kvstream-installed-$_extras"
+_want=$(cat pyproject.toml kvstream/*/_*native*.c | sha256sum | cut -d' ' -f1)
+if [ -f "$_stamp" ] && [ "$(cat "$_stamp")" = "$_want" ] && python -c "import kvstream" 2>/dev/null; then
+  echo "== kvstream[$_extras] is installed (pyproject.toml and C sources unchanged)"
+else
+  python -m pip install -q --upgrade pip
+  echo "== installing kvstream[$_extras]"
+  python -m pip install -q -e ".[$_extras]"
+  echo "$_want" > "$_stamp"
+fi
