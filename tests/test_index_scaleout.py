@@ -300,9 +300,12 @@ def test_fan_out_raises_what_a_shard_raises() -> None:
 
 
 @contextlib.contextmanager
-def services(indexes: list[PrefixIndex], tmp: Path) -> Iterator[list[IndexService]]:
+def services(
+    indexes: list[PrefixIndex], tmp: Path, **settings: Any
+) -> Iterator[list[IndexService]]:
     """Each index served by an index service on a loopback port (restored from a service
-    snapshot holding it as the ``default`` model), on an event loop in a background thread."""
+    snapshot holding it as the ``default`` model; ``settings`` for its ServeConfig), on an
+    event loop in a background thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -313,7 +316,8 @@ def services(indexes: list[PrefixIndex], tmp: Path) -> Iterator[list[IndexServic
             model.index = idx
             snap = tmp / f"shard{i}.snap"
             snap.write_bytes(encode_service_snapshot([(model, {})]))
-            svc = IndexService(ServeConfig(port=0, snapshot=snap, snapshot_every_s=None))
+            cfg = ServeConfig(port=0, snapshot=snap, snapshot_every_s=None, **settings)
+            svc = IndexService(cfg)
             asyncio.run_coroutine_threadsafe(svc.start(), loop).result(30)
             started.append(svc)
         yield started
@@ -452,6 +456,18 @@ def test_remote_shard_errors(tmp_path: Path) -> None:
         other.workers()
     with pytest.raises(ConfigError, match="http://HOST:PORT"):
         RemoteShard("127.0.0.1:80")
+
+
+def test_remote_shard_with_a_token(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    a = build(_stored("a"), "engine")
+    with services([a], tmp_path, auth_token_file=token) as (svc,):
+        with RemoteShard(svc.url, token="s3cret") as good:
+            assert good.match(REQUESTS[0]).matches[0].matched_blocks == 4
+        for wrong in (None, "nope"):
+            with RemoteShard(svc.url, token=wrong) as bad, pytest.raises(ConfigError, match="401"):
+                bad.workers()
 
 
 @pytest.mark.parametrize(
@@ -868,6 +884,50 @@ async def test_shard_processes_serve_the_router_and_snapshot_on_exit(
     _, err = await asyncio.wait_for(wrong.communicate(), 60)
     assert wrong.returncode == 2
     assert b"give this shard its own snapshot" in err
+
+
+@pytest_kafka
+@pytest.mark.slow
+async def test_elastic_shard_services_follow_their_group(kafka: KafkaEnv) -> None:
+    """Index services as members of one consumer group (``?group_id=G&elastic=1``): the
+    first holds every worker; when a second joins, the first forgets the workers of the
+    partitions it gave up, and the fan-out over both answers as the unsharded index."""
+    topic = kafka.topic("idx-svc-elastic")
+    await create_topic(kafka.broker.bootstrap, topic, PARTS)
+    batches = events(fleet(), range(4), created=True)
+    await publish(kafka, topic, batches)
+    whole = build(batches, "engine")
+    url = (
+        f"kafka://{kafka.bootstrap}/{topic}?group_id={topic}-g&elastic=1"
+        f"&key_mode=engine&block_size={TPB}"
+    )
+    svcs = [await IndexService(ServeConfig(port=0, sources=[url])).__aenter__()]
+    remotes: list[RemoteShard] = []
+    try:
+        (first,) = svcs[0].models()
+        await eventually(lambda: first.index.canonical_state() == whole.canonical_state(), 60)
+        svcs.append(await IndexService(ServeConfig(port=0, sources=[url])).__aenter__())
+        (second,) = svcs[1].models()
+
+        def split() -> bool:
+            states = [first.index.canonical_state(), second.index.canonical_state()]
+            return all(states) and union_state([first.index, second.index]) == (
+                whole.canonical_state()
+            )
+
+        await eventually(split, 90)
+        remotes = [RemoteShard(svc.url, timeout_s=10, refresh_s=0) for svc in svcs]
+        fan = ShardedIndex(remotes)
+        cands = sorted(whole.workers())
+        for name in NAMES:
+            q = tokens(8, seed=1) + tail(name, 3)
+            got = await asyncio.to_thread(fan.match, q, workers=cands)
+            assert got == whole.match(q, workers=cands)
+    finally:
+        for r in remotes:
+            r.close()
+        for svc in svcs:
+            await svc.aclose()
 
 
 @pytest_kafka
