@@ -395,7 +395,12 @@ def test_match_endpoint(tmp_path: Path) -> None:
             c.call("POST", "/match", {"token_ids": REQUESTS[0], "hash_algo": "v2_sha256_64"})
         raw = base64.b64encode(TokenIds(REQUESTS[0]).raw).decode()
         assert c.call("POST", "/match", {"tokens": raw, "workers": body["workers"]}) == got
-        for bad in ({"token_ids": [-1]}, {"tokens": "AAA="}, {"token_ids": [1], "tokens": ""}):
+        for bad in (
+            {"token_ids": [-1]},
+            {"tokens": "AAA="},
+            {"token_ids": [1], "tokens": ""},
+            {"token_ids": [1], "tier_weights": []},
+        ):
             with pytest.raises(InvalidRequestError):
                 c.call("POST", "/match", bad)
         with pytest.raises(NotFoundError):

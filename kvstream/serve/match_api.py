@@ -44,7 +44,7 @@ import msgspec
 from kvstream._types import TokenIds
 from kvstream.errors import ConfigError, HashingError
 from kvstream.index.errors import HashConfigMismatchError
-from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
+from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch, new_worker_match
 from kvstream.index.types import WorkerKey
 from kvstream.serve.config import DEFAULT_MODEL
 from kvstream.serve.errors import ConflictError, InvalidRequestError, PayloadTooLargeError
@@ -93,7 +93,8 @@ class MatchRequest(msgspec.Struct, forbid_unknown_fields=False):
     routing_group: str | None = None
     workers: list[WireWorker] | None = None
     layer_group_id: int = 0
-    tier_weights: list[float] | None = None
+    #: weights of the cache levels (GPU first; deeper levels take the last one)
+    tier_weights: Annotated[list[float], msgspec.Meta(min_length=1, max_length=16)] | None = None
     hash_algo: str | None = None
     tokens_per_block: int | None = None
     request: WireHashRequest | None = None
@@ -224,7 +225,7 @@ def result_from_wire(answer: MatchAnswer) -> MatchResult:
     """The :class:`MatchResult` of a ``/match`` answer."""
     return MatchResult(
         tuple(
-            WorkerMatch(
+            new_worker_match(
                 WorkerKey(r.instance_id, r.dp_rank),
                 r.matched_blocks,
                 float(r.weighted_blocks),
