@@ -381,8 +381,13 @@ class IndexService:
         }
 
     def dump(self) -> dict[str, Any]:
-        """``GET /dump``: every model's cached blocks as Dynamo lists them."""
-        return {str(m.key): m.dump() for m in self._models.values()}
+        """``GET /dump``: every Dynamo-keyed model's cached blocks as Dynamo lists them
+        (models indexed by other keys have no local hashes to list, and are left out)."""
+        return {
+            str(m.key): m.dump()
+            for m in self._models.values()
+            if m.index.key_mode is KeyMode.DYNAMO
+        }
 
     def ready(self) -> tuple[bool, list[str]]:
         """``(ready, what is still awaited)``: the state restored, every feed caught up."""
