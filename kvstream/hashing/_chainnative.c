@@ -59,6 +59,18 @@
  *       cryptographic hash: a candidate filter whose hits the caller verifies).
  *   same_prefix(a, b, n) -> bool      a[:n] == b[:n] (False if either is shorter).
  *   split(blob, width, count) -> list[bytes]   the first count width-byte pieces of blob.
+ *   dynamo_keys(tokens, block_tokens, seed, parent, drop_last=False) -> list[bytes] | None
+ *       the Dynamo-keyed index's 16-byte keys of a request's full blocks (key_mode="dynamo",
+ *       kvstream/index/keys.py): per block local = XXH3-64(u32 LE tokens, seed) and
+ *       key = XXH3-64(parent key || local) || local, all big-endian, chained from parent.
+ *       tokens: a list/tuple of ints (None for a bad item: the caller's validating path then
+ *       raises) or u32 LE bytes.
+ *   dynamo_link(local_hashes, parent, signed) -> list[bytes] | None
+ *       the keys of a chain of local hashes (8-byte items, or i64 ints when signed).
+ *   dynamo_blocks(raws, seed, parent) -> (locals, keys)
+ *       a stored event's blocks: each one's local hash, and their keys chained from parent
+ *       (none when parent is b"").
+ *   XXH3 is xxHash's own code (xxhash.h, vendored, BSD-2-Clause; see NOTICE).
  *   sha256(data) -> bytes, blake3(data) -> bytes, has_sha_ni() -> bool,
  *   set_simd(on) -> bool      (primitives; set_simd(False) selects the portable code).
  *
@@ -1969,13 +1981,15 @@ small_int_value(PyObject *item)
 #endif
 }
 
+static int pack_items(PyObject *const *items, Py_ssize_t n, unsigned char *p);
+
 static PyObject *
 cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tokens", "drop_last", NULL};
     PyObject *tokens, *out, **items;
     int drop_last = 0;
-    Py_ssize_t n, i;
+    Py_ssize_t n;
     unsigned char *p;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p", kwlist, &tokens, &drop_last))
@@ -1993,6 +2007,21 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
     p = (unsigned char *)PyBytes_AS_STRING(out);
     /* no Python code runs in the loop (ints only, no __index__), so the item array stays put */
     items = PySequence_Fast_ITEMS(tokens);
+    if (pack_items(items, n, p) < 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    if (drop_last && n > 0 && _PyBytes_Resize(&out, 4 * (n - 1)) < 0)
+        return NULL;
+    return out;
+}
+
+/* Packs n int objects as u32 LE at p; -1 (no exception set) when an item is not an int in
+ * 0..2**32-1. Runs no Python code, so the item array stays put. */
+static int
+pack_items(PyObject *const *items, Py_ssize_t n, unsigned char *p)
+{
+    Py_ssize_t i;
     for (i = 0; i < n; i++) {
         PyObject *item = items[i];
         unsigned long v;
@@ -2012,22 +2041,17 @@ cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
             }
         }
         if (!PyLong_Check(item))
-            goto bad;
+            return -1;
         v = PyLong_AsUnsignedLong(item);
         if (v == (unsigned long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
-            goto bad;
+            return -1;
         }
         if (v > 0xFFFFFFFFul)
-            goto bad;
+            return -1;
         put_le32(p + 4 * i, (uint32_t)v);
     }
-    if (drop_last && n > 0 && _PyBytes_Resize(&out, 4 * (n - 1)) < 0)
-        return NULL;
-    return out;
-bad:
-    Py_DECREF(out);
-    Py_RETURN_NONE;
+    return 0;
 }
 
 /* ========================================================================= fingerprints */
@@ -2186,6 +2210,271 @@ cn_split(PyObject *self, PyObject *args)
     return out;
 }
 
+/* ========================================================================== Dynamo keys */
+
+/* Dynamo-keyed index keys (kvstream/index/keys.py, key_mode="dynamo"):
+ *
+ *   local = XXH3-64(block's u32 LE tokens, seed)                  8 bytes big-endian
+ *   key   = XXH3-64(parent_key (16) || local (8), seed 0) || local  16 bytes, big-endian halves
+ *
+ * xxhash.h (xxHash 0.8, BSD-2-Clause, vendored beside this file) is compiled in whole. */
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#define DYN_KEY 16
+#define DYN_LOCAL 8
+
+static inline void
+put_be64(unsigned char *p, uint64_t v)
+{
+    int i;
+    for (i = 7; i >= 0; i--) {
+        p[i] = (unsigned char)v;
+        v >>= 8;
+    }
+}
+
+/* key = link(parent, local) || local, written to key (parent and key may not overlap) */
+static inline void
+dyn_link(const unsigned char *parent, const unsigned char *local, unsigned char *key)
+{
+    unsigned char msg[DYN_KEY + DYN_LOCAL];
+    memcpy(msg, parent, DYN_KEY);
+    memcpy(msg + DYN_KEY, local, DYN_LOCAL);
+    put_be64(key, XXH3_64bits(msg, sizeof msg));
+    memcpy(key + DYN_LOCAL, local, DYN_LOCAL);
+}
+
+static int
+dyn_parent(PyObject *obj, unsigned char *out)
+{
+    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) != DYN_KEY) {
+        PyErr_Format(HashingError, "parent must be %d bytes, got %.100s", DYN_KEY,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(obj), DYN_KEY);
+    return 0;
+}
+
+/* The list of the keys of nb blocks of step bytes at raw, chained from parent. */
+static PyObject *
+dyn_keys_of(const unsigned char *raw, Py_ssize_t nb, Py_ssize_t step, uint64_t seed,
+            const unsigned char *parent)
+{
+    unsigned char key[2][DYN_KEY], local[DYN_LOCAL];
+    const unsigned char *prev = parent;
+    Py_ssize_t b;
+    PyObject *out = PyList_New(nb);
+    if (out == NULL)
+        return NULL;
+    for (b = 0; b < nb; b++) {
+        unsigned char *k = key[b & 1];
+        PyObject *o;
+        put_be64(local, XXH3_64bits_withSeed(raw + step * b, (size_t)step, seed));
+        dyn_link(prev, local, k);
+        o = PyBytes_FromStringAndSize((const char *)k, DYN_KEY);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, b, o);
+        prev = k;
+    }
+    return out;
+}
+
+PyDoc_STRVAR(dynamo_keys_doc,
+             "dynamo_keys(tokens, block_tokens, seed, parent, drop_last=False, /) -> "
+             "list[bytes] | None\n\n"
+             "The Dynamo keys (16 bytes each) of the full blocks of a request, chained from the "
+             "16-byte parent key. tokens: a list/tuple of ints (None when an item is not an int "
+             "in 0..2**32-1: the caller's validating path then raises) or a bytes-like object of "
+             "u32 LE ids (HashingError unless whole ids); None for any other type. drop_last "
+             "leaves the last id out (it is validated all the same).");
+
+static PyObject *
+cn_dynamo_keys(PyObject *self, PyObject *args)
+{
+    PyObject *tokens, *parent_obj, *out;
+    Py_ssize_t block_tokens, n, step;
+    unsigned long long seed;
+    int drop_last = 0;
+    unsigned char parent[DYN_KEY];
+
+    if (!PyArg_ParseTuple(args, "OnKO|p", &tokens, &block_tokens, &seed, &parent_obj,
+                          &drop_last))
+        return NULL;
+    if (block_tokens < 1) {
+        PyErr_Format(HashingError, "tokens_per_block must be positive, got %zd", block_tokens);
+        return NULL;
+    }
+    if (dyn_parent(parent_obj, parent) < 0)
+        return NULL;
+    step = 4 * block_tokens;
+    if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        unsigned char *raw;
+        n = PySequence_Fast_GET_SIZE(tokens);
+        raw = PyMem_Malloc(n > 0 ? (size_t)(4 * n) : 1);
+        if (raw == NULL)
+            return PyErr_NoMemory();
+        if (pack_items(PySequence_Fast_ITEMS(tokens), n, raw) < 0) {
+            PyMem_Free(raw);
+            Py_RETURN_NONE;
+        }
+        if (drop_last && n > 0)
+            n--;
+        out = dyn_keys_of(raw, 4 * n / step, step, (uint64_t)seed, parent);
+        PyMem_Free(raw);
+        return out;
+    }
+    if (PyObject_CheckBuffer(tokens) && !PyUnicode_Check(tokens)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (view.len % 4) {
+            PyErr_Format(HashingError,
+                         "tokens: packed token ids must be whole u32 values, got %zd bytes",
+                         view.len);
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        n = view.len / 4;
+        if (drop_last && n > 0)
+            n--;
+        out = dyn_keys_of((const unsigned char *)view.buf, 4 * n / step, step, (uint64_t)seed,
+                          parent);
+        PyBuffer_Release(&view);
+        return out;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(dynamo_link_doc,
+             "dynamo_link(local_hashes, parent, signed, /) -> list[bytes] | None\n\n"
+             "The Dynamo keys of a chain of local hashes from the 16-byte parent key: each "
+             "item 8 bytes (big-endian) when not signed, an int in -2**63..2**63-1 (its two's "
+             "complement) when signed. None when an item is not of that form (the caller's "
+             "path then decides).");
+
+static PyObject *
+cn_dynamo_link(PyObject *self, PyObject *args)
+{
+    PyObject *items_obj, *parent_obj, *out, **items;
+    int is_signed;
+    Py_ssize_t n, i;
+    unsigned char key[2][DYN_KEY], local[DYN_LOCAL], parent[DYN_KEY];
+    const unsigned char *prev = parent;
+
+    if (!PyArg_ParseTuple(args, "OOp", &items_obj, &parent_obj, &is_signed))
+        return NULL;
+    if (dyn_parent(parent_obj, parent) < 0)
+        return NULL;
+    if (!PyList_CheckExact(items_obj) && !PyTuple_CheckExact(items_obj))
+        Py_RETURN_NONE;
+    n = PySequence_Fast_GET_SIZE(items_obj);
+    items = PySequence_Fast_ITEMS(items_obj);
+    out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    /* no Python code runs in the loop (exact bytes and ints only), so items stay put */
+    for (i = 0; i < n; i++) {
+        PyObject *item = items[i], *o;
+        unsigned char *k = key[i & 1];
+        if (is_signed) {
+            int overflow;
+            long long v;
+            if (!PyLong_CheckExact(item))
+                goto bad;
+            v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow || (v == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                goto bad;
+            }
+            put_be64(local, (uint64_t)v);
+        }
+        else {
+            if (!PyBytes_CheckExact(item) || PyBytes_GET_SIZE(item) != DYN_LOCAL)
+                goto bad;
+            memcpy(local, PyBytes_AS_STRING(item), DYN_LOCAL);
+        }
+        dyn_link(prev, local, k);
+        o = PyBytes_FromStringAndSize((const char *)k, DYN_KEY);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, o);
+        prev = k;
+    }
+    return out;
+bad:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(dynamo_blocks_doc,
+             "dynamo_blocks(raws, seed, parent, /) -> (locals: list[bytes], keys: list[bytes])"
+             "\n\n"
+             "A stored event's blocks: locals[i] = XXH3-64(raws[i], seed) (8 bytes big-endian) "
+             "for every block; keys the chain of their Dynamo keys from the 16-byte parent key "
+             "(empty when parent is b\"\": not known). raws: a list of non-empty bytes objects "
+             "(HashingError otherwise).");
+
+static PyObject *
+cn_dynamo_blocks(PyObject *self, PyObject *args)
+{
+    PyObject *raws, *parent_obj, *locs = NULL, *keys = NULL, **items, *res;
+    unsigned long long seed;
+    Py_ssize_t n, i;
+    int chained;
+    unsigned char key[2][DYN_KEY], local[DYN_LOCAL], parent[DYN_KEY];
+    const unsigned char *prev = parent;
+
+    if (!PyArg_ParseTuple(args, "O!KO", &PyList_Type, &raws, &seed, &parent_obj))
+        return NULL;
+    chained = !(PyBytes_Check(parent_obj) && PyBytes_GET_SIZE(parent_obj) == 0);
+    if (chained && dyn_parent(parent_obj, parent) < 0)
+        return NULL;
+    n = PyList_GET_SIZE(raws);
+    items = PySequence_Fast_ITEMS(raws);
+    locs = PyList_New(n);
+    keys = PyList_New(chained ? n : 0);
+    if (locs == NULL || keys == NULL)
+        goto fail;
+    for (i = 0; i < n; i++) {
+        PyObject *raw = items[i], *o;
+        unsigned char *k = key[i & 1];
+        if (!PyBytes_CheckExact(raw) || PyBytes_GET_SIZE(raw) == 0) {
+            PyErr_Format(HashingError, "raws[%zd] must be non-empty bytes, got %.100s", i,
+                         Py_TYPE(raw)->tp_name);
+            goto fail;
+        }
+        put_be64(local, XXH3_64bits_withSeed(PyBytes_AS_STRING(raw),
+                                             (size_t)PyBytes_GET_SIZE(raw), (uint64_t)seed));
+        o = PyBytes_FromStringAndSize((const char *)local, DYN_LOCAL);
+        if (o == NULL)
+            goto fail;
+        PyList_SET_ITEM(locs, i, o);
+        if (chained) {
+            dyn_link(prev, local, k);
+            o = PyBytes_FromStringAndSize((const char *)k, DYN_KEY);
+            if (o == NULL)
+                goto fail;
+            PyList_SET_ITEM(keys, i, o);
+            prev = k;
+        }
+    }
+    res = PyTuple_Pack(2, locs, keys);
+    Py_DECREF(locs);
+    Py_DECREF(keys);
+    return res;
+fail:
+    Py_XDECREF(locs);
+    Py_XDECREF(keys);
+    return NULL;
+}
+
 /* ============================================================================ primitives */
 
 static PyObject *
@@ -2264,6 +2553,9 @@ static PyMethodDef methods[] = {
     {"fingerprints", cn_fingerprints, METH_VARARGS, fingerprints_doc},
     {"same_prefix", cn_same_prefix, METH_VARARGS, same_prefix_doc},
     {"split", cn_split, METH_VARARGS, split_doc},
+    {"dynamo_keys", cn_dynamo_keys, METH_VARARGS, dynamo_keys_doc},
+    {"dynamo_link", cn_dynamo_link, METH_VARARGS, dynamo_link_doc},
+    {"dynamo_blocks", cn_dynamo_blocks, METH_VARARGS, dynamo_blocks_doc},
     {"sha256", cn_sha256, METH_VARARGS, "sha256(data) -> bytes: the SHA-256 digest."},
     {"blake3", cn_blake3, METH_VARARGS, "blake3(data) -> bytes: the 32-byte BLAKE3 hash."},
     {"has_sha_ni", cn_has_sha_ni, METH_NOARGS,

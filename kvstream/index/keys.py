@@ -53,6 +53,7 @@ from blake3 import blake3
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
 from kvstream.hashing import cbor
+from kvstream.hashing.accel import native_chains
 from kvstream.hashing.blocks import coerce_tokens
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
@@ -69,8 +70,15 @@ __all__ = [
     "chain_key",
     "dynamo_key",
     "dynamo_payload",
+    "NATIVE_DYNAMO_KEYS",
+    "dynamo_event_keys",
     "dynamo_request_keys",
+    "keys_from_i64",
     "keys_from_local",
+    "py_dynamo_event_keys",
+    "py_dynamo_request_keys",
+    "py_keys_from_i64",
+    "py_keys_from_local",
     "lora_scopes",
     "request_keys",
     "request_mm",
@@ -84,6 +92,13 @@ DYNAMO_ALGO: Final = "dynamo_local_v1"
 KEY_SIZE: Final = 16
 #: The parent key of a chain's first block.
 ROOT_KEY: Final = bytes(KEY_SIZE)
+#: The C extension (:mod:`kvstream.hashing._chainnative`) with its Dynamo-key functions; None
+#: when not built (or built before they existed) or with ``KVSTREAM_NO_NATIVE=1``.
+_c: Any = native_chains(None, "dynamo keys")
+if not hasattr(_c, "dynamo_keys"):
+    _c = None
+#: Whether the Dynamo keys (``key_mode="dynamo"``) are computed in C.
+NATIVE_DYNAMO_KEYS: Final[bool] = _c is not None
 #: BLAKE3 key-derivation context of scoped blocks (separates them from plain ones).
 KEY_CONTEXT: Final = "kvstream.index token block key v1"
 
@@ -329,9 +344,10 @@ def dynamo_key(parent: bytes, local: bytes) -> bytes:
     return link_hash(parent, local) + local
 
 
-def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
-    """The keys of a request given as Dynamo local hashes (8 bytes each), from the root."""
-    key = ROOT_KEY
+def py_keys_from_local(local_hashes: Sequence[bytes], parent: bytes = ROOT_KEY) -> list[bytes]:
+    """The keys of a request given as Dynamo local hashes (8 bytes each), chained from
+    ``parent`` (the root by default). Pure Python (the reference of the C path)."""
+    key = parent
     out: list[bytes] = []
     append = out.append
     link = link_hash
@@ -341,10 +357,107 @@ def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def dynamo_request_keys(raw: bytes, tokens_per_block: int, lora_name: str | None) -> list[bytes]:
-    """The keys of the full blocks of a request whose token ids are ``raw`` (u32 LE bytes)."""
+def keys_from_local(local_hashes: Sequence[bytes]) -> list[bytes]:
+    """The keys of a request given as Dynamo local hashes (8 bytes each), from the root."""
+    if _c is not None:
+        out: list[bytes] | None = _c.dynamo_link(local_hashes, ROOT_KEY, False)
+        if out is not None:
+            return out
+    return py_keys_from_local(local_hashes)
+
+
+def py_keys_from_i64(values: Sequence[Any]) -> list[bytes]:
+    """The keys of a request given as Dynamo's signed-i64 local hashes (its
+    ``/query_by_hash``), from the root; HashingError naming ``block_hashes[i]`` for an item
+    that is not an int in ``-2**63..2**63-1``. Pure Python (the reference of the C path)."""
+    local: list[bytes] = []
+    for i, h in enumerate(values):
+        if type(h) is not int or not -(2**63) <= h < 2**63:
+            raise HashingError(f"block_hashes[{i}]: invalid value: {h!r}, expected i64")
+        local.append((h % 2**64).to_bytes(8, "big"))
+    return py_keys_from_local(local)
+
+
+def keys_from_i64(values: Sequence[Any]) -> list[bytes]:
+    """:func:`py_keys_from_i64`, in C when the extension is loaded (same keys and errors)."""
+    if _c is not None:
+        out: list[bytes] | None = _c.dynamo_link(values, ROOT_KEY, True)
+        if out is not None:
+            return out
+    return py_keys_from_i64(values)
+
+
+def _dynamo_raw(tokens: Any, drop_last_token: bool) -> bytes:
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raw = bytes(tokens)
+        if len(raw) % 4:
+            raise HashingError(
+                f"tokens: packed token ids must be whole u32 values, got {len(raw)} bytes"
+            )
+        return raw[:-4] if drop_last_token and raw else raw
+    return request_raw(tokens, drop_last_token)
+
+
+def py_dynamo_request_keys(
+    tokens: Any,
+    tokens_per_block: int,
+    lora_name: str | None = None,
+    drop_last_token: bool = False,
+) -> list[bytes]:
+    """The keys of the full blocks of a request: ``tokens`` are its token ids (what
+    :func:`~kvstream.hashing.blocks.coerce_tokens` accepts; HashingError for a bad id) or
+    their u32 LE bytes (whole ids, else HashingError), without the last one when
+    ``drop_last_token``. Pure Python (the reference of the C path)."""
+    if tokens_per_block < 1:
+        raise HashingError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    raw = _dynamo_raw(tokens, drop_last_token)
     step = 4 * tokens_per_block
     end = len(raw) - len(raw) % step
     seed = block_hash_seed(lora_name)
     view = memoryview(raw)
-    return keys_from_local([local_hash(view[i : i + step], seed) for i in range(0, end, step)])
+    return py_keys_from_local([local_hash(view[i : i + step], seed) for i in range(0, end, step)])
+
+
+def dynamo_request_keys(
+    tokens: Any,
+    tokens_per_block: int,
+    lora_name: str | None = None,
+    drop_last_token: bool = False,
+) -> list[bytes]:
+    """:func:`py_dynamo_request_keys` in one C call when the extension is loaded (a list of
+    ints, e.g. straight from a JSON decoder, or u32 LE bytes); the same keys and errors."""
+    if _c is not None:
+        seed = LOCAL_HASH_SEED if lora_name is None else block_hash_seed(lora_name)
+        out: list[bytes] | None = _c.dynamo_keys(
+            tokens, tokens_per_block, seed, ROOT_KEY, drop_last_token
+        )
+        if out is not None:
+            return out
+    return py_dynamo_request_keys(tokens, tokens_per_block, lora_name, drop_last_token)
+
+
+def py_dynamo_event_keys(
+    raws: list[bytes], seed: int, parent: bytes
+) -> tuple[list[bytes], list[bytes]]:
+    """A stored event's blocks (``raws``: each block's non-empty u32 LE tokens, all hashed
+    under ``seed``): ``(locals, keys)``, each block's local hash and, when ``parent`` is a
+    key (not b""), the blocks' keys chained from it (else ``keys`` is empty). Pure Python
+    (the reference of the C path)."""
+    chained = not (isinstance(parent, bytes) and not parent)
+    if chained and (not isinstance(parent, bytes) or len(parent) != KEY_SIZE):
+        raise HashingError(f"parent must be {KEY_SIZE} bytes, got {type(parent).__name__}")
+    for i, raw in enumerate(raws):
+        if type(raw) is not bytes or not raw:
+            raise HashingError(f"raws[{i}] must be non-empty bytes, got {type(raw).__name__}")
+    locals_ = [local_hash(raw, seed) for raw in raws]
+    return locals_, py_keys_from_local(locals_, parent) if chained else []
+
+
+def dynamo_event_keys(
+    raws: list[bytes], seed: int, parent: bytes
+) -> tuple[list[bytes], list[bytes]]:
+    """:func:`py_dynamo_event_keys` in one C call when the extension is loaded."""
+    if _c is not None:
+        out: tuple[list[bytes], list[bytes]] = _c.dynamo_blocks(raws, seed, parent)
+        return out
+    return py_dynamo_event_keys(raws, seed, parent)

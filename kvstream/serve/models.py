@@ -108,9 +108,10 @@ class ModelIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def token_keys(self, raw: bytes, lora_name: str | None) -> list[bytes]:
-        """The keys of a request's full blocks (``raw``: u32 LE token ids)."""
-        return dynamo_request_keys(raw, self.block_size, lora_name or None)
+    def token_keys(self, tokens: list[int] | bytes, lora_name: str | None) -> list[bytes]:
+        """The keys of a request's full blocks (``tokens``: its token ids, or their u32 LE
+        bytes; one C call when the extension is built); HashingError for a bad id."""
+        return dynamo_request_keys(tokens, self.block_size, lora_name or None)
 
     def query_keys(self, keys: list[bytes], *, include_stale: bool = False) -> dict[str, Any]:
         """Dynamo's ``/query`` answer for a request whose block keys are ``keys``."""

@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 import urllib.error
 import urllib.request
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -34,7 +32,7 @@ from kvstream.errors import ConfigError, HashingError, KVStreamError
 from kvstream.hashing import get_hasher, split_blocks
 from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
-from kvstream.index.keys import KeyMode, keys_from_local
+from kvstream.index.keys import KeyMode, keys_from_i64
 from kvstream.index.snapshot import write_atomic
 from kvstream.kafka_security import redact_url
 from kvstream.serve.config import ServeConfig, SourceSpec, WorkerSpec, check_endpoint
@@ -64,16 +62,8 @@ __all__ = ["IndexService"]
 
 log = logging.getLogger("kvstream.serve")
 
-_BIG_ENDIAN: Final = sys.byteorder == "big"
 _U64: Final = 2**64
 _PEER_TIMEOUT_S: Final = 10.0
-
-
-def _raw_tokens(token_ids: list[int]) -> bytes:
-    arr = array("I", token_ids)
-    if _BIG_ENDIAN:  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
 
 
 class IndexService:
@@ -289,7 +279,7 @@ class IndexService:
             raise InvalidRequestError(
                 "cache_salt needs hash_algo (Dynamo's local hashes carry no salt)"
             )
-        keys = m.token_keys(_raw_tokens(req.token_ids), req.lora_name)
+        keys = m.token_keys(req.token_ids, req.lora_name)
         return m.query_keys(keys, include_stale=self.config.include_stale)
 
     def _engine_algo(self, m: ModelIndex, name: str) -> None:
@@ -325,18 +315,15 @@ class IndexService:
         m = self.model(req.model_name, req.routing_group)
         m.require_dynamo("/query_by_hash")
         if req.hash_algo is None:
-            local: list[bytes] = []
-            for i, h in enumerate(req.block_hashes):
-                if type(h) is not int or not -(2**63) <= h < 2**63:
-                    raise InvalidRequestError(
-                        f"block_hashes[{i}]: invalid value: {h!r}, expected i64"
-                    )
-                local.append((h % _U64).to_bytes(8, "big"))
+            try:
+                keys = keys_from_i64(req.block_hashes)
+            except HashingError as exc:
+                raise InvalidRequestError(str(exc)) from None
             if req.lora_name:
                 raise InvalidRequestError(
                     "lora_name does not apply to /query_by_hash: local hashes include it"
                 )
-            return m.query_keys(keys_from_local(local), include_stale=self.config.include_stale)
+            return m.query_keys(keys, include_stale=self.config.include_stale)
         self._engine_algo(m, req.hash_algo)
         width = hash_width(req.hash_algo) or 8  # a registered name (checked above)
         hashes: list[bytes] = []
