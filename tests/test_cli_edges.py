@@ -119,7 +119,7 @@ def test_missing_and_malformed_inputs_are_usage_errors_everywhere(tmp_path: Path
     garbage = tmp_path / "garbage.bin"
     garbage.write_bytes(b"\x90\x0a" * 1500)
     missing = str(tmp_path / "missing.avro")
-    for cmd in (["index"], ["events", "dump"]):
+    for cmd in (["index"], ["events", "dump"], ["bridge", "-q", "-s", "memory"]):
         assert "no such file" in one_line_error(kvstream(*cmd, missing), 2)
         assert "garbage.bin" in one_line_error(kvstream(*cmd, str(garbage)), 2)
 

@@ -107,11 +107,12 @@ def bridge(
     from rich.console import Console
 
     from kvstream.cli.bridge_run import BridgeOptions
-    from kvstream.cli.output import EXIT_RUNTIME, EXIT_USAGE, fail
+    from kvstream.cli.output import EXIT_RUNTIME, EXIT_USAGE, check_input_path, fail
     from kvstream.errors import ConfigError, KVStreamError
 
     err = Console(stderr=True)
     try:
+        check_input_path(source)
         pipeline_config = _pipeline_config(config, overflow)
     except ConfigError as exc:
         fail(err, str(exc), EXIT_USAGE)
@@ -139,6 +140,9 @@ def bridge(
         typer.echo(json.dumps(result.as_dict(), default=str))
     else:
         _print_summary(result, Console())
+    p = result.progress
+    if not p.batches and p.malformed:  # e.g. a file that is not an event file at all
+        fail(err, f"{source}: no event batch read, {p.malformed} malformed input(s)", EXIT_USAGE)
     if not result.ok:
         raise typer.Exit(1)
 

@@ -93,7 +93,7 @@ def from_trtllm(
             schema_version=CURRENT_VERSION if schema_version is None else schema_version,
         )
     except KVStreamError as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(f"{source}: {exc}") from None
     except OSError as exc:  # the output (checked above) became unwritable, or the disk is full
         raise _fail(f"{output}: {exc.strerror or exc}", 1) from None
     n_events = sum(len(b.events) for b in batches)
