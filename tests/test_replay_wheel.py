@@ -34,6 +34,15 @@ def test_wheel_installs_and_replays_the_shipped_trace_from_anywhere(tmp_path: Pa
     for name in ("conversation", "synthetic"):
         assert f"kvstream/workloads/data/{name}_trace.jsonl.gz" in names
     assert "kvstream/workloads/data/NOTICE" in names
+    # the license ships (pyproject license-files), and torch only with the cache extra
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    assert meta.replace("METADATA", "licenses/LICENSE") in names
+    requires = [
+        line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+        if line.startswith("Requires-Dist: ")
+    ]  # fmt: skip
+    torch = [line for line in requires if line.startswith("Requires-Dist: torch")]
+    assert torch == ['Requires-Dist: torch>=2.2; extra == "cache"'], torch
     assert wheel.stat().st_size < 3_000_000  # the traces are compressed
 
     env_dir = tmp_path / "venv"
