@@ -358,6 +358,7 @@ _WORKLOAD = """
 import json, random
 from kvstream.index import PrefixIndex
 from kvstream.index import keys as K
+from kvstream.hashing import accel
 from kvstream.events.model import Stored, StoredBlock
 import sys
 sys.path.insert(0, {tests!r})
@@ -380,6 +381,8 @@ print(json.dumps({{
     "state": repr(index.canonical_state()),
     "query": [k.hex() for k in K.dynamo_request_keys(toks, 4, "adapter")],
     "by_hash": [k.hex() for k in K.keys_from_i64([-1, 0, 2**63 - 1])],
+    "json_native": accel._json_ids_c is not None,
+    "json": [accel.json_ids(t) and accel.json_ids(t).hex() for t in (b" [1, 2]", b"[01]")],
 }}))
 """
 
@@ -405,3 +408,5 @@ def test_no_native_switch_selects_the_python_path_with_the_same_index() -> None:
     assert fast["state"] == slow["state"]
     assert fast["query"] == slow["query"]
     assert fast["by_hash"] == slow["by_hash"]
+    assert (fast["json_native"], slow["json_native"]) == (True, False)
+    assert fast["json"] == slow["json"] == ["0100000002000000", None]

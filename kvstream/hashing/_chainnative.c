@@ -59,6 +59,9 @@
  *       cryptographic hash: a candidate filter whose hits the caller verifies).
  *   same_prefix(a, b, n) -> bool      a[:n] == b[:n] (False if either is shorter).
  *   split(blob, width, count) -> list[bytes]   the first count width-byte pieces of blob.
+ *   json_ids(text) -> bytes | None
+ *       a JSON array of plain decimal u32 ids (the text of a request's token_ids) as u32 LE
+ *       bytes; None for any other text (the caller's JSON decoder then decides).
  *   dynamo_keys(tokens, block_tokens, seed, parent, drop_last=False) -> list[bytes] | None
  *       the Dynamo-keyed index's 16-byte keys of a request's full blocks (key_mode="dynamo",
  *       kvstream/index/keys.py): per block local = XXH3-64(u32 LE tokens, seed) and
@@ -2210,6 +2213,101 @@ cn_split(PyObject *self, PyObject *args)
     return out;
 }
 
+/* ======================================================================== JSON token ids */
+
+PyDoc_STRVAR(json_ids_doc,
+             "json_ids(text, /) -> bytes | None\n\n"
+             "A JSON array of token ids as u32 little-endian bytes, read straight from the JSON "
+             "text (a bytes-like object): None unless it is exactly '[' ws (id (ws ',' ws id)*)? "
+             "ws ']' with each id plain decimal digits (no sign, fraction, exponent or leading "
+             "zero) of a value in 0..2**32-1, ws being JSON whitespace.");
+
+static inline int
+json_ws(unsigned char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+static PyObject *
+cn_json_ids(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    const unsigned char *p, *end;
+    unsigned char *out;
+    Py_ssize_t n = 0, cap;
+    PyObject *res;
+
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    p = (const unsigned char *)view.buf;
+    end = p + view.len;
+    /* at most one id per two bytes of text ("1,"), plus one */
+    cap = view.len / 2 + 1;
+    res = PyBytes_FromStringAndSize(NULL, 4 * cap);
+    if (res == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    out = (unsigned char *)PyBytes_AS_STRING(res);
+    /* the text must end in ']' (after whitespace): a non-digit, non-whitespace byte that stops
+     * every scan below inside the buffer, so they need no bounds checks */
+    while (end > p && json_ws(end[-1]))
+        end--;
+    if (end == p || end[-1] != ']')
+        goto no;
+    while (json_ws(*p))
+        p++;
+    if (*p++ != '[')
+        goto no;
+    while (json_ws(*p))
+        p++;
+    if (*p == ']') {
+        p++;
+        goto done;
+    }
+    for (;;) {
+        uint64_t v;
+        unsigned d = (unsigned)(*p - '0');
+        if (d > 9)
+            goto no;
+        if (d == 0 && (unsigned)(p[1] - '0') <= 9)
+            goto no; /* a leading zero: not JSON */
+        v = d;
+        p++;
+        while ((d = (unsigned)(*p - '0')) <= 9) {
+            v = v * 10 + d;
+            if (v > 0xFFFFFFFFull)
+                goto no;
+            p++;
+        }
+        if (n == cap)
+            goto no; /* cannot happen (cap bounds the ids the text can hold) */
+        put_le32(out + 4 * n++, (uint32_t)v);
+        while (json_ws(*p))
+            p++;
+        if (*p == ',') {
+            p++;
+            while (json_ws(*p))
+                p++;
+            continue;
+        }
+        if (*p++ != ']')
+            goto no;
+        break;
+    }
+done:
+    if (p != end)
+        goto no; /* text after the array's ']' */
+    PyBuffer_Release(&view);
+    if (_PyBytes_Resize(&res, 4 * n) < 0)
+        return NULL;
+    return res;
+no:
+    PyBuffer_Release(&view);
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
 /* ========================================================================== Dynamo keys */
 
 /* Dynamo-keyed index keys (kvstream/index/keys.py, key_mode="dynamo"):
@@ -2553,6 +2651,7 @@ static PyMethodDef methods[] = {
     {"fingerprints", cn_fingerprints, METH_VARARGS, fingerprints_doc},
     {"same_prefix", cn_same_prefix, METH_VARARGS, same_prefix_doc},
     {"split", cn_split, METH_VARARGS, split_doc},
+    {"json_ids", cn_json_ids, METH_O, json_ids_doc},
     {"dynamo_keys", cn_dynamo_keys, METH_VARARGS, dynamo_keys_doc},
     {"dynamo_link", cn_dynamo_link, METH_VARARGS, dynamo_link_doc},
     {"dynamo_blocks", cn_dynamo_blocks, METH_VARARGS, dynamo_blocks_doc},

@@ -22,6 +22,8 @@ Also here, with pure-Python fallbacks: :func:`pack_request` (a request's ids as 
 from __future__ import annotations
 
 import os
+import re
+import struct
 from typing import Any, Final
 
 from kvstream.errors import HashingError
@@ -43,8 +45,10 @@ __all__ = [
     "KIND_V2",
     "NATIVE_CHAINS",
     "fingerprints",
+    "json_ids",
     "native_chains",
     "pack_request",
+    "py_json_ids",
     "same_prefix",
     "split",
 ]
@@ -130,3 +134,36 @@ def split(blob: bytes, width: int, count: int) -> list[bytes]:
     if width < 1 or count < 0 or count > len(blob) // width:
         raise HashingError(f"cannot split {len(blob)} bytes into {count} pieces of {width}")
     return [blob[i * width : (i + 1) * width] for i in range(count)]
+
+
+_JSON_IDS: Final = re.compile(
+    rb"[ \t\n\r]*\[[ \t\n\r]*"
+    rb"(?:(?:0|[1-9][0-9]*)(?:[ \t\n\r]*,[ \t\n\r]*(?:0|[1-9][0-9]*))*[ \t\n\r]*)?"
+    rb"\][ \t\n\r]*"
+)
+_JSON_ID: Final = re.compile(rb"[0-9]+")
+#: the C parser (None when not built, or built before it existed)
+_json_ids_c: Any = getattr(_native, "json_ids", None)
+
+
+def py_json_ids(text: bytes | bytearray | memoryview) -> bytes | None:
+    """A JSON array of token ids as u32 LE bytes, read from its text: None unless the text
+    is exactly ``[`` ws (id (ws ``,`` ws id)*)? ws ``]`` (ws around it too) with every id
+    plain decimal digits (no sign, fraction, exponent or leading zero) of a value in
+    ``0..2**32-1`` (then the caller's JSON decoder decides). Pure Python (the reference of
+    the C path)."""
+    data = bytes(text)
+    if _JSON_IDS.fullmatch(data) is None:
+        return None
+    ids = [int(m) for m in _JSON_ID.findall(data)]
+    if any(v > 0xFFFFFFFF for v in ids):
+        return None
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def json_ids(text: bytes | bytearray | memoryview) -> bytes | None:
+    """:func:`py_json_ids` in C when the extension is loaded (the same answers)."""
+    if _json_ids_c is not None:
+        out: bytes | None = _json_ids_c(text)
+        return out
+    return py_json_ids(text)

@@ -94,7 +94,7 @@ def create_app(svc: IndexService) -> Callable[[Scope, Receive, Send], Awaitable[
         return ok(svc.workers_json())
 
     async def query(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.query(decode(body, QueryRequest)))
+        return ok(svc.query_body(body))
 
     async def query_by_hash(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         return ok(svc.query_by_hash(decode(body, QueryByHashRequest)))

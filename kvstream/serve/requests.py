@@ -13,7 +13,7 @@ of the wrong shape :class:`~kvstream.serve.errors.InvalidRequestError` (422, Dyn
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 
@@ -24,9 +24,11 @@ __all__ = [
     "PeerRequest",
     "QueryByHashRequest",
     "QueryRequest",
+    "QueryTokensRequest",
     "RegisterRequest",
     "UnregisterRequest",
     "decode",
+    "decode_query_tokens",
 ]
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -43,6 +45,19 @@ class QueryRequest(msgspec.Struct, forbid_unknown_fields=False):
     lora_name: str | None = None
     routing_group: str | None = None
     #: kvstream: hash the tokens with this engine algorithm and match the engine's hashes
+    hash_algo: str | None = None
+    cache_salt: str | None = None
+
+
+class QueryTokensRequest(msgspec.Struct, forbid_unknown_fields=False):
+    """``POST /query`` read for the fast path: :class:`QueryRequest`'s fields with
+    ``token_ids`` kept as its JSON text (the service reads plain u32 arrays from it in C,
+    :func:`kvstream.hashing.accel.json_ids`; anything else is decoded as a QueryRequest)."""
+
+    token_ids: msgspec.Raw
+    model_name: str = DEFAULT_MODEL
+    lora_name: str | None = None
+    routing_group: str | None = None
     hash_algo: str | None = None
     cache_salt: str | None = None
 
@@ -103,3 +118,15 @@ def decode(body: bytes, kind: type[_T]) -> _T:
         raise InvalidRequestError(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"the request body is not JSON: {exc}") from None
+
+
+_query_tokens: Final = msgspec.json.Decoder(QueryTokensRequest)
+
+
+def decode_query_tokens(body: bytes) -> QueryTokensRequest | None:
+    """``body`` as a :class:`QueryTokensRequest`, or None when it is not one (the caller then
+    decodes it as a :class:`QueryRequest`, which reports the error)."""
+    try:
+        return _query_tokens.decode(body)
+    except msgspec.MsgspecError:
+        return None

@@ -30,6 +30,7 @@ from typing import Any, Final
 from kvstream._types import hash_width
 from kvstream.errors import ConfigError, HashingError, KVStreamError
 from kvstream.hashing import get_hasher, split_blocks
+from kvstream.hashing.accel import json_ids
 from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
 from kvstream.index.keys import KeyMode, keys_from_i64
@@ -48,8 +49,11 @@ from kvstream.serve.models import ModelIndex, ModelKey, Registration
 from kvstream.serve.requests import (
     QueryByHashRequest,
     QueryRequest,
+    QueryTokensRequest,
     RegisterRequest,
     UnregisterRequest,
+    decode,
+    decode_query_tokens,
 )
 from kvstream.serve.snapshot import (
     ModelState,
@@ -275,11 +279,31 @@ class IndexService:
         m.require_dynamo("/query")
         if req.hash_algo is not None:
             return self._query_engine_tokens(m, req)
+        return self._query_dynamo(m, req, req.token_ids)
+
+    def query_body(self, body: bytes) -> dict[str, Any]:
+        """``POST /query`` from its JSON body: :meth:`query`'s answer and errors. Token ids
+        written as a plain JSON array of u32 (what clients send) go from the JSON text to
+        u32 bytes to keys without a Python int per id (in C when built); any other body is
+        decoded as a :class:`QueryRequest`."""
+        fast = decode_query_tokens(body)
+        if fast is not None and fast.hash_algo is None:
+            raw = json_ids(fast.token_ids)
+            if raw is not None:
+                self._limit(len(raw) >> 2, "token ids")
+                m = self.model(fast.model_name, fast.routing_group)
+                m.require_dynamo("/query")
+                return self._query_dynamo(m, fast, raw)
+        return self.query(decode(body, QueryRequest))
+
+    def _query_dynamo(
+        self, m: ModelIndex, req: QueryRequest | QueryTokensRequest, tokens: list[int] | bytes
+    ) -> dict[str, Any]:
         if req.cache_salt is not None:
             raise InvalidRequestError(
                 "cache_salt needs hash_algo (Dynamo's local hashes carry no salt)"
             )
-        keys = m.token_keys(req.token_ids, req.lora_name)
+        keys = m.token_keys(tokens, req.lora_name)
         return m.query_keys(keys, include_stale=self.config.include_stale)
 
     def _engine_algo(self, m: ModelIndex, name: str) -> None:
