@@ -29,7 +29,7 @@ from pathlib import Path
 
 SERVERS = ("aiohttp", "uvicorn", "granian")
 
-_APP = r'''
+_APP = r"""
 import json, sys
 
 import msgspec
@@ -72,9 +72,9 @@ else:
     from granian.constants import Interfaces
     Granian("rsgi_app:app", address="127.0.0.1", port=port, interface=Interfaces.RSGI,
             workers=1, log_enabled=False).serve()
-'''
+"""
 
-_RSGI = r'''
+_RSGI = r"""
 import json
 import msgspec
 _dec = msgspec.json.Decoder()
@@ -89,7 +89,7 @@ def work(body):
 async def app(scope, proto):
     body = await proto()
     proto.response_bytes(200, [("content-type", "application/json")], work(body))
-'''
+"""
 
 
 def free_port() -> int:
@@ -179,7 +179,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvs-http-"))
     (work / "app.py").write_text(_APP)
     (work / "rsgi_app.py").write_text(_RSGI)
-    rows: dict[str, dict[str, list[float]]] = {k: {"p50": [], "p99": [], "cpu": [], "qps": []} for k in kinds}
+    rows: dict[str, dict[str, list[float]]] = {
+        k: {"p50": [], "p99": [], "cpu": [], "qps": []} for k in kinds
+    }
     servers = {k: Server(k, work) for k in kinds}
     try:
         for rnd in range(args.rounds):
@@ -204,14 +206,16 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.close()
-    print(f"{'server':10} {'p50 us':>16} {'p99 us':>16} {'server CPU us/req':>20} {'req/s (16 conn)':>18}")
+
+    def fmt(v: list[float]) -> str:
+        return f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
+
+    head = ("server", "p50 us", "p99 us", "server CPU us/req", "req/s (16 conn)")
+    print(f"{head[0]:10} {head[1]:>16} {head[2]:>16} {head[3]:>20} {head[4]:>18}")
     for k in kinds:
         r = rows[k]
-
-        def fmt(v: list[float]) -> str:
-            return f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
-
-        print(f"{k:10} {fmt(r['p50']):>16} {fmt(r['p99']):>16} {fmt(r['cpu']):>20} {fmt(r['qps']):>18}")
+        cells = (fmt(r["p50"]), fmt(r["p99"]), fmt(r["cpu"]), fmt(r["qps"]))
+        print(f"{k:10} {cells[0]:>16} {cells[1]:>16} {cells[2]:>20} {cells[3]:>18}")
 
 
 if __name__ == "__main__":
