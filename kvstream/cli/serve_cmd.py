@@ -96,7 +96,6 @@ def serve(
     """
     import asyncio
     import json
-    import logging
     import signal
 
     from kvstream.errors import ConfigError, KVStreamError
@@ -135,7 +134,6 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
 
     async def main() -> int:
         stop = asyncio.Event()
