@@ -73,7 +73,10 @@ def stored(
     group_idx: int = 0,
     **kw: Any,
 ) -> Any:
-    """vLLM's own ``BlockStored`` (LoRA fields default to nil, as the engine leaves them)."""
+    """vLLM's own ``BlockStored`` (LoRA fields default to nil, as the engine leaves them;
+    ``extra_keys`` one None per block, as vLLM 0.33's cache manager sends it: the golden
+    captures in ``tests/data/golden`` have it so, and kvstream's export writes it so)."""
+    kw.setdefault("extra_keys", [None] * len(hashes))
     return kv.BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
