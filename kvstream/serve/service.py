@@ -343,10 +343,7 @@ class IndexService:
                 keys = keys_from_i64(req.block_hashes)
             except HashingError as exc:
                 raise InvalidRequestError(str(exc)) from None
-            if req.lora_name:
-                raise InvalidRequestError(
-                    "lora_name does not apply to /query_by_hash: local hashes include it"
-                )
+            # a lora_name is ignored, as Dynamo ignores it: the local hashes carry the LoRA
             return m.query_keys(keys, include_stale=self.config.include_stale)
         self._engine_algo(m, req.hash_algo)
         width = hash_width(req.hash_algo) or 8  # a registered name (checked above)
