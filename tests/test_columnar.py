@@ -223,3 +223,35 @@ def test_damaged_containers_give_the_same_index(
     assert (cols.torn_reason is None) == (model.torn_reason is None)
     assert cols.skipped == model.skipped
     assert _apply_all(got) == _apply_all(want)
+
+
+def test_a_negative_mm_key_block_index_is_rejected_by_both_decoders() -> None:
+    """Found by test_mutated_records_are_rejected_alike: block_index -1 passed the "non-
+    decreasing from -1" check, and the model decoder then gave the key to the last block
+    (Python's negative index) where another key overwrote it: a key silently dropped."""
+    from kvstream.events.model import KVCacheEvent, MmKey, SourceId, Stored, StoredBlock
+
+    key = (MmKey(hash=b"\0" * 32, start_offset=0),)
+    blocks = tuple(StoredBlock(block_hash=b"\0" * 8, token_ids=t, mm_keys=key) for t in ([1], [2]))
+    batch = EventBatch(
+        source=SourceId(instance_id="0", incarnation=0),
+        ts_ns=0,
+        events=(
+            KVCacheEvent(
+                event_id=0,
+                hash_algo="v1_block_key",
+                layer_group_id=0,
+                window_size=1,
+                data=Stored(parent_hash=None, blocks=blocks),
+            ),
+        ),
+    )
+    version = max(WRITABLE_VERSIONS)
+    schema = REGISTRY.get(version)
+    record = batch_to_record(batch, version)
+    record["events"][0]["stored"]["mm_keys"][0]["block_index"] = -1
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, schema.parsed, record)
+    for decode in (decode_body, decode_columns_body):
+        with pytest.raises(DecodeError, match="block_index -1"):
+            decode(buf.getvalue(), schema, REGISTRY.current)

@@ -503,9 +503,9 @@ read_sparse(Rd *r, Ev *e)
     Py_ssize_t len;
     int64_t first = e->has_sizes ? (e->sizes.n ? e->sizes.v[0] : 0)
                                  : (n > 1 ? e->block_size : e->last_size);
-    /* mm_keys: block_index non-decreasing from -1 (sic: columnar's check), in range */
+    /* mm_keys: block_index non-decreasing from 0 (a block may have several keys), in range */
     left = 0;
-    last = -1;
+    last = 0;
     while ((more = arr_more(r, &left)) == 1) {
         if (rd_long(r, &idx) || !(last <= idx && idx < n))
             return BAIL;

@@ -409,7 +409,8 @@ def _column(rec: Mapping[str, Any], many: str, n: int, where: str) -> list[Any] 
 
 
 def _check_sparse(entries: Sequence[Mapping[str, Any]], n: int, where: str, strict: bool) -> None:
-    last = -1
+    # strict: one entry per block at most; else repeats are allowed, but never index -1
+    last = -1 if strict else 0
     for entry in entries:
         i = entry["block_index"]
         if not (last < i < n if strict else last <= i < n):

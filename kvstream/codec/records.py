@@ -339,7 +339,7 @@ def _stored_data(rec: Mapping[str, Any], tokens: _Tokens, where: str) -> dict[st
             for b, value in zip(blocks, column, strict=True):
                 if value != default:
                     b[key] = convert(value) if convert else value
-    last = -1
+    last = 0  # a block may have several keys (repeated index), but none has index -1
     mm: dict[int, list[dict[str, Any]]] = {}
     for entry in rec.get("mm_keys", ()):
         i = entry["block_index"]
