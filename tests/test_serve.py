@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from serve_support import Engine, eventually, expected_answer, local_path, signed
+from serve_support import eventually, expected_answer, local_path, signed
 
 from kvstream.serve import (
     BadRequestError,
@@ -45,20 +45,6 @@ async def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
 async def service() -> AsyncIterator[IndexService]:
     async with IndexService(ServeConfig(port=0, block_size=BS)) as svc:
         yield svc
-
-
-@pytest.fixture
-def engines() -> Any:
-    made: list[Engine] = []
-
-    def make(**kw: Any) -> Engine:
-        e = Engine(BS, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def prompts(rng: random.Random, n: int) -> list[list[int]]:

@@ -22,20 +22,6 @@ from kvstream.serve.snapshot import decode_service_snapshot
 BS = 4
 
 
-@pytest.fixture
-def engines() -> Any:
-    made: list[Engine] = []
-
-    def make(**kw: Any) -> Engine:
-        e = Engine(BS, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def connected(worker: dict[str, Any]) -> bool:
     return all(r["status"] == "active" for r in worker["listeners"].values())
 
