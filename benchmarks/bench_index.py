@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstream._types import TokenIds
 from kvstream.codec import AvroCodec, schema_registry
-from kvstream.codec.columnar import ColumnBatch, decode_columns_message
+from kvstream.codec.columnar import decode_columns_message
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import (
     Created,
     EventBatch,

@@ -15,9 +15,7 @@ from test_codec_strategies import batches
 
 from kvstream.codec import AvroCodec, read_container, schema_registry, write_container
 from kvstream.codec.columnar import (
-    STORED,
     ColumnarContainerReader,
-    ColumnBatch,
     decode_columns_body,
     decode_columns_message,
     record_columns,
@@ -26,6 +24,7 @@ from kvstream.codec.decoder import decode_body
 from kvstream.codec.downgrade import WRITABLE_VERSIONS
 from kvstream.codec.records import batch_to_record
 from kvstream.errors import DecodeError, EncodeError
+from kvstream.events.columns import STORED, ColumnBatch
 from kvstream.events.model import EventBatch
 from kvstream.index import PrefixIndex
 

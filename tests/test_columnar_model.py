@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from test_codec_strategies import batches
 
-from kvstream.codec.columnar import (
+from kvstream.events.columns import (
     CLEARED,
     CREATED,
     LOST,

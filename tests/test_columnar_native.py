@@ -25,7 +25,6 @@ from kvstream.codec import AvroCodec, columnar, schema_registry, write_container
 from kvstream.codec.binary import encode_long
 from kvstream.codec.columnar import (
     ColumnarContainerReader,
-    ColumnBatch,
     decode_columns_body,
     decode_columns_message,
     record_columns,
@@ -35,6 +34,7 @@ from kvstream.codec.records import batch_to_record
 from kvstream.codec.schemas import SchemaInfo
 from kvstream.codec.tokens import TOKEN_ENCODINGS, decode_packed, encode_tokens
 from kvstream.errors import DecodeError, EncodeError
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 from kvstream.index import PrefixIndex
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from index_support import Producer, tokens
 
 from kvstream.codec import AvroCodec, ContainerWriter, read_container
-from kvstream.codec.columnar import ColumnarContainerReader, ColumnBatch
+from kvstream.codec.columnar import ColumnarContainerReader
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import (
     Cleared,
     Created,

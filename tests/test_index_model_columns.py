@@ -1,5 +1,5 @@
 """``ColumnBatch.from_batch`` builds the columns of a batch of only ``stored`` and
-``removed`` events in C (``kvstream.codec._columns_native.model_columns``, what
+``removed`` events in C (``model_columns`` of the codec extension, what
 ``PrefixIndex.apply`` does for every batch an emitter hands the index); the Python loop is the
 reference: both give the same slots, payload objects included, and any other batch is left
 to the Python loop."""
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec_strategies import batches, events
 
-from kvstream.codec import columnar
-from kvstream.codec.columnar import REMOVED, STORED, ColumnBatch
+from kvstream.events import columns as columnar
+from kvstream.events.columns import REMOVED, STORED, ColumnBatch
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, SourceId, Stored
 
 pytestmark = pytest.mark.skipif(

@@ -54,7 +54,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstream.codec.columnar import (
+from kvstream.errors import ConfigError, HashingError
+from kvstream.events.columns import (
     CLEARED,
     CREATED,
     LOST,
@@ -63,7 +64,6 @@ from kvstream.codec.columnar import (
     UPDATED,
     ColumnBatch,
 )
-from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import EventBatch
 from kvstream.index.domain import HashDomain
 from kvstream.index.errors import HashConfigMismatchError
@@ -242,7 +242,7 @@ class PrefixIndex:
 
     def apply(self, batch: EventBatch | ColumnBatch, skipped_ids: Iterable[int] = ()) -> None:
         """Apply one batch: a model batch or the columns a source decoded
-        (:class:`~kvstream.codec.columnar.ColumnBatch`, the fast path). ``skipped_ids``: ids
+        (:class:`~kvstream.events.columns.ColumnBatch`, the fast path). ``skipped_ids``: ids
         of events the decoder left out of this batch (kinds it cannot represent); they are
         accounted for, not treated as a gap."""
         if isinstance(batch, ColumnBatch):

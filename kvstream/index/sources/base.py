@@ -23,7 +23,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from kvstream.codec import AvroCodec, SkippedEvent
-from kvstream.codec.columnar import ColumnarResult, ColumnBatch, decode_columns_message
+from kvstream.codec.columnar import ColumnarResult, decode_columns_message
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 
 __all__ = [

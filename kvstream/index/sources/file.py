@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvstream.codec import read_container
-from kvstream.codec.columnar import ColumnarContainerReader, ColumnBatch
+from kvstream.codec.columnar import ColumnarContainerReader
 from kvstream.errors import DecodeError, EventValidationError
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 from kvstream.index.errors import SourceError
 from kvstream.index.sources.base import EventSource, SourceItem, attribute_skipped
