@@ -18,7 +18,7 @@ from kvstream.events.columns import REMOVED, STORED, ColumnBatch
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, SourceId, Stored
 
 pytestmark = pytest.mark.skipif(
-    columnar._model_columns is None, reason="the C extension is not built"
+    columnar.native_model_columns() is None, reason="the C extension is not built"
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from kvstream.codec.column_encoder import encode_columns_body
 from kvstream.codec.decoder import DecodeResult, decode_body
 from kvstream.codec.encoder import ENCODED_VERSIONS, check_token_encoding, encode_batch_body
 from kvstream.codec.framing import (
@@ -14,6 +15,7 @@ from kvstream.codec.framing import (
 )
 from kvstream.codec.schemas import CURRENT_VERSION, SchemaInfo, SchemaRegistry, schema_registry
 from kvstream.errors import EncodeError, UnknownSchemaError
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 
 __all__ = ["AvroCodec", "SchemaIdResolver"]
@@ -108,10 +110,14 @@ class AvroCodec:
 
     # ------------------------------------------------------------------ single-object encoding
 
-    def encode(self, batch: EventBatch) -> bytes:
-        """Avro single-object encoding: ``C3 01`` + writer fingerprint (8 bytes LE) + body."""
-        return encode_batch_body(
-            batch,
+    def encode(self, batch: EventBatch | ColumnBatch) -> bytes:
+        """Avro single-object encoding: ``C3 01`` + writer fingerprint (8 bytes LE) + body.
+
+        A :class:`~kvstream.events.columns.ColumnBatch` is encoded from its columns (the same
+        bytes as its model's, see :mod:`.column_encoder`)."""
+        encode = encode_columns_body if type(batch) is ColumnBatch else encode_batch_body
+        return encode(
+            batch,  # type: ignore[arg-type]
             self._writer.version,
             lossy=self._lossy,
             prefix=self._header,
@@ -132,13 +138,15 @@ class AvroCodec:
 
     # -------------------------------------------------------------------- Confluent framing
 
-    def encode_confluent(self, batch: EventBatch, schema_id: int) -> bytes:
+    def encode_confluent(self, batch: EventBatch | ColumnBatch, schema_id: int) -> bytes:
         """Confluent wire format: ``00`` + ``schema_id`` (4 bytes big-endian) + body.
 
-        ``schema_id`` is the id under which this codec's writer schema is registered.
+        ``schema_id`` is the id under which this codec's writer schema is registered; columns
+        are encoded as in :meth:`encode`.
         """
-        return encode_batch_body(
-            batch,
+        encode = encode_columns_body if type(batch) is ColumnBatch else encode_batch_body
+        return encode(
+            batch,  # type: ignore[arg-type]
             self._writer.version,
             lossy=self._lossy,
             prefix=confluent_header(schema_id),

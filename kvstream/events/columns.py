@@ -19,10 +19,25 @@ import importlib
 import operator
 import os
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
+from kvstream._types import TokenIds
 from kvstream.errors import DecodeError
-from kvstream.events.model import Created, EventBatch, Lost, Removed, Stored, Updated
+from kvstream.events.model import (
+    AttentionKind,
+    Cleared,
+    Created,
+    EventBatch,
+    EventDiff,
+    KVCacheEvent,
+    Lost,
+    MmKey,
+    Removed,
+    SourceId,
+    Stored,
+    StoredBlock,
+    Updated,
+)
 
 __all__ = [
     "CLEARED",
@@ -33,6 +48,11 @@ __all__ = [
     "STORED",
     "UPDATED",
     "ColumnBatch",
+    "StoredAttrs",
+    "StoredExtra",
+    "model_of_columns",
+    "native_model_columns",
+    "publish_columns",
 ]
 
 #: Event kinds as small ints (:attr:`ColumnBatch.kinds`).
@@ -46,20 +66,45 @@ LOST: Final = 5
 KIND_NAMES: Final = ("created", "stored", "removed", "updated", "cleared", "lost")
 
 
-def _load_model_columns() -> Any:
-    """The C loop of :meth:`ColumnBatch.from_batch`, or None (pure Python)."""
-    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        # an extension module (no Python dependencies): it reads model attributes only
-        mod: Any = importlib.import_module("kvstream.codec._columns_native")
-    except ImportError:
-        return None
-    return getattr(mod, "model_columns", None)
+_UNSET: Final[Any] = object()
 
 
-#: ColumnBatch.from_batch's loop in C for batches of stored and removed events (None: Python)
-_model_columns: Any = _load_model_columns()
+def native_model_columns() -> Any:
+    """The C loop of :meth:`ColumnBatch.from_batch`, or None (pure Python); loaded on first
+    use: the extension lives in the codec package, which imports this module."""
+    global _model_columns  # noqa: PLW0603  (set once; tests patch it to force Python)
+    if _model_columns is _UNSET:
+        _model_columns = None
+        if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
+            try:
+                # an extension module without Python dependencies: it reads model attributes
+                mod: Any = importlib.import_module("kvstream.codec._columns_native")
+            except ImportError:
+                pass
+            else:
+                _model_columns = getattr(mod, "model_columns", None)
+    return _model_columns
+
+
+#: ColumnBatch.from_batch's loop in C for batches of stored and removed events (None: Python;
+#: unset until :func:`native_model_columns` first runs)
+_model_columns: Any = _UNSET
+
+#: Per-block attribute columns of a stored event, each one entry per block: cache levels,
+#: priorities, LoRA ids, LoRA names, cache salts, extra token ids (TokenIds | None), multimodal
+#: keys (a tuple of MmKey per block), extra keys (a tuple or None per block).
+StoredAttrs: TypeAlias = tuple[
+    tuple[int, ...],
+    tuple[int, ...],
+    tuple[int | None, ...],
+    tuple[str | None, ...],
+    tuple[str | None, ...],
+    tuple[TokenIds | None, ...],
+    tuple[tuple[MmKey, ...], ...],
+    tuple[tuple[Any, ...] | None, ...],
+]
+#: ``(block token counts, attrs or None)`` of one stored event (:attr:`ColumnBatch.stored_extra`).
+StoredExtra: TypeAlias = tuple[list[int], StoredAttrs | None]
 
 #: Field readers of :meth:`ColumnBatch.from_batch`.
 _BLOCK_HASH: Final = operator.attrgetter("block_hash")
@@ -86,6 +131,13 @@ class ColumnBatch:
     ``tokens`` holds every stored block's token ids in order (u32 little-endian), as the
     token pack had them (bit planes the C decoder validated are unpacked on first access).
     :meth:`to_batch` builds the validated :class:`EventBatch` (cached).
+
+    Columns a publisher encodes (:func:`publish_columns`, the engine bridges) also carry
+    :attr:`stored_extra`: per stored event, in order, ``(sizes, attrs)``: each block's token
+    count, and None when every block's other attributes are at their defaults (its cache
+    level is the payload's), else :data:`StoredAttrs`, one tuple per attribute with one entry
+    per block. Without a ``build`` callable or a model, :meth:`to_batch` then builds and
+    validates the model from the columns themselves.
     """
 
     __slots__ = (
@@ -103,6 +155,7 @@ class ColumnBatch:
         "kinds",
         "payloads",
         "schema_version",
+        "stored_extra",
         "ts_ns",
         "window_sizes",
     )
@@ -137,6 +190,9 @@ class ColumnBatch:
         self.payloads: list[Any] = []
         #: True when stored payloads carry the model's blocks as a fifth item (from_batch)
         self.has_blocks = False
+        #: per stored event, what a publisher needs beyond the payload (see the class doc);
+        #: None in columns built for consumers
+        self.stored_extra: list[StoredExtra] | None = None
         #: builds the validated model (from the record or frame the columns came from)
         self._build = build
         self._batch = batch
@@ -161,12 +217,16 @@ class ColumnBatch:
         return len(self.event_ids)
 
     def to_batch(self) -> EventBatch:
-        """The batch as the validated event model (built once, by the producer's ``build``;
-        DecodeError if the producer's input does not make a valid model)."""
+        """The batch as the validated event model, built once: by the producer's ``build``,
+        else from the columns and :attr:`stored_extra` (EventValidationError for values the
+        model refuses); DecodeError when neither is there."""
         if self._batch is None:
-            if self._build is None:  # pragma: no cover - every constructor sets one
+            if self._build is not None:
+                self._batch = self._build()
+            elif self.stored_extra is not None:
+                self._batch = model_of_columns(self)
+            else:
                 raise DecodeError("a column batch without its source record or model")
-            self._batch = self._build()
         return self._batch
 
     @property
@@ -192,8 +252,10 @@ class ColumnBatch:
         out._build = None
         out._batch = batch
         out.has_blocks = True
-        if _model_columns is not None:
-            cols = _model_columns(batch.events, Stored, Removed, STORED, REMOVED)
+        out.stored_extra = None
+        native = _model_columns if _model_columns is not _UNSET else native_model_columns()
+        if native is not None:
+            cols = native(batch.events, Stored, Removed, STORED, REMOVED)
             if cols is not None:  # only stored and removed events: the loop below, in C
                 (
                     out.event_ids,
@@ -260,3 +322,147 @@ class ColumnBatch:
             f"<ColumnBatch {self.instance_id}/{self.attention_dp_rank} "
             f"inc={self.incarnation} events={len(self.event_ids)}>"
         )
+
+
+_ATTRS: Final = operator.attrgetter(
+    "cache_level",
+    "priority",
+    "lora_id",
+    "lora_name",
+    "cache_salt",
+    "token_extra_ids",
+    "mm_keys",
+    "extra_keys",
+)
+_DEFAULT_ROW: Final = _ATTRS(StoredBlock(block_hash=b"\x00" * 8, token_ids=()))
+_DEFAULT_OTHERS: Final = _DEFAULT_ROW[1:]
+_BLOCK_RAW: Final = operator.attrgetter("token_ids.raw")
+
+
+def publish_columns(batch: EventBatch) -> ColumnBatch:
+    """The columns of a validated model batch as a publisher encodes them: the payloads of
+    :meth:`ColumnBatch.from_batch` without the model's blocks, every stored block's token ids
+    in :attr:`~ColumnBatch.tokens` and :attr:`~ColumnBatch.stored_extra` filled. :meth:`to_batch`
+    returns ``batch`` itself."""
+    out = ColumnBatch.from_batch(batch)
+    raws: list[bytes] = []
+    extra: list[StoredExtra] = []
+    payloads = out.payloads
+    for i, (kind, payload) in enumerate(zip(out.kinds, payloads, strict=True)):
+        if kind != STORED:
+            continue
+        blocks = payload[4]
+        block_raws = list(map(_BLOCK_RAW, blocks))
+        raws += block_raws
+        rows = list(map(_ATTRS, blocks))
+        attrs: StoredAttrs | None = None
+        if any(row[1:] != _DEFAULT_OTHERS for row in rows):
+            attrs = tuple(zip(*rows, strict=True))  # type: ignore[assignment]
+        extra.append(([len(r) >> 2 for r in block_raws], attrs))
+        payloads[i] = payload[:4]
+    out.tokens = b"".join(raws)
+    out.has_blocks = False
+    out.stored_extra = extra
+    return out
+
+
+def _blocks(
+    payload: tuple[Any, ...], extra: StoredExtra, tokens: bytes, pos: int
+) -> tuple[tuple[StoredBlock, ...], int]:
+    """The validated blocks of a stored payload, and the token position after them."""
+    _, hashes, level, _ = payload[:4]
+    sizes, attrs = extra
+    n = len(hashes)
+    if len(sizes) != n:
+        raise ValueError(f"{len(sizes)} block sizes for {n} blocks")
+    levels = level if isinstance(level, list) else [level] * n
+    out = []
+    for i, h in enumerate(hashes):
+        end = pos + 4 * sizes[i]
+        fields: dict[str, Any] = {
+            "block_hash": h,
+            "token_ids": TokenIds.from_bytes(tokens[pos:end]),
+            "cache_level": levels[i],
+        }
+        pos = end
+        if attrs is not None:
+            (
+                fields["cache_level"],
+                fields["priority"],
+                fields["lora_id"],
+                fields["lora_name"],
+                fields["cache_salt"],
+                fields["token_extra_ids"],
+                fields["mm_keys"],
+                fields["extra_keys"],
+            ) = (col[i] for col in attrs)
+        out.append(StoredBlock(**fields))
+    return tuple(out), pos
+
+
+def model_of_columns(cols: ColumnBatch) -> EventBatch:
+    """The validated model of publisher columns (:attr:`ColumnBatch.stored_extra` set): every
+    value goes through the model's validation, so a value the model refuses raises its
+    EventValidationError here."""
+    extra = cols.stored_extra
+    if extra is None:
+        raise DecodeError("columns without stored_extra cannot build their stored blocks")
+    tokens = cols.tokens
+    pos = 0
+    j = 0
+    events = []
+    for eid, kind, algo, gid, window, payload in zip(
+        cols.event_ids,
+        cols.kinds,
+        cols.hash_algos,
+        cols.group_ids,
+        cols.window_sizes,
+        cols.payloads,
+        strict=True,
+    ):
+        data: Any
+        if kind == STORED:
+            blocks, pos = _blocks(payload, extra[j], tokens, pos)
+            j += 1
+            data = Stored(parent_hash=payload[0], blocks=blocks)
+        elif kind == REMOVED:
+            data = Removed(block_hashes=tuple(payload[0]), cache_level=payload[1])
+        elif kind == UPDATED:
+            lv, pr = payload[1], payload[2]
+            data = Updated(
+                block_hash=payload[0],
+                cache_level=None if lv is None else EventDiff(old_value=lv[0], new_value=lv[1]),
+                priority=None if pr is None else EventDiff(old_value=pr[0], new_value=pr[1]),
+            )
+        elif kind == CREATED:
+            data = Created(
+                num_blocks_per_cache_level=payload[0],
+                tokens_per_block=payload[1],
+                attention_kind=AttentionKind(payload[2]),
+            )
+        elif kind == LOST:
+            data = Lost(first_event_id=payload[0], count=payload[1], reason=payload[2])
+        elif kind == CLEARED:
+            data = Cleared()
+        else:
+            raise DecodeError(f"unknown event kind code {kind!r}")
+        events.append(
+            KVCacheEvent(
+                event_id=eid, hash_algo=algo, layer_group_id=gid, window_size=window, data=data
+            )
+        )
+    if pos != len(tokens) or j != len(extra):
+        raise DecodeError(
+            f"columns hold {len(tokens) >> 2} token ids and {len(extra)} stored extras; "
+            f"the stored events use {pos >> 2} and {j}"
+        )
+    return EventBatch(
+        source=SourceId(
+            instance_id=cols.instance_id,
+            attention_dp_rank=cols.attention_dp_rank,
+            incarnation=cols.incarnation,
+        ),
+        ts_ns=cols.ts_ns,
+        schema_version=cols.schema_version,
+        events=tuple(events),
+    )
