@@ -6,6 +6,7 @@ columns' model too."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec_strategies import batches, v1_batches
 
-from kvstream.codec import AvroCodec
+from kvstream.codec import AvroCodec, ContainerWriter, read_container
 from kvstream.codec.column_encoder import encode_columns_body
 from kvstream.codec.encoder import ENCODED_VERSIONS, encode_batch_body
 from kvstream.codec.tokens import TOKEN_ENCODINGS
@@ -103,3 +104,29 @@ def test_values_the_model_refuses_are_refused_from_columns() -> None:
     cols.stored_extra = None
     with pytest.raises(DecodeError):
         cols.to_batch()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch_list=st.lists(batches(), min_size=1, max_size=4),
+    version=st.sampled_from(ENCODED_VERSIONS),
+)
+def test_container_blocks_from_columns_equal_the_model(
+    batch_list: list[EventBatch], version: int
+) -> None:
+    from kvstream.codec.container import ContainerEncoder
+    from kvstream.codec.schemas import schema_registry
+
+    enc = ContainerEncoder(schema_registry().get(version), "null", b"s" * 16, lossy=True)
+    want = enc.block(batch_list)
+    assert enc.block([publish_columns(b) for b in batch_list]) == want
+    written = io.BytesIO()
+    with ContainerWriter(written, schema_version=version, lossy=True) as w:
+        w.write_many(publish_columns(b) for b in batch_list)
+    assert [*read_container(io.BytesIO(written.getvalue()))] == [_v(b, version) for b in batch_list]
+
+
+def _v(batch: EventBatch, version: int) -> EventBatch:
+    """What reading ``batch`` back from a file of schema ``version`` gives."""
+    codec = AvroCodec(version, lossy=True)
+    return codec.decode(codec.encode(batch))

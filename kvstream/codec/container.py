@@ -35,6 +35,7 @@ from typing import IO, Any, Final
 import fastavro
 
 from kvstream.codec.binary import encode_bytes, encode_long, encode_string, read_long
+from kvstream.codec.column_encoder import encode_columns_body
 from kvstream.codec.encoder import encode_batch_body
 from kvstream.codec.records import SkippedEvent, record_to_batch
 from kvstream.codec.schemas import (
@@ -45,6 +46,7 @@ from kvstream.codec.schemas import (
     schema_registry,
 )
 from kvstream.errors import CodecError, DecodeError, EncodeError, UnknownSchemaError
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 
 __all__ = [
@@ -552,9 +554,11 @@ class ContainerEncoder:
         parts.append(self.sync)
         return b"".join(parts)
 
-    def body(self, batch: EventBatch) -> bytes:
-        """One batch's record (schemaless Avro binary)."""
-        return encode_batch_body(batch, self.schema.version, lossy=self.lossy)
+    def body(self, batch: EventBatch | ColumnBatch) -> bytes:
+        """One batch's record (schemaless Avro binary); columns encode as their model would."""
+        if type(batch) is ColumnBatch:
+            return encode_columns_body(batch, self.schema.version, lossy=self.lossy)
+        return encode_batch_body(batch, self.schema.version, lossy=self.lossy)  # type: ignore[arg-type]
 
     def frame(self, bodies: list[bytes]) -> bytes:
         """A block holding ``bodies`` (records from :meth:`body`); empty for none."""
@@ -563,7 +567,7 @@ class ContainerEncoder:
         data = _compress(self.codec, b"".join(bodies), self.level)
         return encode_long(len(bodies)) + encode_long(len(data)) + data + self.sync
 
-    def block(self, batches: Iterable[EventBatch]) -> bytes:
+    def block(self, batches: Iterable[EventBatch | ColumnBatch]) -> bytes:
         """A block holding ``batches``, one record each."""
         return self.frame([self.body(b) for b in batches])
 
@@ -677,7 +681,7 @@ class ContainerWriter:
         """The file's compression codec."""
         return self._enc.codec
 
-    def write(self, batch: EventBatch) -> None:
+    def write(self, batch: EventBatch | ColumnBatch) -> None:
         """Buffer one batch; writes a block once ``sync_interval`` bytes are pending."""
         if self._closed:
             raise EncodeError("container writer is closed")
@@ -687,7 +691,7 @@ class ContainerWriter:
         if self._pending_bytes >= self._sync_interval:
             self._write_block()
 
-    def write_many(self, batches: Iterable[EventBatch]) -> int:
+    def write_many(self, batches: Iterable[EventBatch | ColumnBatch]) -> int:
         """Write every batch; returns how many."""
         n = 0
         for batch in batches:
