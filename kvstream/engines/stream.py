@@ -26,12 +26,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, Final
 
-from kvstream._types import hash_width
-from kvstream.engines.vllm import WireBatch, WireEvent
+from kvstream._types import PRIORITY_DEFAULT, hash_width
+from kvstream.engines.vllm import WireBatch, WireEvent, _split_tokens
 from kvstream.errors import ConfigError, EventValidationError
+from kvstream.events.columns import (
+    CLEARED,
+    LOST,
+    REMOVED,
+    STORED,
+    ColumnBatch,
+    StoredExtra,
+    publish_columns,
+)
 from kvstream.events.model import (
+    CURRENT_SCHEMA_VERSION,
     UNBOUNDED_WINDOW,
     Cleared,
     EventBatch,
@@ -172,6 +183,132 @@ class EngineStream:
             events.append(self._removed(run_key, removed))
         return self._batch(events, _ts_ns(wire.ts))
 
+    def convert_columns(self, wire: WireBatch) -> ColumnBatch:
+        """:meth:`convert` as columns, for a publisher (no model object per event or block):
+        the same events, ids, windows and lost markers, and ``to_batch()`` equals what
+        :meth:`convert` returns. ``wire`` must come from ``decode_payload(...,
+        split_tokens=False)``. A stream whose algorithm kvstream does not know (its hashes need
+        the model's width checks) converts through the model."""
+        if not self.width:
+            return publish_columns(self.convert(_split(wire)))
+        cols = ColumnBatch(
+            self.instance_id,
+            attention_dp_rank=self.rank,
+            incarnation=self.source.incarnation,
+            ts_ns=_ts_ns(wire.ts),
+            schema_version=CURRENT_SCHEMA_VERSION,
+            tokens=b"",
+        )
+        extra: list[StoredExtra] = []
+        cols.stored_extra = extra
+        raws: list[bytes] = []
+        ids = cols.event_ids
+        kinds = cols.kinds
+        groups = cols.group_ids
+        windows = cols.window_sizes
+        payloads = cols.payloads
+        algo = self.hash_algo
+        known = self._windows
+        removed: list[bytes] = []
+        run_key: tuple[int, int | None] | None = None
+        for ev in wire.events:
+            kind = ev.kind
+            if kind == "removed":
+                key = (ev.group, ev.cache_level)
+                if key != run_key and removed:
+                    self._removed_column(cols, run_key, removed)
+                    removed = []
+                run_key = key
+                removed.extend(ev.block_hashes)
+                continue
+            if removed:
+                self._removed_column(cols, run_key, removed)
+                removed, run_key = [], None
+            if kind == "stored":
+                group = ev.group
+                window = ev.sliding_window
+                if window is None:
+                    window = known.setdefault(group, UNBOUNDED_WINDOW)
+                else:
+                    known[group] = window
+                hashes = ev.block_hashes
+                n = len(hashes)
+                size = ev.block_size
+                raw = ev.token_bytes
+                if size:
+                    last = (len(raw) >> 2) - size * (n - 1)
+                    sizes = [size] * (n - 1)
+                    sizes.append(last)
+                    first = size if n > 1 else last
+                    raws.append(raw)
+                else:
+                    sizes, first = [0] * n, 0
+                level = ev.cache_level or 0
+                keys = ev.extra_keys
+                if keys is not None and keys.count(None) == n:
+                    keys = None
+                lora_id, lora_name, salt = ev.lora_id, ev.lora_name, ev.cache_salt
+                if keys is None and lora_id is None and lora_name is None and salt is None:
+                    extra.append((sizes, None))
+                else:
+                    none = (None,) * n
+                    extra.append(
+                        (
+                            sizes,
+                            (
+                                (level,) * n,
+                                (PRIORITY_DEFAULT,) * n,
+                                (lora_id,) * n,
+                                (lora_name,) * n,
+                                (salt,) * n,
+                                none,
+                                ((),) * n,
+                                none if keys is None else keys,
+                            ),
+                        )
+                    )
+                ids.append(self._take_id())
+                kinds.append(STORED)
+                groups.append(group)
+                windows.append(window)
+                payloads.append((ev.parent_hash, list(hashes), level, first))
+            elif kind == "cleared":
+                for g in sorted(known) or [0]:
+                    ids.append(self._take_id())
+                    kinds.append(CLEARED)
+                    groups.append(g)
+                    windows.append(known.get(g, UNBOUNDED_WINDOW))
+                    payloads.append(None)
+            else:
+                self.malformed_events += 1
+                self._lost_column(cols, 1, f"malformed engine event: {ev.error}")
+        if removed:
+            self._removed_column(cols, run_key, removed)
+        cols.hash_algos = [algo] * len(ids)
+        cols.tokens = b"".join(raws)
+        self.events += len(ids)
+        return cols
+
+    def _removed_column(
+        self, cols: ColumnBatch, key: tuple[int, int | None] | None, hashes: list[bytes]
+    ) -> None:
+        assert key is not None
+        group, level = key
+        cols.event_ids.append(self._take_id())
+        cols.kinds.append(REMOVED)
+        cols.group_ids.append(group)
+        cols.window_sizes.append(self._window(group, None))
+        cols.payloads.append((hashes, level))
+
+    def _lost_column(self, cols: ColumnBatch, count: int, reason: str) -> None:
+        first = self._next_id
+        self._next_id = first + count
+        cols.event_ids.append(first + count - 1)
+        cols.kinds.append(LOST)
+        cols.group_ids.append(0)
+        cols.window_sizes.append(UNBOUNDED_WINDOW)
+        cols.payloads.append((first, count, reason[:1024]))
+
     def _removed(self, key: tuple[int, int | None] | None, hashes: list[bytes]) -> KVCacheEvent:
         assert key is not None
         group, level = key
@@ -252,12 +389,14 @@ class EngineStream:
         # blocks are built without re-validation: this is the bridge's per-block cost, and
         # this method the per-event one (hence the inlined _event/_window).
         level, lora_id, lora_name, salt = ev.cache_level, ev.lora_id, ev.lora_name, ev.cache_salt
-        if level or lora_id or lora_name or salt:
+        # a value given is in the fields set even when falsy (lora_id 0, lora_name ""): the
+        # encoder takes a block whose fields set is the basic one for a block at the defaults
+        if level or lora_id is not None or lora_name is not None or salt is not None:
             given = _GIVEN[
                 (1 if level else 0)
-                | (2 if lora_id else 0)
-                | (4 if lora_name else 0)
-                | (8 if salt else 0)
+                | (2 if lora_id is not None else 0)
+                | (4 if lora_name is not None else 0)
+                | (8 if salt is not None else 0)
             ]
         else:
             given = _GIVEN[0]
@@ -292,6 +431,18 @@ class EngineStream:
                 "data": _trusted_stored(stored),
             }
         )
+
+
+def _split(wire: WireBatch) -> WireBatch:
+    """``wire`` with every stored event's tokens split per block, as :meth:`EngineStream.convert`
+    takes them (a no-op for a batch decoded with ``split_tokens=True``)."""
+    events = [
+        replace(ev, block_tokens=_split_tokens(ev.token_bytes, len(ev.block_hashes), ev.block_size))
+        if ev.kind == "stored" and not ev.block_tokens
+        else ev
+        for ev in wire.events
+    ]
+    return WireBatch(wire.ts, events, wire.dp_rank)
 
 
 def _ts_ns(ts: float) -> int:

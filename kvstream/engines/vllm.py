@@ -145,7 +145,8 @@ class WireEvent:
     says why and the other fields are empty). For ``stored``: ``block_hashes`` (bytes, chain
     order), ``parent_hash``, ``block_tokens`` (one token list per block; empty lists for
     offload placeholders), ``extra_keys`` (one entry per block, or None), ``lora_id``,
-    ``lora_name``, ``cache_salt``. ``cache_level`` comes from ``medium`` (and ``locality``
+    ``lora_name``, ``cache_salt`` (``token_bytes`` and ``block_size`` instead of ``block_tokens``
+    when decoded for columns). ``cache_level`` comes from ``medium`` (and ``locality``
     REMOTE); ``group`` from ``group_idx``; ``sliding_window`` from
     ``kv_cache_spec_sliding_window`` when the engine sent one.
     """
@@ -163,6 +164,11 @@ class WireEvent:
     spec_kind: str | None = None
     sliding_window: int | None = None
     error: str = ""
+    #: With ``split_tokens=False``: every block's token ids (u32 little-endian) in one string,
+    #: and the engine's ``block_size`` (0 for offload placeholders, which carry no tokens);
+    #: ``block_tokens`` is then empty. The same checks ran.
+    token_bytes: bytes = b""
+    block_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,11 +265,13 @@ def _tokens(value: Any, bigram: bool) -> bytes:
     return packed.tobytes()
 
 
-def _split_tokens(raw: bytes, n_blocks: int, block_size: Any) -> tuple[TokenIds, ...]:
+def _token_layout(raw: bytes, n_blocks: int, block_size: Any) -> int:
+    """The block size the token ids ``raw`` split into ``n_blocks`` blocks of (0: no ids, an
+    offload placeholder); _BadEvent when they do not."""
     if type(block_size) is not int or block_size < 0:
         raise _BadEvent(f"block_size: expected a non-negative int, got {block_size!r}")
     if not raw:  # offload placeholders: hashes only
-        return (_NO_TOKENS,) * n_blocks
+        return 0
     if block_size == 0:
         raise _BadEvent("block_size 0 with token ids")
     n_tokens = len(raw) >> 2
@@ -272,6 +280,12 @@ def _split_tokens(raw: bytes, n_blocks: int, block_size: Any) -> tuple[TokenIds,
         raise _BadEvent(
             f"{n_tokens} token ids do not split into {n_blocks} block(s) of {block_size}"
         )
+    return block_size
+
+
+def _split_tokens(raw: bytes, n_blocks: int, block_size: Any) -> tuple[TokenIds, ...]:
+    if not _token_layout(raw, n_blocks, block_size):
+        return (_NO_TOKENS,) * n_blocks
     return token_blocks(raw, block_size * 4)
 
 
@@ -345,7 +359,9 @@ def _group(fields: Mapping[str, Any]) -> int:
     return group or 0
 
 
-def _stored(fields: Mapping[str, Any], width: int | None, dialect: Dialect) -> WireEvent:
+def _stored(
+    fields: Mapping[str, Any], width: int | None, dialect: Dialect, split: bool = True
+) -> WireEvent:
     if "block_hashes" not in fields or "token_ids" not in fields:
         raise _BadEvent("BlockStored without block_hashes/token_ids")
     hashes = _hashes(fields["block_hashes"], width, "block_hashes")
@@ -354,7 +370,12 @@ def _stored(fields: Mapping[str, Any], width: int | None, dialect: Dialect) -> W
     if not hashes:
         raise _BadEvent("BlockStored with no block hashes")
     tokens = _tokens(fields["token_ids"], dialect.bigram_tokens)
-    blocks = _split_tokens(tokens, len(hashes), fields.get("block_size", 0))
+    if split:
+        blocks = _split_tokens(tokens, len(hashes), fields.get("block_size", 0))
+        size = 0
+    else:
+        blocks = ()
+        size = _token_layout(tokens, len(hashes), fields.get("block_size", 0))
     window = _opt_int(fields.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window")
     if window is not None and window < 1:
         raise _BadEvent(f"kv_cache_spec_sliding_window {window} is not positive")
@@ -374,6 +395,8 @@ def _stored(fields: Mapping[str, Any], width: int | None, dialect: Dialect) -> W
         group=_group(fields),
         spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         sliding_window=window,
+        token_bytes=b"" if split else tokens,
+        block_size=size,
     )
 
 
@@ -391,13 +414,16 @@ def _removed(fields: Mapping[str, Any], width: int | None) -> WireEvent:
 _CLEARED: Final = WireEvent(kind="cleared")
 
 
-def decode_event(raw: Any, width: int | None, dialect: Dialect = VLLM) -> WireEvent:
+def decode_event(
+    raw: Any, width: int | None, dialect: Dialect = VLLM, *, split_tokens: bool = True
+) -> WireEvent:
     """One event (already msgpack-decoded) as a :class:`WireEvent`; a malformed one comes back
-    with ``kind="malformed"`` and the reason, and unknown tags likewise."""
+    with ``kind="malformed"`` and the reason, and unknown tags likewise. ``split_tokens``: as
+    in :func:`decode_payload`."""
     try:
         tag, fields = _fields(raw, dialect)
         if tag == "BlockStored":
-            return _stored(fields, width, dialect)
+            return _stored(fields, width, dialect, split_tokens)
         if tag == "BlockRemoved":
             return _removed(fields, width)
         if tag == "AllBlocksCleared":
@@ -473,7 +499,9 @@ def _fast_tokens(raw: Any, bigram: bool) -> bytes:
     return _tokens(values, bigram)
 
 
-def _fast_event(ev: Any, width: int | None, dialect: Dialect, structs: Any) -> WireEvent:
+def _fast_event(
+    ev: Any, width: int | None, dialect: Dialect, structs: Any, split: bool = True
+) -> WireEvent:
     # msgspec has checked every field's type but the arrays; what remains are value rules.
     if type(ev) is structs.Cleared:
         return _CLEARED
@@ -497,11 +525,32 @@ def _fast_event(ev: Any, width: int | None, dialect: Dialect, structs: Any) -> W
     parent = ev.parent_block_hash
     try:
         tokens = _fast_tokens(ev.token_ids, dialect.bigram_tokens)
-        blocks = _split_tokens(tokens, n, ev.block_size)
+        if split:
+            blocks, size = _split_tokens(tokens, n, ev.block_size), 0
+        else:
+            blocks, size = (), _token_layout(tokens, n, ev.block_size)
         extra = None if ev.extra_keys is None else _extra_keys(ev.extra_keys, n)
         parent_hash = None if parent is None else _hash(parent, width, "")
     except _BadEvent:
         raise _NotFast from None
+    if not split:
+        return WireEvent(
+            "stored",
+            hashes,
+            parent_hash,
+            (),
+            extra,
+            lora_id,
+            ev.lora_name,
+            ev.cache_salt,
+            level,
+            group,
+            ev.kv_cache_spec_kind,
+            window,
+            "",
+            tokens,
+            size,
+        )
     return WireEvent(  # positionally, in field order: half the cost of keywords, per event
         "stored",
         hashes,
@@ -518,7 +567,9 @@ def _fast_event(ev: Any, width: int | None, dialect: Dialect, structs: Any) -> W
     )
 
 
-def _decode_fast(payload: bytes, width: int | None, dialect: Dialect) -> WireBatch:
+def _decode_fast(
+    payload: bytes, width: int | None, dialect: Dialect, split: bool = True
+) -> WireBatch:
     """The map-era happy path (every current engine): typed msgspec decoding, no per-field
     Python checks. Raises _NotFast for anything else."""
     from kvstream.engines import _wire_structs as structs
@@ -530,24 +581,31 @@ def _decode_fast(payload: bytes, width: int | None, dialect: Dialect) -> WireBat
     rank = batch.data_parallel_rank
     if rank is not None and rank < 0:
         raise _NotFast
-    events = [_fast_event(ev, width, dialect, structs) for ev in batch.events]
+    events = [_fast_event(ev, width, dialect, structs, split) for ev in batch.events]
     return WireBatch(batch.ts, events, rank)
 
 
-def decode_payload(payload: bytes, *, width: int | None, dialect: Dialect = VLLM) -> WireBatch:
+def decode_payload(
+    payload: bytes, *, width: int | None, dialect: Dialect = VLLM, split_tokens: bool = True
+) -> WireBatch:
     """Decode one ``KVEventBatch`` payload.
 
     ``width`` is the byte width of the stream's hash algorithm (8 or 32; None when unknown).
     Raises InteropError when the payload is not msgpack or not a ``[ts, events, rank]``
     array; malformed single events come back as ``kind="malformed"`` records.
+    ``split_tokens=False`` (the columnar path) leaves a stored event's token ids in one
+    string (:attr:`WireEvent.token_bytes`) instead of one ``TokenIds`` per block, after the
+    same checks.
     """
     try:
-        return _decode_fast(payload, width, dialect)
+        return _decode_fast(payload, width, dialect, split_tokens)
     except _NotFast:
-        return _decode_generic(payload, width, dialect)
+        return _decode_generic(payload, width, dialect, split_tokens)
 
 
-def _decode_generic(payload: bytes, width: int | None, dialect: Dialect) -> WireBatch:
+def _decode_generic(
+    payload: bytes, width: int | None, dialect: Dialect, split: bool = True
+) -> WireBatch:
     """:func:`decode_payload` without the fast path: every event checked field by field.
 
     The fast path answers only for payloads whose answer here is the same (the tests hold
@@ -567,4 +625,6 @@ def _decode_generic(payload: bytes, width: int | None, dialect: Dialect) -> Wire
         raise InteropError(f"{dialect.name} batch events are {type(events).__name__}, not a list")
     if rank is not None and (type(rank) is not int or rank < 0):
         raise InteropError(f"{dialect.name} batch data_parallel_rank {rank!r} is not a rank")
-    return WireBatch(float(ts), [decode_event(e, width, dialect) for e in events], rank)
+    return WireBatch(
+        float(ts), [decode_event(e, width, dialect, split_tokens=split) for e in events], rank
+    )

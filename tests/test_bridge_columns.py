@@ -1,0 +1,206 @@
+"""The bridge's columnar path against its model path, from the same engine frames.
+
+``EngineStream.convert_columns(decode_payload(p, split_tokens=False))`` must give the events
+``EngineStream.convert(decode_payload(p))`` gives (ids, windows, removal runs, lost markers for
+malformed events), build the same validated model, and encode to the same Avro bytes for every
+schema version (EncodeErrors included): on generated payloads (valid, malformed and fuzzed,
+every shape the decoders take) and on every frame captured from the real publishers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engines_vllm import MAP_ERA
+from test_engines_wire_paths import payloads
+
+from kvstream.codec import AvroCodec
+from kvstream.codec.column_encoder import encode_columns_body
+from kvstream.codec.encoder import ENCODED_VERSIONS, encode_batch_body
+from kvstream.engines import vllm as wire
+from kvstream.engines.endpoint import DIALECTS
+from kvstream.engines.sglang import SGLANG
+from kvstream.engines.stream import EngineStream
+from kvstream.engines.vllm import VLLM, Dialect, decode_payload
+from kvstream.errors import EncodeError, InteropError
+from kvstream.events.model import EventBatch
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+PROPS = settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def _streams(algo: str) -> tuple[EngineStream, EngineStream]:
+    def clock() -> Iterator[int]:
+        return iter(range(1000, 10**6))
+
+    a, b = clock(), clock()
+    return (
+        EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: next(a)),
+        EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: next(b)),
+    )
+
+
+def _encoded(fn: Any, batch: Any, version: int, lossy: bool) -> Any:
+    try:
+        return fn(batch, version, lossy=lossy, prefix=b"\xc3\x01")
+    except EncodeError as exc:
+        return ("EncodeError", str(exc))
+
+
+def _same(
+    model: EngineStream, cols: EngineStream, payload: bytes, width: int | None, dialect: Dialect
+) -> EventBatch | None:
+    """Feed ``payload`` to both streams; check they agree; the model batch (None: refused)."""
+    try:
+        wire_model = decode_payload(payload, width=width, dialect=dialect)
+    except InteropError as exc:
+        want = str(exc)
+        with pytest.raises(InteropError) as got:
+            decode_payload(payload, width=width, dialect=dialect, split_tokens=False)
+        assert str(got.value) == want
+        return None
+    wire_cols = decode_payload(payload, width=width, dialect=dialect, split_tokens=False)
+    for a, b in zip(wire_model.events, wire_cols.events, strict=True):
+        assert (a.kind, a.error, a.block_hashes) == (b.kind, b.error, b.block_hashes)
+        assert b"".join(t.raw for t in a.block_tokens) == b.token_bytes
+    want = model.convert(wire_model)
+    got = cols.convert_columns(wire_cols)
+    clock_ts = not (math.isfinite(wire_model.ts) and 0 <= wire_model.ts < 2**62 / 1e9)
+    if clock_ts:
+        # no usable engine timestamp: both took the clock's time, a moment apart
+        assert abs(got.ts_ns - want.ts_ns) < 60 * 10**9
+        got.ts_ns = want.ts_ns
+    assert (model.next_event_id, model.events, model.malformed_events) == (
+        cols.next_event_id,
+        cols.events,
+        cols.malformed_events,
+    )
+    for version in ENCODED_VERSIONS:
+        for lossy in (False, True):
+            assert _encoded(encode_columns_body, got, version, lossy) == _encoded(
+                encode_batch_body, want, version, lossy
+            )
+    model_batch = got.to_batch()
+    assert (model_batch.source, model_batch.events) == (want.source, want.events)
+    assert model_batch == want or clock_ts
+    return want
+
+
+algos = st.sampled_from(["vllm_sha256_cbor_64", "vllm_sha256_cbor", "future_algo_x"])
+
+
+@PROPS
+@given(
+    frames=st.lists(payloads, min_size=1, max_size=4),
+    dialect=st.sampled_from([VLLM, SGLANG]),
+    algo=algos,
+)
+def test_columns_equal_the_model_path_on_generated_frames(
+    frames: list[bytes], dialect: Dialect, algo: str
+) -> None:
+    model, cols = _streams(algo)
+    for payload in frames:  # decoded for the stream's hash width, as the sources do
+        _same(model, cols, payload, model.width, dialect)
+
+
+@PROPS
+@given(data=st.data(), algo=algos)
+def test_columns_equal_the_model_path_on_mutated_frames(data: st.DataObject, algo: str) -> None:
+    base = bytearray(MAP_ERA)
+    for _ in range(data.draw(st.integers(1, 4))):
+        base[data.draw(st.integers(0, len(base) - 1))] = data.draw(st.integers(0, 255))
+    model, cols = _streams(algo)
+    _same(model, cols, bytes(base), model.width, VLLM)
+    _same(model, cols, MAP_ERA, model.width, VLLM)
+
+
+def test_pure_python_array_readers_give_the_same_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "_wire_native", None)
+    for capture in _captures():
+        _check_capture(capture)
+
+
+def _captures() -> list[Path]:
+    found = sorted(GOLDEN.glob("*/*.json"))
+    assert found
+    return found
+
+
+def _check_capture(capture: Path) -> int:
+    doc = json.loads(capture.read_text())
+    package = doc["producer"]["package"]
+    width = 32 if "-bytes-" in capture.name else 8
+    algo = "sglang_sha256_64" if package == "sglang" else "vllm_sha256_cbor_64"
+    if width == 32:
+        algo = "vllm_sha256_cbor"
+    model, cols = _streams(algo)
+    blocks = 0
+    for step in doc["live"]:
+        payload = bytes.fromhex(step["frames"][2])
+        batch = _same(model, cols, payload, width, DIALECTS[package])
+        assert batch is not None
+        blocks += sum(len(getattr(ev.data, "blocks", ())) for ev in batch.events)
+    return blocks
+
+
+@pytest.mark.parametrize("capture", _captures(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_columns_equal_the_model_path_on_captured_frames(capture: Path) -> None:
+    assert _check_capture(capture) > 0
+
+
+def test_a_malformed_event_is_the_same_lost_marker_on_both_paths() -> None:
+    import msgspec
+
+    good = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    bad = good | {"block_size": 3}  # 8 ids do not split into 2 blocks of 3
+    payload = msgspec.msgpack.encode([1.0, [good, bad, {"type": "Nope"}], 0])
+    model, cols = _streams("vllm_sha256_cbor_64")
+    batch = _same(model, cols, payload, 8, VLLM)
+    assert batch is not None
+    assert [ev.data.type for ev in batch.events] == ["stored", "lost", "lost"]
+    codec = AvroCodec()
+    got = cols.convert_columns(decode_payload(payload, width=8, split_tokens=False))
+    assert codec.decode(codec.encode(got)) == got.to_batch()
+
+
+@pytest.mark.parametrize("given", [{"lora_id": 0}, {"lora_name": ""}, {"cache_salt": ""}])
+def test_falsy_block_values_survive_the_model_path(given: dict[str, Any]) -> None:
+    # the model path once marked such blocks as default-only, and the encoder wrote nulls
+    import msgspec
+
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    } | given
+    payload = msgspec.msgpack.encode([1.0, [ev], 0])
+    model, cols = _streams("vllm_sha256_cbor_64")
+    batch = _same(model, cols, payload, 8, VLLM)
+    assert batch is not None
+    codec = AvroCodec()
+    assert codec.decode(codec.encode(batch)) == batch
