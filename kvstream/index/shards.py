@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvstream.errors import ConfigError
@@ -39,7 +38,7 @@ from kvstream.index.index import PrefixIndex
 from kvstream.index.load import LoadTracker
 from kvstream.index.matching import HashRequest, MatchResult, WorkerMatch
 from kvstream.index.router import Router, RouterConfig
-from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
+from kvstream.index.types import DEFAULT_TIER_WEIGHTS, ShardSpec, WorkerKey, worker_partition
 
 if TYPE_CHECKING:
     from kvstream.index.consumer import IndexConsumer
@@ -60,74 +59,6 @@ _Worker = WorkerKey | tuple[str, int | None]
 
 class ShardUnavailableError(PrefixIndexError):
     """A shard did not answer (refused, timed out, closed) or answered garbage."""
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSpec:
-    """Shard ``shard`` of ``count``: owns the partitions ``p`` with ``p % count == shard``.
-
-    ``str(spec)`` and :meth:`parse` use the form ``K/N``. ConfigError unless
-    ``0 <= shard < count``.
-    """
-
-    shard: int
-    count: int
-
-    def __post_init__(self) -> None:
-        if self.count < 1 or not 0 <= self.shard < self.count:
-            raise ConfigError(f"a shard is K/N with 0 <= K < N, got {self.shard}/{self.count}")
-
-    def __str__(self) -> str:
-        return f"{self.shard}/{self.count}"
-
-    @classmethod
-    def parse(cls, value: ShardSpec | str | tuple[int, int]) -> ShardSpec:
-        """A spec from ``"K/N"``, ``(K, N)`` or a spec; ConfigError otherwise."""
-        if isinstance(value, ShardSpec):
-            return value
-        if isinstance(value, tuple) and len(value) == 2:
-            return cls(int(value[0]), int(value[1]))
-        if isinstance(value, str):
-            k, sep, n = value.partition("/")
-            if sep and k.strip().isdigit() and n.strip().isdigit():
-                return cls(int(k), int(n))
-        raise ConfigError(f"a shard is written K/N (e.g. 0/4), got {value!r}")
-
-    @classmethod
-    def all(cls, count: int) -> list[ShardSpec]:
-        """The ``count`` shards of a split."""
-        return [cls(k, count) for k in range(count)]
-
-    def owns_partition(self, partition: int) -> bool:
-        """True when ``partition`` belongs to this shard."""
-        return partition % self.count == self.shard
-
-    def partitions(self, num_partitions: int) -> list[int]:
-        """This shard's partitions of a topic with ``num_partitions``; ConfigError when it
-        gets none (more shards than partitions: the extra shards would idle)."""
-        parts = [p for p in range(num_partitions) if p % self.count == self.shard]
-        if not parts:
-            raise ConfigError(
-                f"shard {self} of a topic with {num_partitions} partition(s) owns none: "
-                f"use at most {num_partitions} shards"
-            )
-        return parts
-
-    def owns_worker(self, worker: _Worker, num_partitions: int) -> bool:
-        """True when ``worker``'s events land in one of this shard's partitions."""
-        return self.owns_partition(worker_partition(worker, num_partitions))
-
-
-def worker_partition(worker: _Worker, num_partitions: int) -> int:
-    """The partition the Kafka sink writes ``worker``'s batches to (its source key under the
-    murmur2 rule; needs the ``kafka`` extra)."""
-    from kvstream.events.model import SourceId
-    from kvstream.sinks.kafka import partition_for, source_key
-
-    if num_partitions < 1:
-        raise ConfigError(f"a topic has at least one partition, got {num_partitions}")
-    src = SourceId(instance_id=worker[0], attention_dp_rank=worker[1], incarnation=0)
-    return partition_for(source_key(src), num_partitions)
 
 
 class IndexShard(Protocol):

@@ -5,7 +5,7 @@ Two modes:
 - **Assigned partitions** (no ``group_id``): the consumer reads the given partitions (default:
   all) from the checkpoint's offsets, or from the start. Nothing is committed to Kafka; the
   snapshot holding the checkpoint is the only record of progress.
-- **A shard** (``shard="K/N"``, :class:`~kvstream.index.shards.ShardSpec`): the partitions ``p``
+- **A shard** (``shard="K/N"``, :class:`~kvstream.index.types.ShardSpec`): the partitions ``p``
   with ``p % N == K``, assigned as above. Its checkpoints record the shard and the topic's
   partition count; resuming one with another shard, an unsharded checkpoint, or after the
   topic was re-partitioned (workers moved between partitions) raises SourceError. See
@@ -45,8 +45,8 @@ from typing import Any, Final
 from kvstream.codec import AvroCodec
 from kvstream.errors import CodecError, ConfigError, EventValidationError
 from kvstream.index.errors import SourceError
-from kvstream.index.shards import ShardSpec
 from kvstream.index.sources.base import EventSource, SourceItem, decode_message, skipped_ids
+from kvstream.index.types import ShardSpec
 from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
 from kvstream.kafka_security import KafkaSecurity
 from kvstream.sink import parse_sink_url
