@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +39,23 @@ PROPS = settings(
 )
 
 
-def _streams(algo: str) -> tuple[EngineStream, EngineStream]:
-    def clock() -> Iterator[int]:
-        return iter(range(1000, 10**6))
+class Streams:
+    """Three streams fed the same frames: the model path, the columnar one from a decoded
+    batch, and the columnar one from the payload (one pass)."""
 
-    a, b = clock(), clock()
-    return (
-        EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: next(a)),
-        EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: next(b)),
-    )
+    def __init__(self, algo: str) -> None:
+        def stream() -> EngineStream:
+            ticks = iter(range(1000, 10**6))
+            return EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: next(ticks))
+
+        self.model, self.cols, self.fused = stream(), stream(), stream()
+
+    def state(self, s: EngineStream) -> tuple[Any, ...]:
+        return (s.next_event_id, s.events, s.malformed_events, s.state())
+
+
+def _streams(algo: str) -> Streams:
+    return Streams(algo)
 
 
 def _encoded(fn: Any, batch: Any, version: int, lossy: bool) -> Any:
@@ -59,9 +66,11 @@ def _encoded(fn: Any, batch: Any, version: int, lossy: bool) -> Any:
 
 
 def _same(
-    model: EngineStream, cols: EngineStream, payload: bytes, width: int | None, dialect: Dialect
+    streams: Streams, payload: bytes, width: int | None, dialect: Dialect
 ) -> EventBatch | None:
-    """Feed ``payload`` to both streams; check they agree; the model batch (None: refused)."""
+    """Feed ``payload`` to the streams; check they agree; the model batch (None: refused)."""
+    model, cols = streams.model, streams.cols
+    assert width == model.width
     try:
         wire_model = decode_payload(payload, width=width, dialect=dialect)
     except InteropError as exc:
@@ -69,6 +78,10 @@ def _same(
         with pytest.raises(InteropError) as got:
             decode_payload(payload, width=width, dialect=dialect, split_tokens=False)
         assert str(got.value) == want
+        with pytest.raises(InteropError) as got:
+            streams.fused.payload_columns(payload, dialect)
+        assert str(got.value) == want
+        assert streams.state(streams.fused) == streams.state(model)
         return None
     wire_cols = decode_payload(payload, width=width, dialect=dialect, split_tokens=False)
     for a, b in zip(wire_model.events, wire_cols.events, strict=True):
@@ -76,21 +89,18 @@ def _same(
         assert b"".join(t.raw for t in a.block_tokens) == b.token_bytes
     want = model.convert(wire_model)
     got = cols.convert_columns(wire_cols)
+    fused = streams.fused.payload_columns(payload, dialect)
     clock_ts = not (math.isfinite(wire_model.ts) and 0 <= wire_model.ts < 2**62 / 1e9)
     if clock_ts:
-        # no usable engine timestamp: both took the clock's time, a moment apart
+        # no usable engine timestamp: each took the clock's time, a moment apart
         assert abs(got.ts_ns - want.ts_ns) < 60 * 10**9
-        got.ts_ns = want.ts_ns
-    assert (model.next_event_id, model.events, model.malformed_events) == (
-        cols.next_event_id,
-        cols.events,
-        cols.malformed_events,
-    )
+        got.ts_ns = fused.ts_ns = want.ts_ns
+    assert streams.state(model) == streams.state(cols) == streams.state(streams.fused)
     for version in ENCODED_VERSIONS:
         for lossy in (False, True):
-            assert _encoded(encode_columns_body, got, version, lossy) == _encoded(
-                encode_batch_body, want, version, lossy
-            )
+            want_bytes = _encoded(encode_batch_body, want, version, lossy)
+            assert _encoded(encode_columns_body, got, version, lossy) == want_bytes
+            assert _encoded(encode_columns_body, fused, version, lossy) == want_bytes
     model_batch = got.to_batch()
     assert (model_batch.source, model_batch.events) == (want.source, want.events)
     assert model_batch == want or clock_ts
@@ -109,9 +119,9 @@ algos = st.sampled_from(["vllm_sha256_cbor_64", "vllm_sha256_cbor", "future_algo
 def test_columns_equal_the_model_path_on_generated_frames(
     frames: list[bytes], dialect: Dialect, algo: str
 ) -> None:
-    model, cols = _streams(algo)
+    streams = _streams(algo)
     for payload in frames:  # decoded for the stream's hash width, as the sources do
-        _same(model, cols, payload, model.width, dialect)
+        _same(streams, payload, streams.model.width, dialect)
 
 
 @PROPS
@@ -120,9 +130,9 @@ def test_columns_equal_the_model_path_on_mutated_frames(data: st.DataObject, alg
     base = bytearray(MAP_ERA)
     for _ in range(data.draw(st.integers(1, 4))):
         base[data.draw(st.integers(0, len(base) - 1))] = data.draw(st.integers(0, 255))
-    model, cols = _streams(algo)
-    _same(model, cols, bytes(base), model.width, VLLM)
-    _same(model, cols, MAP_ERA, model.width, VLLM)
+    streams = _streams(algo)
+    _same(streams, bytes(base), streams.model.width, VLLM)
+    _same(streams, MAP_ERA, streams.model.width, VLLM)
 
 
 def test_pure_python_array_readers_give_the_same_columns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,11 +154,11 @@ def _check_capture(capture: Path) -> int:
     algo = "sglang_sha256_64" if package == "sglang" else "vllm_sha256_cbor_64"
     if width == 32:
         algo = "vllm_sha256_cbor"
-    model, cols = _streams(algo)
+    streams = _streams(algo)
     blocks = 0
     for step in doc["live"]:
         payload = bytes.fromhex(step["frames"][2])
-        batch = _same(model, cols, payload, width, DIALECTS[package])
+        batch = _same(streams, payload, width, DIALECTS[package])
         assert batch is not None
         blocks += sum(len(getattr(ev.data, "blocks", ())) for ev in batch.events)
     return blocks
@@ -174,12 +184,12 @@ def test_a_malformed_event_is_the_same_lost_marker_on_both_paths() -> None:
     }
     bad = good | {"block_size": 3}  # 8 ids do not split into 2 blocks of 3
     payload = msgspec.msgpack.encode([1.0, [good, bad, {"type": "Nope"}], 0])
-    model, cols = _streams("vllm_sha256_cbor_64")
-    batch = _same(model, cols, payload, 8, VLLM)
+    streams = _streams("vllm_sha256_cbor_64")
+    batch = _same(streams, payload, 8, VLLM)
     assert batch is not None
     assert [ev.data.type for ev in batch.events] == ["stored", "lost", "lost"]
     codec = AvroCodec()
-    got = cols.convert_columns(decode_payload(payload, width=8, split_tokens=False))
+    got = streams.cols.convert_columns(decode_payload(payload, width=8, split_tokens=False))
     assert codec.decode(codec.encode(got)) == got.to_batch()
 
 
@@ -199,8 +209,21 @@ def test_falsy_block_values_survive_the_model_path(given: dict[str, Any]) -> Non
         "lora_name": None,
     } | given
     payload = msgspec.msgpack.encode([1.0, [ev], 0])
-    model, cols = _streams("vllm_sha256_cbor_64")
-    batch = _same(model, cols, payload, 8, VLLM)
+    streams = _streams("vllm_sha256_cbor_64")
+    batch = _same(streams, payload, 8, VLLM)
     assert batch is not None
     codec = AvroCodec()
     assert codec.decode(codec.encode(batch)) == batch
+
+
+def test_captured_vllm_033_frames_take_the_one_pass_path() -> None:
+    if wire._wire_native is None:
+        pytest.skip("kvstream.engines._wire_native is not built (or KVSTREAM_NO_NATIVE)")
+    checked = 0
+    for capture in sorted(GOLDEN.glob("vllm-0.33.0/*-int-*.json")):
+        stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64")
+        for step in json.loads(capture.read_text())["live"]:
+            # raises _NotFast for a payload the one pass does not take
+            stream._fast_columns(bytes.fromhex(step["frames"][2]), wire._wire_native)
+            checked += 1
+    assert checked >= 10

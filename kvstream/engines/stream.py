@@ -30,7 +30,22 @@ from dataclasses import replace
 from typing import Any, Final
 
 from kvstream._types import PRIORITY_DEFAULT, hash_width
-from kvstream.engines.vllm import WireBatch, WireEvent, _split_tokens
+from kvstream.engines import vllm as _vllm
+from kvstream.engines.vllm import (
+    _EXTERNAL,
+    MEDIUM_LEVELS,
+    VLLM,
+    Dialect,
+    WireBatch,
+    WireEvent,
+    _BadEvent,
+    _extra_keys,
+    _hash,
+    _NotFast,
+    _split_tokens,
+    _token_layout,
+    decode_payload,
+)
 from kvstream.errors import ConfigError, EventValidationError
 from kvstream.events.columns import (
     CLEARED,
@@ -286,6 +301,177 @@ class EngineStream:
             self._removed_column(cols, run_key, removed)
         cols.hash_algos = [algo] * len(ids)
         cols.tokens = b"".join(raws)
+        self.events += len(ids)
+        return cols
+
+    def payload_columns(self, payload: bytes, dialect: Dialect = VLLM) -> ColumnBatch:
+        """The columns of one engine payload: exactly ``self.convert_columns(decode_payload(
+        payload, width=self.width, dialect=dialect, split_tokens=False))`` (InteropError
+        likewise), in one pass over msgspec's structs for the payloads every current engine
+        sends (map-era events, int hashes, values in range); any other payload takes that
+        path. The stream's state changes only once the whole payload is converted."""
+        native = _vllm.native_readers()
+        if self.width == 8 and native is not None:
+            try:
+                return self._fast_columns(payload, native)
+            except _NotFast:
+                pass
+        return self.convert_columns(
+            decode_payload(payload, width=self.width, dialect=dialect, split_tokens=False)
+        )
+
+    def _fast_columns(self, payload: bytes, native: Any) -> ColumnBatch:
+        # The checks of vllm._decode_fast/_fast_event and the conversion of convert_columns,
+        # fused; anything they would not take raises _NotFast before the state changes.
+        from kvstream.engines import _wire_structs as structs
+
+        try:
+            batch = structs.decode(payload)
+        except Exception:  # msgspec's errors: the general path says why
+            raise _NotFast from None
+        rank = batch.data_parallel_rank
+        if rank is not None and rank < 0:
+            raise _NotFast
+        stored_t, removed_t = structs.Stored, structs.Removed
+        be64 = native.be64_array
+        u32 = native.u32_array
+        levels = MEDIUM_LEVELS
+        next_id = self._next_id
+        known = dict(self._windows)
+        ids: list[int] = []
+        kinds: list[int] = []
+        groups: list[int] = []
+        windows: list[int] = []
+        payloads: list[Any] = []
+        extra: list[StoredExtra] = []
+        raws: list[bytes] = []
+        run: list[bytes] = []
+        run_key: tuple[int, int | None] | None = None
+
+        def flush(hashes: list[bytes], key: tuple[int, int | None] | None) -> None:
+            nonlocal next_id
+            assert key is not None
+            ids.append(next_id)
+            next_id += 1
+            kinds.append(REMOVED)
+            groups.append(key[0])
+            windows.append(known.setdefault(key[0], UNBOUNDED_WINDOW))
+            payloads.append((hashes, key[1]))
+
+        try:
+            events: list[Any] = batch.events  # narrowed by type(ev) below
+            for ev in events:
+                t = type(ev)
+                if t is removed_t or t is stored_t:
+                    group = ev.group_idx or 0
+                    if not 0 <= group < 1 << 31:
+                        raise _NotFast
+                    medium = ev.medium
+                    level = None if medium is None else levels.get(medium.upper())
+                    if level is None and medium is not None:
+                        raise _NotFast
+                    if ev.locality is not None and ev.locality.upper() == "REMOTE":
+                        level = _EXTERNAL
+                    hashes = be64(ev.block_hashes)
+                    if not hashes:
+                        raise _NotFast
+                    if t is removed_t:
+                        key = (group, level)
+                        if key != run_key and run:
+                            flush(run, run_key)
+                            run = []
+                        run_key = key
+                        run.extend(hashes)
+                        continue
+                    if run:
+                        flush(run, run_key)
+                        run, run_key = [], None
+                    n = len(hashes)
+                    window = ev.kv_cache_spec_sliding_window
+                    lora_id = ev.lora_id
+                    if (window is not None and window < 1) or (lora_id is not None and lora_id < 0):
+                        raise _NotFast
+                    tokens = u32(ev.token_ids)
+                    size = _token_layout(tokens, n, ev.block_size)
+                    keys = ev.extra_keys
+                    if keys is not None:
+                        keys = None if len(keys) == n == keys.count(None) else _extra_keys(keys, n)
+                        if keys is not None and keys.count(None) == n:
+                            keys = None
+                    parent = ev.parent_block_hash
+                    if parent is not None:
+                        parent = _hash(parent, 8, "")
+                    if window is None:
+                        window = known.setdefault(group, UNBOUNDED_WINDOW)
+                    else:
+                        known[group] = window
+                    if size:
+                        last = (len(tokens) >> 2) - size * (n - 1)
+                        sizes = [size] * (n - 1)
+                        sizes.append(last)
+                        first = size if n > 1 else last
+                        raws.append(tokens)
+                    else:
+                        sizes, first = [0] * n, 0
+                    lv = level or 0
+                    lora_name, salt = ev.lora_name, ev.cache_salt
+                    if keys is None and lora_id is None and lora_name is None and salt is None:
+                        extra.append((sizes, None))
+                    else:
+                        none = (None,) * n
+                        extra.append(
+                            (
+                                sizes,
+                                (
+                                    (lv,) * n,
+                                    (PRIORITY_DEFAULT,) * n,
+                                    (lora_id,) * n,
+                                    (lora_name,) * n,
+                                    (salt,) * n,
+                                    none,
+                                    ((),) * n,
+                                    none if keys is None else keys,
+                                ),
+                            )
+                        )
+                    ids.append(next_id)
+                    next_id += 1
+                    kinds.append(STORED)
+                    groups.append(group)
+                    windows.append(window)
+                    payloads.append((parent, list(hashes), lv, first))
+                else:  # AllBlocksCleared
+                    if run:
+                        flush(run, run_key)
+                        run, run_key = [], None
+                    for g in sorted(known) or [0]:
+                        ids.append(next_id)
+                        next_id += 1
+                        kinds.append(CLEARED)
+                        groups.append(g)
+                        windows.append(known.get(g, UNBOUNDED_WINDOW))
+                        payloads.append(None)
+        except (ValueError, _BadEvent):  # the C readers' refusals, a bad value
+            raise _NotFast from None
+        if run:
+            flush(run, run_key)
+        cols = ColumnBatch(
+            self.instance_id,
+            attention_dp_rank=self.rank,
+            incarnation=self.source.incarnation,
+            ts_ns=_ts_ns(batch.ts),
+            schema_version=CURRENT_SCHEMA_VERSION,
+            tokens=b"".join(raws),
+        )
+        cols.event_ids = ids
+        cols.kinds = kinds
+        cols.hash_algos = [self.hash_algo] * len(ids)
+        cols.group_ids = groups
+        cols.window_sizes = windows
+        cols.payloads = payloads
+        cols.stored_extra = extra
+        self._next_id = next_id
+        self._windows = known
         self.events += len(ids)
         return cols
 

@@ -440,6 +440,11 @@ def _msgpack_decoder() -> Callable[[bytes], Any]:
     return msgspec.msgpack.Decoder().decode
 
 
+def native_readers() -> Any:
+    """The C array readers in use (``kvstream.engines._wire_native``), None for pure Python."""
+    return _wire_native
+
+
 class _NotFast(Exception):
     """Internal: the payload leaves the fast path's happy case; decode it generically."""
 
