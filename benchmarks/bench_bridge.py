@@ -1,31 +1,35 @@
-"""Bridge benchmark: vLLM-format KV events in, kvstream batches out, against raw msgspec.
+"""Bridge benchmark: vLLM 0.33's KV-event frames to Avro bytes, against msgspec's bare decode.
 
-What an operator runs is ``kvstream bridge vllm://...``; what they would write instead is a
-pyzmq SUB socket decoding vLLM's ``KVEventBatch`` with msgspec. Both consume the same frames:
+What an operator runs is ``kvstream bridge vllm://...``; the least a hand-written consumer does
+is decode vLLM's ``KVEventBatch`` with msgspec. Both sides take the same frames:
 
-(a) **baseline**: msgspec decoding each payload into vLLM 0.33's own structs (imported from
-    vLLM when it is installed, else identical struct declarations), counting blocks;
-(b) **kvstream decode**: :func:`kvstream.engines.vllm.decode_payload` + ``EngineStream`` —
-    every engine event as a validated kvstream ``EventBatch`` with ids, windows, sources;
-(c) **kvstream bridge**: (b) plus Avro encoding of every batch (what each sink pays).
+- **msgspec bare decode** (the baseline): each payload decoded into vLLM 0.33's event structs
+  (the same declarations: vLLM itself is not in this venv), blocks counted;
+- **kvstream columns -> Avro** (the bridge's path): ``EngineStream.payload_columns`` (ids,
+  windows, removal runs, lost markers, every value checked) and ``AvroCodec.encode`` of the
+  columns: the Avro single-object message a sink sends, no model object per event or block;
+- **kvstream models -> Avro** (the model path, for reference): ``decode_payload`` +
+  ``EngineStream.convert`` (validated pydantic batches) + ``AvroCodec.encode``.
 
-Rows ``decode_payload only`` and ``EngineStream.convert only`` split (b) into its two halves.
-(b) and (c) use kvstream's optional C extensions (``kvstream.events._trusted_native``,
-``kvstream.engines._wire_native``) when they are built; run with ``KVSTREAM_NO_NATIVE=1`` to
-measure the pure-Python fallback.
+Frames come from vLLM 0.33 itself, run in ``.peers-venv``: its ``KVCacheManager`` (one
+full-attention group, a pool small enough for LRU evictions, vLLM's ``sha256`` block hashes as
+ints) serving 8k-token prompts over shared system prompts in chunked prefill (at most 64 blocks
+per store), a few decode tokens, then ``free``; one frame per scheduler step, encoded with the
+msgpack encoder vLLM's ``ZmqEventPublisher`` uses. Every round gets fresh frames (a new seed),
+made before the timers start; the sides run interleaved (the order rotates per round) with the
+garbage collector on; each side's time is this thread's CPU time. Printed: blocks/s per side
+(median over rounds) and the ratio to the baseline per round (median, min-max).
 
-Workload, one payload per scheduler step as vLLM publishes it (``--steps`` steps): 8 prefill
-stores of 32 blocks, 64 decode stores of 1 block (16 tokens per block, ids from a 128k
-vocabulary) and 40 single-hash ``BlockRemoved`` events (vLLM does not coalesce removals).
+**Live**: vLLM's real ``ZmqEventPublisher`` (in a ``.peers-venv`` process) publishes the frames
+of one more seed as fast as it can; ``kvstream bridge`` (``run_bridge``: ``vllm://`` source ->
+pipeline -> Kafka sink, acks=all) forwards them to a tansu broker started here. Blocks/s from
+the first batch the bridge reads to the pipeline's close (everything acknowledged).
 
-Two measurements: **offline** (payload bytes already in memory; thread CPU time, best of
-``--rounds``) and **live** (a publisher process binds a PUB socket and sends every frame —
-vLLM's real ``ZmqEventPublisher`` when vLLM is importable, else a plain pyzmq PUB sending the
-same frames — while this process follows it with ``EngineSource``; wall time from the first
-frame to the last). Prints blocks/s and the ratio to the baseline. Goal: >= 500k blocks/s
-end to end on one core.
+Usage (the main venv; ``.peers-venv`` must have vLLM 0.33)::
 
-Usage: ``python benchmarks/bench_bridge.py [--steps 400] [--rounds 5] [--no-live]``
+    python benchmarks/bench_bridge.py [--rounds 7] [--requests 40] [--block-sizes 16,32] [--no-live]
+
+``KVSTREAM_NO_NATIVE=1`` measures the pure-Python fallback.
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import multiprocessing as mp
+import os
 import random
+import statistics
+import struct
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,281 +51,371 @@ from typing import Any
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_PYTHON = ROOT / ".peers-venv" / "bin" / "python"
+sys.path.insert(0, str(ROOT))
 
-from kvstream.codec import AvroCodec
-from kvstream.engines.stream import EngineStream
-from kvstream.engines.vllm import decode_payload
-from kvstream.events.trusted import NATIVE_AVAILABLE
-
+SYSTEM_PROMPTS = 8
+SYSTEM_TOKENS = 2048
+PROMPT_TOKENS = 8192
+OUTPUT_TOKENS = 32
+CHUNK_BLOCKS = 64
 VOCAB = 128_000
-BLOCK = 16
 
 
-# vLLM 0.33's declarations (peers.md §1.2), for machines without vLLM.
-class _Event(msgspec.Struct, omit_defaults=True, tag=True):  # type: ignore[call-arg]
+# vLLM 0.33's declarations (vllm/distributed/kv_events.py), for this venv without vLLM.
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
     pass
 
 
-class _BlockStored(_Event, tag="BlockStored"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None
+class BlockStored(_Event):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
-class _BlockRemoved(_Event, tag="BlockRemoved"):  # type: ignore[call-arg]
-    block_hashes: list[int]
+class BlockRemoved(_Event):
+    block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class _AllBlocksCleared(_Event, tag="AllBlocksCleared"):  # type: ignore[call-arg]
+class AllBlocksCleared(_Event):
     pass
 
 
-class _KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     ts: float
-    events: list[_BlockStored | _BlockRemoved | _AllBlocksCleared]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
 
 
-def vllm_structs() -> tuple[Any, Any, Any, Any, str]:
-    """vLLM's own KVEventBatch and event structs, or identical declarations."""
-    try:
-        from vllm.distributed.kv_events import (
-            AllBlocksCleared,
-            BlockRemoved,
-            BlockStored,
-            KVEventBatch,
-        )
-
-        return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, "vllm 0.33 structs"
-    except ImportError:
-        pass
-
-    return _KVEventBatch, _BlockStored, _BlockRemoved, _AllBlocksCleared, "msgspec structs (vLLM's)"
+# ---------------------------------------------------------------- vLLM side (.peers-venv)
 
 
-def make_batches(steps: int, seed: int = 0) -> tuple[list[Any], int]:
-    """vLLM KVEventBatch objects for ``steps`` scheduler steps, and their block count."""
-    batch_cls, stored, removed, _, _ = vllm_structs()
+def _vllm_batches(block_size: int, seed: int, requests: int, publish: Any = None) -> list[Any]:
+    """vLLM's KVEventBatch objects of one workload (module doc); with ``publish``, also sent
+    through it as they are made (the live publisher)."""
+    sys.path.insert(0, str(ROOT / "tests" / "peers"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine_publisher import free_ports
+    from vllm.distributed import kv_events as kv
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm_fleet import VllmRank
+
     rng = random.Random(seed)
-    next_hash = 1
-    live: list[int] = []
-    out = []
-    blocks = 0
-    for step in range(steps):
-        events: list[Any] = []
-        for n in [32] * 8 + [1] * 64:
-            hashes = list(range(next_hash, next_hash + n))
-            next_hash += n
-            parent = rng.choice(live) if live and rng.random() < 0.5 else None
-            tokens = [rng.randrange(VOCAB) for _ in range(n * BLOCK)]
-            events.append(
-                stored(
-                    block_hashes=hashes,
-                    parent_block_hash=parent,
-                    token_ids=tokens,
-                    block_size=BLOCK,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                    group_idx=0,
-                    kv_cache_spec_kind="full_attention",
-                )
-            )
-            live.extend(hashes)
-            blocks += n
-        for _ in range(40):
-            if live:
-                h = live.pop(rng.randrange(len(live)))
-                events.append(removed(block_hashes=[h], medium="GPU", group_idx=0))
-                blocks += 1
-        out.append(batch_cls(ts=float(step), events=events, data_parallel_rank=0))
-    return out, blocks
+    port, replay = free_ports(2)
+    # the pool holds ~4 prompts: later requests evict earlier ones (LRU, leaf first)
+    rank = VllmRank(
+        kv,
+        port,
+        replay,
+        dp_rank=0,
+        block_size=block_size,
+        num_blocks=4 * PROMPT_TOKENS // block_size,
+        max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + block_size,
+    )
+    systems = [
+        [rng.randrange(3, VOCAB) for _ in range(SYSTEM_TOKENS)] for _ in range(SYSTEM_PROMPTS)
+    ]
+    m = rank.manager
+    out: list[Any] = []
+
+    def step() -> None:
+        events = m.take_events()
+        if events:
+            batch = kv.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+            out.append(batch)
+            if publish is not None:
+                publish(rank, batch)
+
+    chunk = CHUNK_BLOCKS * block_size
+    for r in range(requests):
+        prompt = rng.choice(systems) + [
+            rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS - SYSTEM_TOKENS)
+        ]
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS + 1)
+        params.update_from_generation_config({}, eos_token_id=2)
+        req = Request(
+            request_id=f"r{seed}-{r}",
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(block_size, rank.hash_fn),
+        )
+        computed, done, _ = m.get_computed_blocks(req)
+        cached, ok = done, True
+        while ok and done < len(prompt):  # chunked prefill: one scheduler step per chunk
+            n = min(chunk, len(prompt) - done)
+            if done == cached:
+                ok = m.allocate_slots(req, n, cached, computed) is not None
+            else:
+                ok = m.allocate_slots(req, n) is not None
+            done += n
+            req.num_computed_tokens = done
+            step()
+        for _ in range(OUTPUT_TOKENS if ok else 0):
+            req.append_output_token_ids(rng.randrange(3, VOCAB))
+            if m.allocate_slots(req, 1) is None:
+                break
+            req.num_computed_tokens += 1
+        step()
+        m.free(req)
+        step()
+    rank.close()
+    return out
 
 
-def _cpu_best(fn: Callable[[], None], rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        gc.collect()
-        gc.disable()
-        t = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - t)
-        gc.enable()
-    return best
+def _emit(block_size: int, seeds: list[int], requests: int, out_dir: str) -> None:
+    enc = msgspec.msgpack.Encoder()  # what ZmqEventPublisher encodes with
+    for seed in seeds:
+        batches = _vllm_batches(block_size, seed, requests)
+        with open(Path(out_dir) / f"bs{block_size}-seed{seed}.frames", "wb") as f:
+            for b in batches:
+                payload = enc.encode(b)
+                f.write(struct.pack("<I", len(payload)) + payload)
 
 
-def offline(payloads: list[bytes], blocks: int, rounds: int) -> dict[str, float]:
-    batch_cls = vllm_structs()[0]
-    dec = msgspec.msgpack.Decoder(batch_cls)
-    codec = AvroCodec()
+def _publish(block_size: int, seed: int, requests: int, port_file: str) -> None:
+    """Build the batches, wait for a line on stdin, publish them all through vLLM's
+    ZmqEventPublisher (PUB port written to ``port_file``), wait for the queue to drain."""
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.distributed.kv_events import EventPublisherFactory
 
-    def baseline() -> None:
-        n = 0
-        for p in payloads:
-            for ev in dec.decode(p).events:
-                n += len(ev.block_hashes)
-        assert n == blocks
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine_publisher import free_ports
 
-    def kv_decode() -> None:
-        s = EngineStream("vllm@bench", 0, "vllm_sha256_64")
-        for p in payloads:
-            s.convert(decode_payload(p, width=8))
+    batches = _vllm_batches(block_size, seed, requests)
+    (port,) = free_ports(1)
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port}",
+        hwm=10 * len(batches) + 1000,
+        max_queue_size=10 * len(batches) + 1000,
+    )
+    pub = EventPublisherFactory.create(cfg, data_parallel_rank=0)
+    Path(port_file).write_text(str(port))
+    sys.stdin.readline()
+    for b in batches:
+        pub.publish(b)
+    pub.shutdown()  # drains the queue
 
-    def kv_decode_only() -> None:
-        for p in payloads:
-            decode_payload(p, width=8)
 
-    wires = [decode_payload(p, width=8) for p in payloads]
+# ---------------------------------------------------------------- kvstream side (main venv)
 
-    def kv_convert_only() -> None:
-        s = EngineStream("vllm@bench", 0, "vllm_sha256_64")
-        for w in wires:
-            s.convert(w)
 
-    def kv_bridge() -> None:
-        s = EngineStream("vllm@bench", 0, "vllm_sha256_64")
-        for p in payloads:
-            codec.encode(s.convert(decode_payload(p, width=8)))
+def read_frames(path: Path) -> list[bytes]:
+    data = path.read_bytes()
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = struct.unpack_from("<I", data, pos)
+        out.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return out
 
+
+def make_frames(block_sizes: list[int], rounds: int, requests: int) -> dict[tuple[int, int], Path]:
+    """Frames of every (block size, round) from vLLM in .peers-venv (one process per size)."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-bridge-"))
+    for bs in block_sizes:
+        seeds = ",".join(str(1000 + r) for r in range(rounds))
+        subprocess.run(
+            [str(PEERS_PYTHON), __file__, "--emit", str(bs), seeds, str(requests), str(tmp)],
+            check=True,
+        )
     return {
-        "baseline": blocks / _cpu_best(baseline, rounds),
-        "kvstream decode": blocks / _cpu_best(kv_decode, rounds),
-        "  decode_payload only": blocks / _cpu_best(kv_decode_only, rounds),
-        "  EngineStream.convert only": blocks / _cpu_best(kv_convert_only, rounds),
-        "kvstream decode + Avro": blocks / _cpu_best(kv_bridge, rounds),
+        (bs, r): tmp / f"bs{bs}-seed{1000 + r}.frames" for bs in block_sizes for r in range(rounds)
     }
 
 
-def _publish(port: int, steps: int, ready: Any, go: Any, real: bool) -> None:
-    batches, _ = make_batches(steps)
-    if real:
-        from vllm.config.kv_events import KVEventsConfig
-        from vllm.distributed.kv_events import EventPublisherFactory
+def _cpu(fn: Callable[[], int]) -> tuple[float, int]:
+    t = time.thread_time()
+    n = fn()
+    return time.thread_time() - t, n
 
-        cfg = KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=f"tcp://*:{port}",
-            hwm=10 * steps,
-            max_queue_size=10 * steps,
+
+def sides(payloads: list[bytes]) -> dict[str, Callable[[], int]]:
+    from kvstream.codec import AvroCodec
+    from kvstream.engines.stream import EngineStream
+    from kvstream.engines.vllm import decode_payload
+
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    codec = AvroCodec()
+
+    def baseline() -> int:
+        n = 0
+        for p in payloads:
+            for ev in dec.decode(p).events:
+                if type(ev) is not AllBlocksCleared:
+                    n += len(ev.block_hashes)
+        return n
+
+    def columns() -> int:
+        stream = EngineStream("vllm@bench", 0, "vllm_sha256_64")
+        n = 0
+        for p in payloads:
+            n += len(codec.encode(stream.payload_columns(p)))
+        return n
+
+    def models() -> int:
+        stream = EngineStream("vllm@bench", 0, "vllm_sha256_64")
+        n = 0
+        for p in payloads:
+            n += len(codec.encode(stream.convert(decode_payload(p, width=8))))
+        return n
+
+    return {
+        "msgspec bare decode": baseline,
+        "kvstream columns -> Avro": columns,
+        "kvstream models -> Avro": models,
+    }
+
+
+def offline(block_sizes: list[int], rounds: int, requests: int) -> None:
+    files = make_frames(block_sizes, rounds, requests)
+    for bs in block_sizes:
+        rates: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
+        frames = blocks = 0
+        for r in range(rounds):
+            payloads = read_frames(files[bs, r])
+            fns = sides(payloads)
+            names = list(fns)
+            names = names[r % len(names) :] + names[: r % len(names)]  # rotate the order
+            got: dict[str, float] = {}
+            for name in names:
+                gc.collect()
+                secs, n = _cpu(fns[name])
+                if name == "msgspec bare decode":
+                    blocks = n
+                got[name] = secs
+            frames = len(payloads)
+            for name, secs in got.items():
+                rates.setdefault(name, []).append(blocks / secs)
+                ratios.setdefault(name, []).append(got["msgspec bare decode"] / secs)
+        print(
+            f"\n{bs}-token blocks: {rounds} rounds of fresh vLLM frames "
+            f"(last: {frames} frames, {blocks:,} blocks)"
         )
-        pub = EventPublisherFactory.create(cfg, data_parallel_rank=0)
-        ready.set()
-        go.wait()
-        for b in batches:
-            pub.publish(b)
-        pub.shutdown()
-        return
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUB)
-    sock.setsockopt(zmq.SNDHWM, 10 * steps)
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    enc = msgspec.msgpack.Encoder()
-    frames = [[b"", seq.to_bytes(8, "big"), enc.encode(b)] for seq, b in enumerate(batches)]
-    ready.set()
-    go.wait()
-    for f in frames:
-        sock.send_multipart(f)
-    time.sleep(1.0)
-    sock.close()
-    ctx.term()
+        print(f"{'side':28s} {'blocks/s (median)':>18s} {'vs msgspec':>11s} {'min-max':>13s}")
+        for name, rate in rates.items():
+            rs = ratios[name]
+            print(
+                f"{name:28s} {statistics.median(rate):18,.0f} "
+                f"{statistics.median(rs):10.2f}x {min(rs):5.2f}-{max(rs):.2f}x"
+            )
 
 
-async def _follow(port: int, n_frames: int) -> tuple[float, int]:
-    from kvstream.events.model import Removed, Stored
-    from kvstream.index.sources.engine import EngineSource
+def live(block_size: int, requests: int) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kafka_broker import KafkaBroker
 
-    src = EngineSource(f"vllm://127.0.0.1:{port}?hwm=0&from=latest")
-    blocks = 0
-    seen = 0
-    t0 = None
-    async with src:
-        while seen < n_frames:
-            item = await src.read(30)
-            if item is None:
-                break
-            if t0 is None:
-                t0 = time.perf_counter()
-            for e in item.batch.events:
-                if isinstance(e.data, Stored):
-                    blocks += len(e.data.blocks)
-                elif isinstance(e.data, Removed):
-                    blocks += len(e.data.block_hashes)
-            seen += 1
-    return time.perf_counter() - (t0 or time.perf_counter()), blocks
+    from kvstream.cli.bridge_run import BridgeOptions, run_bridge
 
-
-def live(steps: int) -> tuple[str, float, float, int]:
+    broker = KafkaBroker().start()
+    port_file = Path(tempfile.mkstemp(prefix="bench-bridge-port-")[1])
+    pub = subprocess.Popen(
+        [
+            str(PEERS_PYTHON),
+            __file__,
+            "--publish",
+            str(block_size),
+            "4242",
+            str(requests),
+            str(port_file),
+        ],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     try:
-        import vllm.distributed.kv_events  # noqa: F401
+        deadline = time.monotonic() + 300
+        while not port_file.read_text().strip():
+            if pub.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the vLLM publisher did not start")
+            time.sleep(0.2)
+        port = int(port_file.read_text())
+        topic = f"bridge-{os.getpid()}"
+        opts = BridgeOptions(
+            source=f"vllm://127.0.0.1:{port}?from=latest",
+            sinks=(f"kafka://{broker.bootstrap}/{topic}?create_topic=true&partitions=4",),
+            idle_exit_s=3.0,
+        )
+        first: list[float] = []
 
-        real = True
-    except ImportError:
-        real = False
-    import socket
+        def progress(p: Any) -> None:
+            if p.last_item is not None and not first:
+                first.append(p.last_item)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    ready, go = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_publish, args=(port, steps, ready, go, real))
-    proc.start()
-    ready.wait(120)
+        async def run() -> Any:
+            task = asyncio.create_task(
+                run_bridge(opts, on_progress=progress, progress_every_s=0.05)
+            )
+            await asyncio.sleep(1.0)  # subscribed before the first frame
+            assert pub.stdin is not None
+            pub.stdin.write("go\n")
+            pub.stdin.flush()
+            return await task
 
-    async def run() -> tuple[float, int]:
-        task = asyncio.create_task(_follow(port, steps))
-        await asyncio.sleep(0.5)  # subscribe before the first frame
-        go.set()
-        return await task
-
-    elapsed, blocks = asyncio.run(run())
-    proc.join(30)
-    who = "vLLM ZmqEventPublisher" if real else "pyzmq PUB (vLLM frames)"
-    return who, elapsed, blocks / elapsed if elapsed else 0.0, blocks
+        result = asyncio.run(run())
+        p = result.progress
+        blocks = p.blocks_stored + p.blocks_removed
+        busy = (p.last_item or 0) - (first[0] if first else p.started)
+        end = p.started + result.elapsed_s - 3.0  # minus the idle wait that ended it
+        span = max(end - (first[0] if first else p.started), busy, 1e-9)
+        print(
+            f"\nlive, {block_size}-token blocks: vLLM ZmqEventPublisher -> kvstream bridge -> "
+            f"Kafka (tansu, 4 partitions, acks=all): {blocks:,} blocks, {p.batches} batches in "
+            f"{span:.2f} s = {blocks / span:,.0f} blocks/s; ok={result.ok}, "
+            f"lost ids {p.lost_ids}"
+        )
+    finally:
+        pub.wait(60)
+        broker.close()
+        port_file.unlink(missing_ok=True)
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--emit":
+        _emit(
+            int(sys.argv[2]),
+            [int(s) for s in sys.argv[3].split(",")],
+            int(sys.argv[4]),
+            sys.argv[5],
+        )
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--publish":
+        _publish(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=40, help="8k-token prompts per round")
+    ap.add_argument("--block-sizes", default="16,32")
     ap.add_argument("--no-live", action="store_true")
     args = ap.parse_args()
-    batches, blocks = make_batches(args.steps)
-    enc = msgspec.msgpack.Encoder()
-    payloads = [enc.encode(b) for b in batches]
-    structs = vllm_structs()[4]
-    size = sum(map(len, payloads))
-    print(
-        f"{args.steps} vLLM batches, {blocks:,} blocks ({size / 1e6:.1f} MB msgpack); "
-        f"baseline decodes with {structs}"
-    )
-    native = "loaded" if NATIVE_AVAILABLE else "not loaded (pure Python)"
-    print(f"kvstream C extensions: {native}")
-    rates = offline(payloads, blocks, args.rounds)
-    base = rates["baseline"]
-    print(f"{'offline (one core, CPU time)':40s} {'blocks/s':>12s} {'vs baseline':>12s}")
-    for name, rate in rates.items():
-        print(f"{name:40s} {rate:12,.0f} {rate / base:11.2f}x")
+    from kvstream.engines.vllm import native_readers
+
+    print(f"kvstream C array readers: {'loaded' if native_readers() else 'not loaded'}")
+    sizes = [int(s) for s in args.block_sizes.split(",")]
+    offline(sizes, args.rounds, args.requests)
     if not args.no_live:
-        who, elapsed, rate, n = live(args.steps)
-        print(
-            f"live from {who}: {n:,} blocks in {elapsed:.2f} s = {rate:,.0f} blocks/s, "
-            f"{args.steps / elapsed:,.0f} frames/s (EngineSource: SUB + decode + convert)"
-        )
+        live(max(sizes), args.requests * 3)
 
 
 if __name__ == "__main__":
