@@ -227,3 +227,66 @@ def test_captured_vllm_033_frames_take_the_one_pass_path() -> None:
             stream._fast_columns(bytes.fromhex(step["frames"][2]), wire._wire_native)
             checked += 1
     assert checked >= 10
+
+
+def _one_pass(payload: bytes, native: Any) -> Any:
+    stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64", clock_ns=lambda: 7)
+    try:
+        cols = stream._fast_columns(payload, native)
+    except wire._NotFast:
+        return "not fast", stream.state()
+    return (cols.event_ids, cols.kinds, cols.group_ids, cols.window_sizes, cols.payloads), (
+        stream.state()
+    )
+
+
+needs_c = pytest.mark.skipif(
+    wire._wire_native is None, reason="kvstream.engines._wire_native is not built"
+)
+
+
+@needs_c
+@PROPS
+@given(frames=st.lists(payloads, min_size=1, max_size=3))
+def test_c_removal_runs_equal_the_python_loop(frames: list[bytes]) -> None:
+    # the C loop over removal events (removed_run) against the per-event Python loop
+    import types
+
+    native = wire._wire_native
+    python_only = types.SimpleNamespace(be64_array=native.be64_array, u32_array=native.u32_array)
+    for payload in frames:
+        assert _one_pass(payload, native) == _one_pass(payload, python_only)
+
+
+@needs_c
+def test_removed_run_stops_where_the_run_ends() -> None:
+    import msgspec
+
+    from kvstream.engines import _wire_structs as structs
+    from kvstream.engines.vllm import MEDIUM_LEVELS
+
+    def removed(h: Any, **kw: Any) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": h, "medium": "GPU"} | kw
+
+    events = [
+        removed([1, 2]),
+        removed([2**64 - 1]),
+        removed([3], group_idx=1),  # another group: a new run
+        removed([4], group_idx=1),
+        removed([5], group_idx=1, medium="CPU"),  # another tier
+        removed([6], group_idx=1, medium="CPU", locality="LOCAL"),  # Python's to read
+        removed([7], medium="cpu"),  # not a key as it is: Python's to read
+        removed([]),  # no hashes
+        removed([-1]),  # not a uint64
+        {"type": "AllBlocksCleared"},
+    ]
+    got = structs.decode(msgspec.msgpack.encode([0.0, events, 0])).events
+    run = wire._wire_native.removed_run
+    b = [h.to_bytes(8, "big") for h in (1, 2, 2**64 - 1, 3, 4, 5)]
+    assert run(got, 0, structs.Removed, MEDIUM_LEVELS) == (2, b[:3], 0, MEDIUM_LEVELS["GPU"])
+    assert run(got, 2, structs.Removed, MEDIUM_LEVELS) == (4, b[3:5], 1, MEDIUM_LEVELS["GPU"])
+    assert run(got, 4, structs.Removed, MEDIUM_LEVELS) == (5, b[5:], 1, MEDIUM_LEVELS["CPU"])
+    for start in range(5, len(events) + 1):
+        assert run(got, start, structs.Removed, MEDIUM_LEVELS) is None
+    with pytest.raises(TypeError):
+        run(tuple(got), 0, structs.Removed, MEDIUM_LEVELS)

@@ -9,6 +9,8 @@
  *                                      little-endian (the TokenIds layout)
  *   be64_array(buf) -> tuple[bytes]    a msgpack array of ints in 0..2**64-1, each as 8 bytes
  *                                      big-endian (64-bit block hashes)
+ *   removed_run(events, start, type, levels)   a run of msgspec-decoded BlockRemoved structs
+ *                                      of one group and tier: their hashes (see below)
  *
  * ``buf`` is any contiguous buffer holding exactly one msgpack array (what msgspec.Raw holds).
  * Anything else (another type, a negative or too large int, a nested array, trailing bytes)
@@ -209,7 +211,162 @@ be64_array(PyObject *module, PyObject *arg)
     return out;
 }
 
+/* removed_run(events, start, removed_type, levels) -> (end, hashes, group, level) | None
+ *
+ * The longest run of events[start:] that are ``removed_type`` structs with the same layer
+ * group and cache level, read as EngineStream._fast_columns reads them: ``group_idx`` None or
+ * an int in 0..2**31-1, ``medium`` None or a key of ``levels`` (exact case), ``locality``
+ * None, ``block_hashes`` a non-empty msgpack array of uint64s. The run stops before the
+ * first event that is anything else (the caller reads that one itself); None when it would be
+ * empty. ``hashes`` is a new list of every hash, 8 bytes big-endian, in order. */
+static PyObject *
+removed_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *s_group = NULL, *s_medium, *s_locality, *s_hashes;
+    PyObject *events, *type, *levels, *hashes = NULL, *first_level = NULL;
+    Py_ssize_t start, i, n;
+    long group0 = -1;
+
+    if (nargs != 4 || !PyList_Check(args[0]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "removed_run(events: list, start, type, levels: dict)");
+        return NULL;
+    }
+    if (s_group == NULL) {
+        s_group = PyUnicode_InternFromString("group_idx");
+        s_medium = PyUnicode_InternFromString("medium");
+        s_locality = PyUnicode_InternFromString("locality");
+        s_hashes = PyUnicode_InternFromString("block_hashes");
+        if (!s_group || !s_medium || !s_locality || !s_hashes)
+            return NULL;
+    }
+    events = args[0];
+    type = args[2];
+    levels = args[3];
+    start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    n = PyList_GET_SIZE(events);
+    for (i = start < 0 ? n : start; i < n; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i), *v, *level, *raw;
+        long group;
+        Py_buffer view;
+        Reader r;
+        Py_ssize_t k, count;
+        int bad = 0;
+
+        if ((PyObject *)Py_TYPE(ev) != type)
+            break;
+        v = PyObject_GetAttr(ev, s_locality);
+        if (v == NULL)
+            goto error;
+        Py_DECREF(v);
+        if (v != Py_None)
+            break;
+        v = PyObject_GetAttr(ev, s_group);
+        if (v == NULL)
+            goto error;
+        if (v == Py_None)
+            group = 0;
+        else if (PyLong_CheckExact(v)) {
+            int overflow;
+
+            group = PyLong_AsLongAndOverflow(v, &overflow);
+            if (overflow || group < 0 || group >= (1L << 31))
+                bad = 1;
+        } else
+            bad = 1;
+        Py_DECREF(v);
+        if (bad)
+            break;
+        v = PyObject_GetAttr(ev, s_medium);
+        if (v == NULL)
+            goto error;
+        if (v == Py_None)
+            level = Py_None;
+        else {
+            level = PyUnicode_CheckExact(v) ? PyDict_GetItemWithError(levels, v) : NULL;
+            if (level == NULL && PyErr_Occurred()) {
+                Py_DECREF(v);
+                goto error;
+            }
+        }
+        Py_DECREF(v);
+        if (level == NULL)
+            break;
+        if (first_level == NULL) {
+            group0 = group;
+            first_level = level;
+        } else if (group != group0
+                   || (level != first_level
+                       && (level == Py_None || first_level == Py_None
+                           || PyObject_RichCompareBool(level, first_level, Py_EQ) != 1)))
+            break;
+        raw = PyObject_GetAttr(ev, s_hashes);
+        if (raw == NULL)
+            goto error;
+        if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(raw);
+            PyErr_Clear();
+            break;
+        }
+        r.p = (const unsigned char *)view.buf;
+        r.end = r.p + view.len;
+        count = array_header(&r);
+        if (count <= 0 || count > r.end - r.p)
+            bad = 1;
+        if (!bad && hashes == NULL && (hashes = PyList_New(0)) == NULL) {
+            PyBuffer_Release(&view);
+            Py_DECREF(raw);
+            goto error;
+        }
+        {
+            Py_ssize_t before = bad ? 0 : PyList_GET_SIZE(hashes);
+
+            for (k = 0; !bad && k < count; k++) {
+                uint64_t h;
+                PyObject *b;
+
+                if (read_uint(&r, &h) < 0) {
+                    bad = 1;
+                    break;
+                }
+                b = be8(h);
+                if (b == NULL || PyList_Append(hashes, b) < 0) {
+                    Py_XDECREF(b);
+                    PyBuffer_Release(&view);
+                    Py_DECREF(raw);
+                    goto error;
+                }
+                Py_DECREF(b);
+            }
+            if (!bad && r.p != r.end)
+                bad = 1;
+            if (bad && hashes != NULL
+                && PyList_SetSlice(hashes, before, PyList_GET_SIZE(hashes), NULL) < 0) {
+                PyBuffer_Release(&view);
+                Py_DECREF(raw);
+                goto error;
+            }
+        }
+        PyBuffer_Release(&view);
+        Py_DECREF(raw);
+        if (bad)
+            break;
+    }
+    if (hashes == NULL || i == start) {
+        Py_XDECREF(hashes);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(nNlO)", i, hashes, group0, first_level);
+error:
+    Py_XDECREF(hashes);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"removed_run", (PyCFunction)(void (*)(void))removed_run, METH_FASTCALL,
+     "removed_run(events, start, removed_type, levels): a run of removal events of one group "
+     "and level as (end, hashes, group, level), or None."},
     {"u32_array", (PyCFunction)u32_array, METH_O,
      "u32_array(buf): a msgpack array of uint32 ints as packed little-endian bytes."},
     {"be64_array", (PyCFunction)be64_array, METH_O,

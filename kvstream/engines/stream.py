@@ -335,6 +335,7 @@ class EngineStream:
         stored_t, removed_t = structs.Stored, structs.Removed
         be64 = native.be64_array
         u32 = native.u32_array
+        removed_run = getattr(native, "removed_run", None)
         levels = MEDIUM_LEVELS
         next_id = self._next_id
         known = dict(self._windows)
@@ -360,8 +361,23 @@ class EngineStream:
 
         try:
             events: list[Any] = batch.events  # narrowed by type(ev) below
-            for ev in events:
+            i, n_events = 0, len(events)
+            while i < n_events:
+                ev = events[i]
                 t = type(ev)
+                if t is removed_t and removed_run is not None:
+                    # a run of plain removals in C; what it stops at is read below
+                    got = removed_run(events, i, removed_t, levels)
+                    if got is not None:
+                        i, hashes, group, level = got
+                        key = (group, level)
+                        if key != run_key and run:
+                            flush(run, run_key)
+                            run = []
+                        run_key = key
+                        run += hashes
+                        continue
+                i += 1
                 if t is removed_t or t is stored_t:
                     group = ev.group_idx or 0
                     if not 0 <= group < 1 << 31:
