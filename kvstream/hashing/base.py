@@ -4,14 +4,19 @@ A hasher turns a request's token blocks into a chain of block hashes: block *i*'
 depends on block *i-1*'s (its parent) and, at the root, on the request's scope (LoRA adapter,
 cache salt). Two ways to drive it, always giving the same values:
 
-- ``chain_bytes(blocks, ...)`` / ``chain(blocks, ...)``: a whole request at once (routers);
-- ``root(...)`` then ``extend(state, block)`` per block (cache managers committing blocks one
+- ``chain_bytes(blocks, scope)`` / ``chain(blocks, scope)``: a whole request at once (routers);
+- ``root(scope)`` then ``extend(state, block)`` per block (cache managers committing blocks one
   at a time). The state is an immutable :class:`ChainState`, so a prefix's state can be kept
   and extended along several branches.
 
-An algorithm implements :meth:`BlockHasher.root` and :meth:`BlockHasher.extend`; the base class
-validates a chain call's per-block arguments (rejecting the inputs the algorithm declares it
-does not hash) and folds ``extend`` over the blocks. An algorithm with a faster whole-request
+The request scope is one :class:`~kvstream.hashing.scope.HashScope`; the public methods also
+take its fields as keywords (``cache_salt="t"``) or, as they always have, the first four
+positionally (see :meth:`~kvstream.hashing.scope.HashScope.of`).
+
+An algorithm implements :meth:`BlockHasher._root` (the root state of a scope) and
+:meth:`BlockHasher.extend`; the base class turns a call's arguments into a scope, validates its
+per-block arguments (rejecting the inputs the algorithm declares it does not hash) and folds
+``extend`` over the blocks. An algorithm with a faster whole-request
 loop overrides only :meth:`BlockHasher._chain`, which receives the validated arguments; for
 packed requests (:meth:`BlockHasher.chain_raw`) it names its C chain (``_c``, ``_c_kind``,
 ``_c_args``) or overrides :meth:`BlockHasher._chain_raw`.
@@ -26,10 +31,12 @@ from typing import Any, ClassVar, NamedTuple, TypeAlias
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.salt import cache_salt_id
+from kvstream.hashing.scope import EMPTY_SCOPE, HashScope
 
 __all__ = [
     "BlockHasher",
     "ChainState",
+    "HashScope",
     "PerBlock",
     "cache_salt_id",
     "check_str",
@@ -93,29 +100,27 @@ def resolve_salt_id(cache_salt: str | None, salt_id: int | None, *, salt_hash: s
     return None
 
 
-def id_scope(
-    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any, *, salt_hash: str
-) -> tuple[int | None, int | None]:
+def id_scope(name: str, scope: HashScope, *, salt_hash: str) -> tuple[int | None, int | None]:
     """(lora_id, salt_id) of a request for the id-scoped algorithms (TensorRT-LLM, blake3)."""
+    lora_id, lora_name = scope.lora_id, scope.lora_name
     if lora_id is None and lora_name is not None:
         raise HashingError(
             f"{name} identifies LoRA adapters by lora_id; got lora_name={lora_name!r} "
             "without a lora_id"
         )
     lora = None if lora_id is None else check_u64("lora_id", lora_id)
-    return lora, resolve_salt_id(cache_salt, salt_id, salt_hash=salt_hash)
+    return lora, resolve_salt_id(scope.cache_salt, scope.salt_id, salt_hash=salt_hash)
 
 
-def name_scope(
-    name: str, lora_id: Any, cache_salt: Any, salt_id: Any, lora_name: Any, *, no_salt_id: str
-) -> None:
+def name_scope(name: str, scope: HashScope, *, no_salt_id: str) -> None:
     """Check a request scope for the name-scoped algorithms (vLLM, Dynamo).
 
     They hash the ``cache_salt`` string and identify LoRA adapters by ``lora_name``: a
     ``salt_id`` raises HashingError with ``no_salt_id`` (the algorithm's reason), as do a
     ``lora_id`` without a ``lora_name`` and a salt or name that is not a str.
     """
-    if salt_id is not None:
+    lora_id, cache_salt, lora_name = scope.lora_id, scope.cache_salt, scope.lora_name
+    if scope.salt_id is not None:
         raise HashingError(
             no_salt_id
             + (" (and pass either cache_salt or salt_id, not both)" if cache_salt else "")
@@ -154,6 +159,8 @@ class BlockHasher(ABC):
     _no_extra_ids: ClassVar[str | None] = None
     #: Likewise for multimodal keys.
     _no_mm_keys: ClassVar[str | None] = None
+    #: Whether the algorithm hashes :attr:`HashScope.extra_key` (SGLang's).
+    _takes_extra_key: ClassVar[bool] = False
     #: The C module (:mod:`kvstream.hashing._chainnative`) hashing this hasher's packed
     #: requests in :meth:`chain_raw`, None for none; set per instance
     #: (:func:`kvstream.hashing.accel.native_chains`).
@@ -164,23 +171,45 @@ class BlockHasher(ABC):
     #: (``_chainnative.chain_many``, for :meth:`chain_raw_many`).
     _c_many: ClassVar[bool] = False
 
-    @abstractmethod
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
-        """The chain state before a request's first block.
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A hasher written before HashScope overrides root(lora_id, cache_salt, ...) instead
+        # of _root(scope): its root is adapted, so registered third-party hashers keep working.
+        legacy = cls.__dict__.get("root")
+        if legacy is not None and "_root" not in cls.__dict__:
 
-        ``lora_id``/``lora_name``(+``lora_path``) name the LoRA adapter, ``cache_salt`` (a
-        string) or ``salt_id`` (an int) the cache-isolation salt; which of them an algorithm
-        hashes is in its docs. Passing an adapter or salt in a form the algorithm cannot
+            def _root(self: BlockHasher, scope: HashScope) -> ChainState:
+                state: ChainState = legacy(self, **scope.given())
+                return state
+
+            cls._root = _root  # type: ignore[method-assign]
+
+    def root(self, *args: Any, scope: HashScope | None = None, **fields: Any) -> ChainState:
+        """The chain state before the first block of a request with this scope.
+
+        The scope is a :class:`HashScope` (positionally or as ``scope=``), or its fields as
+        keywords, or ``lora_id, cache_salt, salt_id, lora_name`` positionally (see
+        :meth:`HashScope.of`; TypeError for arguments it does not take). Which fields an
+        algorithm hashes is in its docs: a LoRA adapter or salt in a form the algorithm cannot
         hash raises HashingError rather than silently hashing without it.
         """
+        if scope is None and not fields and len(args) <= 4 and args.count(None) == len(args):
+            return self._root(EMPTY_SCOPE)  # the common unscoped request, in few steps
+        return self._root(self._scope(scope, args, fields))
+
+    def _scope(
+        self, scope: HashScope | None, args: tuple[Any, ...], fields: dict[str, Any]
+    ) -> HashScope:
+        """The call's :class:`HashScope`; TypeError for an ``extra_key`` given to an algorithm
+        without one (as the keyword was refused before scopes were values)."""
+        out = HashScope.of(scope, args, fields)
+        if out.extra_key is not None and not self._takes_extra_key:
+            raise TypeError(f"{self.name} takes no extra_key (SGLang's request scope)")
+        return out
+
+    @abstractmethod
+    def _root(self, scope: HashScope) -> ChainState:
+        """Hook: the root state of ``scope`` (what :meth:`root` returns)."""
 
     @abstractmethod
     def extend(
@@ -206,59 +235,66 @@ class BlockHasher(ABC):
     def chain_bytes(
         self,
         blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
+        *args: Any,
+        scope: HashScope | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
-        **scope: Any,
+        prompt_embeds: Sequence[bytes | None] | None = None,
+        **fields: Any,
     ) -> list[bytes]:
         """The published hash of every block, as bytes of width ``self.width``.
 
-        64-bit values are big-endian. ``mm_keys`` and ``token_extra_ids``, when given, hold
-        one entry per block (None or empty for a block without any). ``scope`` holds the
-        algorithm's own request-scope keywords of :meth:`root` (SGLang's ``extra_key``).
+        The request's scope is given as to :meth:`root` (``args``, ``scope`` or ``fields``).
+        64-bit values are big-endian. ``mm_keys``, ``token_extra_ids`` and ``prompt_embeds``
+        (vLLM only: each block's prompt-embeddings digest; TypeError for another algorithm),
+        when given, hold one entry per block (None or empty for a block without any).
         Equals folding :meth:`extend` over the blocks from :meth:`root`.
         """
-        blocks = list(blocks)
-        mm, extra = self._block_args(len(blocks), mm_keys, token_extra_ids)
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
+        state, blocks, mm, extra = self._request(
+            blocks, args, scope, mm_keys, token_extra_ids, fields
+        )
+        if prompt_embeds is not None:
+            return self._chain_embeds(state, blocks, mm, extra, prompt_embeds)
         return self._chain(state, blocks, mm, extra)
 
     def chain(
         self,
         blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
+        *args: Any,
+        scope: HashScope | None = None,
         mm_keys: Sequence[Iterable[Any] | None] | None = None,
         token_extra_ids: Sequence[Any] | None = None,
-        **scope: Any,
+        prompt_embeds: Sequence[bytes | None] | None = None,
+        **fields: Any,
     ) -> list[int] | list[bytes]:
         """Like :meth:`chain_bytes`, in the form engines publish in JSON.
 
         Unsigned ints for 64-bit algorithms, 32-byte ``bytes`` for 256-bit ones.
         """
-        out = self.chain_bytes(
-            blocks,
-            lora_id,
-            cache_salt,
-            salt_id,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            mm_keys=mm_keys,
-            token_extra_ids=token_extra_ids,
-            **scope,
+        state, blocks, mm, extra = self._request(
+            blocks, args, scope, mm_keys, token_extra_ids, fields
         )
+        if prompt_embeds is None:
+            return self._chain_json(state, blocks, mm, extra)
+        out = self._chain_embeds(state, blocks, mm, extra, prompt_embeds)
         if self.width == 8:
             return [int.from_bytes(b, "big") for b in out]
         return out
+
+    def _request(  # noqa: PLR0917 (a private helper of the two chain calls)
+        self,
+        blocks: Iterable[Any],
+        args: tuple[Any, ...],
+        scope: HashScope | None,
+        mm_keys: Sequence[Iterable[Any] | None] | None,
+        token_extra_ids: Sequence[Any] | None,
+        fields: dict[str, Any],
+    ) -> tuple[ChainState, list[Any], PerBlock, PerBlock]:
+        """A chain call's root state, blocks and validated per-block arguments."""
+        hash_scope = self._scope(scope, args, fields)
+        block_list = list(blocks)
+        mm, extra = self._block_args(len(block_list), mm_keys, token_extra_ids)
+        return self._root(hash_scope), block_list, mm, extra
 
     def _block_args(
         self,
@@ -298,6 +334,28 @@ class BlockHasher(ABC):
             )
             out.append(published)
         return out
+
+    def _chain_json(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
+    ) -> list[int] | list[bytes]:
+        """Hook: :meth:`_chain` in the JSON form of :meth:`chain`. This default converts
+        :meth:`_chain`'s bytes; an algorithm that computes ints overrides it."""
+        out = self._chain(state, blocks, mm, extra)
+        if self.width == 8:
+            return [int.from_bytes(b, "big") for b in out]
+        return out
+
+    def _chain_embeds(
+        self,
+        state: ChainState,
+        blocks: list[Any],
+        mm: PerBlock,
+        extra: PerBlock,
+        prompt_embeds: Sequence[bytes | None],
+    ) -> list[bytes]:
+        """Hook: :meth:`_chain` with one prompt-embeddings digest per block. Only algorithms
+        that hash prompt embeddings (vLLM) override it; this default raises TypeError."""
+        raise TypeError(f"{self.name} takes no prompt_embeds (vLLM's algorithms hash them)")
 
     def chain_raw(
         self,

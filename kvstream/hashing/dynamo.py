@@ -38,7 +38,7 @@ import xxhash
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
-from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
+from kvstream.hashing.base import BlockHasher, ChainState, HashScope, PerBlock, name_scope
 from kvstream.hashing.blocks import coerce_many, coerce_tokens
 from kvstream.hashing.multimodal import normalize_mm_keys
 
@@ -120,26 +120,15 @@ class DynamoXxh3Hasher(BlockHasher):
     width = 8
     _no_extra_ids = "Dynamo block hashes have no per-token extra ids"
 
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state: key None (blocks do not chain); scope = (XXH3 seed,)."""
         name_scope(
             self.name,
-            lora_id,
-            cache_salt,
-            salt_id,
-            lora_name,
+            scope,
             no_salt_id="Dynamo hashes the cache_salt string (its cache_namespace); a numeric "
             "salt_id is not used",
         )
-        return ChainState(self.name, None, 0, (block_hash_seed(lora_name, cache_salt),))
+        return ChainState(self.name, None, 0, (block_hash_seed(scope.lora_name, scope.cache_salt),))
 
     def extend(
         self,

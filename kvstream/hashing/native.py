@@ -37,7 +37,14 @@ from blake3 import blake3
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.accel import KIND_BLAKE3, native_chains
-from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
+from kvstream.hashing.base import (
+    BlockHasher,
+    ChainState,
+    HashScope,
+    PerBlock,
+    id_scope,
+    scope_bytes,
+)
 from kvstream.hashing.blocks import MixedBlock, Where, coerce_block, extra_ids_list, plain_raws
 from kvstream.hashing.multimodal import NormMmKey, digest32, normalize_mm_keys
 
@@ -90,19 +97,9 @@ class Blake3Hasher(BlockHasher):
         #: Whether chains of plain blocks run in C.
         self.native: bool = self._c is not None
 
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state: key = BLAKE3(scope bytes). LoRA is identified by ``lora_id``."""
-        lora, salt = id_scope(
-            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash="sha256"
-        )
+        lora, salt = id_scope(self.name, scope, salt_hash="sha256")
         return ChainState(self.name, bytes(blake3(scope_bytes(lora, salt)).digest()), 0, ())
 
     def _key(self, parent: bytes, block: Any, mm_keys: Any, extra: Any, where: Where) -> bytes:

@@ -14,7 +14,9 @@ Built in, with their algorithm-level parameters (``get_hasher(name, **params)``)
 - ``dynamo_xxh3_64``: Dynamo's unchained per-block ``tokens_hash`` (XXH3-64, seed 1337).
 - ``blake3``, ``blake3_64``: kvstream's native chain.
 
-Third parties add theirs with :func:`register_hasher`.
+Third parties add theirs with :func:`register_hasher`: a :class:`BlockHasher` subclass that
+implements ``_root(scope)`` (a :class:`~kvstream.hashing.scope.HashScope`) and ``extend``; one
+written before HashScope, overriding ``root(lora_id, cache_salt, ...)`` instead, still works.
 """
 
 from __future__ import annotations

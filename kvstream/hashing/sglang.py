@@ -48,7 +48,7 @@ import numpy as np
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.accel import KIND_SGLANG, native_chains
-from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, check_str
+from kvstream.hashing.base import BlockHasher, ChainState, HashScope, PerBlock, check_str
 from kvstream.hashing.blocks import Where, coerce_tokens
 
 __all__ = ["EVENT_FORMATS", "SglangSha256Hasher", "namespace_seed", "salt_seed"]
@@ -140,6 +140,7 @@ class SglangSha256Hasher(BlockHasher):
     name = "sglang_sha256_64"
     width = 8
     _no_extra_ids = "SGLang page hashes have no per-token extra ids"
+    _takes_extra_key = True
     _no_mm_keys = (
         "SGLang hashes multimodal items through their pad token ids; pass the padded tokens, "
         "not mm_keys"
@@ -163,17 +164,10 @@ class SglangSha256Hasher(BlockHasher):
         key = state.key
         return (b"" if key is None else key), 0, None, state.scope[0]
 
-    def root(
-        self,
-        lora_id: Any = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-        extra_key: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state: key = the salt seed or None; scope = (namespace seed,)."""
+        lora_id, cache_salt, salt_id = scope.lora_id, scope.cache_salt, scope.salt_id
+        lora_name, extra_key = scope.lora_name, scope.extra_key
         if salt_id is not None:
             raise HashingError("SGLang hashes the cache_salt string; a numeric salt_id is not used")
         check_str("cache_salt", cache_salt)

@@ -70,7 +70,7 @@ import hashlib
 import os
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Final, TypeAlias
 
 import numpy as np
@@ -78,7 +78,14 @@ import numpy as np
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.accel import KIND_V2, native_chains
-from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, id_scope, scope_bytes
+from kvstream.hashing.base import (
+    BlockHasher,
+    ChainState,
+    HashScope,
+    PerBlock,
+    id_scope,
+    scope_bytes,
+)
 from kvstream.hashing.blocks import (
     MixedBlock,
     Where,
@@ -246,23 +253,13 @@ class V1BlockKeyHasher(BlockHasher):
             )
         self.native: bool = bool(native)
 
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state; the parent of the first block is 0.
 
         The scope is ``(salt term, lora term, salt_id, lora_id)`` (terms for the Python path,
         ids for the C one); either implementation extends the other's states.
         """
-        lora, salt = id_scope(
-            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
-        )
+        lora, salt = id_scope(self.name, scope, salt_hash=self.salt_hash)
         return ChainState(
             self.name,
             0,
@@ -366,26 +363,11 @@ class V1BlockKeyHasher(BlockHasher):
             ChainState, (self.name, key, state.depth + 1, state.scope)
         )
 
-    def chain(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        **scope: Any,
+    def _chain_json(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[int]:
-        """The chain as unsigned 64-bit ints (the JSON form). See :meth:`BlockHasher.chain`.
-
-        Computed as ints (both implementations produce them), not converted from bytes.
-        """
-        blocks = list(blocks)
-        mm, extra = self._block_args(len(blocks), mm_keys, token_extra_ids)
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
+        """The chain as unsigned 64-bit ints (the JSON form of :meth:`BlockHasher.chain`),
+        computed as ints (both implementations produce them), not converted from bytes."""
         return self._ints(state, blocks, mm, extra)
 
     def _chain(
@@ -497,28 +479,18 @@ class V2Sha256Hasher(BlockHasher):
         #: True = required).
         self.native: bool = self._c is not None
 
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state: key = SHA-256(scope bytes) (``u64_lora_root``: of the LoRA id alone)."""
-        lora, salt = id_scope(
-            self.name, lora_id, cache_salt, salt_id, lora_name, salt_hash=self.salt_hash
-        )
+        lora, salt = id_scope(self.name, scope, salt_hash=self.salt_hash)
         if self.encoding == "u64_lora_root":
             if salt is not None:
                 raise HashingError(
                     "the u64_lora_root V2 encoding (TensorRT-LLM @27efb004) has no cache salt"
                 )
-            scope = b"" if lora is None else lora.to_bytes(8, "little")
+            encoded = b"" if lora is None else lora.to_bytes(8, "little")
         else:
-            scope = scope_bytes(lora, salt)
-        return ChainState(self.name, hashlib.sha256(scope).digest(), 0, ())
+            encoded = scope_bytes(lora, salt)
+        return ChainState(self.name, hashlib.sha256(encoded).digest(), 0, ())
 
     def _message(
         self, block_tokens: Any, mm_keys: Any, token_extra_ids: Any, where: Where

@@ -64,7 +64,7 @@ import numpy as np
 from kvstream.errors import HashingError
 from kvstream.hashing import cbor
 from kvstream.hashing.accel import KIND_CBOR, native_chains
-from kvstream.hashing.base import BlockHasher, ChainState, PerBlock, name_scope
+from kvstream.hashing.base import BlockHasher, ChainState, HashScope, PerBlock, name_scope
 from kvstream.hashing.blocks import coerce_many, coerce_tokens, u32_list
 from kvstream.hashing.multimodal import normalize_mm_keys
 
@@ -241,29 +241,23 @@ class VllmHasherBase(BlockHasher):
             for i in range(n)
         ]
 
-    def root(
-        self,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        lora_name: str | None = None,
-        *,
-        lora_path: str | None = None,
-    ) -> ChainState:
+    def _root(self, scope: HashScope) -> ChainState:
         """Root state: parent NONE_HASH; the LoRA and salt extra keys of the request."""
         name_scope(
             self.name,
-            lora_id,
-            cache_salt,
-            salt_id,
-            lora_name,
+            scope,
             no_salt_id="vLLM hashes the cache_salt string; a numeric salt_id cannot be mixed in",
         )
         s = self._str
+        lora_name, cache_salt = scope.lora_name, scope.cache_salt
         lora_key: Any = None
         if lora_name is not None:
             if self._tagged:
-                path = lora_path if lora_path is not None else self.lora_paths.get(lora_name)
+                path = (
+                    scope.lora_path
+                    if scope.lora_path is not None
+                    else self.lora_paths.get(lora_name)
+                )
                 if not isinstance(path, str):
                     raise HashingError(
                         f"vLLM >= 0.31 hashes ('lora', name, path) and never a name alone: pass "
@@ -327,28 +321,23 @@ class VllmHasherBase(BlockHasher):
         published = digest if self.width == 32 else digest[-8:]
         return published, _tuple_new(ChainState, (self.name, digest, state.depth + 1, state.scope))
 
-    def chain_bytes(
-        self,
-        blocks: Iterable[Any],
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        salt_id: int | None = None,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_keys: Sequence[Iterable[Any] | None] | None = None,
-        token_extra_ids: Sequence[Any] | None = None,
-        prompt_embeds: Sequence[bytes | None] | None = None,
-        **scope: Any,
+    def _chain(
+        self, state: ChainState, blocks: list[Any], mm: PerBlock, extra: PerBlock
     ) -> list[bytes]:
-        """The chain as bytes of width ``self.width``; ``prompt_embeds``: one digest per block.
+        digests = self._digests(state, coerce_many(blocks), mm, None)
+        return digests if self.width == 32 else [d[-8:] for d in digests]
 
-        See :meth:`BlockHasher.chain_bytes`.
-        """
-        blocks = list(blocks)
-        mm, _ = self._block_args(len(blocks), mm_keys, token_extra_ids)
+    def _chain_embeds(
+        self,
+        state: ChainState,
+        blocks: list[Any],
+        mm: PerBlock,
+        extra: PerBlock,
+        prompt_embeds: Sequence[bytes | None],
+    ) -> list[bytes]:
+        """The chain with ``prompt_embeds``: one digest per block (see
+        :func:`prompt_embeds_digest`)."""
         embeds = _embeds_list(prompt_embeds, len(blocks))
-        state = self.root(lora_id, cache_salt, salt_id, lora_name, lora_path=lora_path, **scope)
         digests = self._digests(state, coerce_many(blocks), mm, embeds)
         return digests if self.width == 32 else [d[-8:] for d in digests]
 
