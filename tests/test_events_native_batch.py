@@ -1,5 +1,5 @@
 """The C loop of ``emitted_batch`` (``_trusted_native.EmittedEvents``) builds the same events as
-its pure-Python reference (``emitter._py_events``) and as validation, for every record an
+its pure-Python reference (``emitted._py_events``) and as validation, for every record an
 emitter buffers: stored runs (packed chains, single blocks, mixed), runs with per-block
 attributes and every other kind (which it hands to the validated fallback)."""
 
@@ -14,7 +14,7 @@ from test_emitter_trusted_batch import OPS, apply, assert_same, fields_sets, reg
 
 from kvstream._types import TokenIds
 from kvstream.clock import ManualClock
-from kvstream.events import emitter as emitter_mod
+from kvstream.events import emitted as emitted_mod
 from kvstream.events.deferred import BlockRun, model_input
 from kvstream.events.emitter import EventEmitter
 from kvstream.events.model import EventBatch, KVCacheEvent, SourceId
@@ -30,8 +30,8 @@ def _validated(records: list[dict[str, Any]]) -> tuple[KVCacheEvent, ...]:
 
 
 def _assert_events(records: list[dict[str, Any]]) -> None:
-    native = emitter_mod._events(records)
-    reference = emitter_mod._py_events(records)
+    native = emitted_mod._events(records)
+    reference = emitted_mod._py_events(records)
     assert native == reference == _validated(records)
     assert fields_sets(native) == fields_sets(reference)
     assert [type(e.data.blocks[0].token_ids) for e in native if e.data.type == "stored"] == [
@@ -40,7 +40,7 @@ def _assert_events(records: list[dict[str, Any]]) -> None:
 
 
 def test_the_emitter_uses_the_c_loop() -> None:
-    assert emitter_mod._events is not emitter_mod._py_events
+    assert emitted_mod._events is not emitted_mod._py_events
 
 
 @settings(max_examples=150, deadline=None)
@@ -83,7 +83,7 @@ def test_packed_single_and_mixed_token_entries() -> None:
     run.tokens.append(TokenIds([9, 9, 9, 9]))  # one block on its own
     run.tokens.append((TokenIds([5, 6, 7, 8]), 1))  # a packed run of one block
     _assert_events([_stored(run, h(0))])
-    blocks = emitter_mod._events([_stored(run, h(0))])[0].data.blocks
+    blocks = emitted_mod._events([_stored(run, h(0))])[0].data.blocks
     assert [list(b.token_ids) for b in blocks] == [
         [0, 1, 2, 3],
         [4, 5, 6, 7],
@@ -97,7 +97,7 @@ def test_runs_the_c_loop_does_not_build_go_to_the_fallback() -> None:
 
     def fallback(rec: dict[str, Any]) -> KVCacheEvent:
         calls.append(rec)
-        return emitter_mod._validated_event(rec)
+        return emitted_mod._validated_event(rec)
 
     events = native_events_builder(BlockRun, fallback)
     assert events is not None

@@ -59,16 +59,19 @@ Rules, per layer group ("group", registered by ``created``):
   marker's range. Drops while a marker heads the buffer extend it. The marker's
   ``layer_group_id``/``window_size`` are those of the last dropped event; it concerns the
   whole source.
+
+Modules: :mod:`.recorder` (the :class:`EventRecorder` interface and :class:`NullRecorder`),
+:mod:`.emitter_checks` (the recording methods' argument checks), :mod:`.emitted` (records ->
+:class:`EventBatch`); this module keeps the emitter and its rules.
 """
 
 from __future__ import annotations
 
-import operator
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Final, Protocol, SupportsIndex, TypeAlias, cast, runtime_checkable
+from typing import Any, Final, TypeAlias
 
 from kvstream._types import (
     ALLOWED_UNKNOWN_WIDTHS,
@@ -76,28 +79,25 @@ from kvstream._types import (
     PRIORITY_MAX,
     PRIORITY_MIN,
     TokenIds,
-    TokenIdsView,
     hash_width,
 )
 from kvstream.clock import SYSTEM_CLOCK, Clock
 from kvstream.errors import ConfigError, EmitterError
-from kvstream.events.deferred import BlockRun, DeferredBatch, model_input
+from kvstream.events.deferred import BlockRun, DeferredBatch
 from kvstream.events.dp_gather import gather_attention_dp
-from kvstream.events.model import (
-    AttentionKind,
-    EventBatch,
-    KVCacheEvent,
-    MmKey,
-    Removed,
-    SourceId,
-    Stored,
+from kvstream.events.emitted import emitted_batch
+from kvstream.events.emitter_checks import (
+    _I32_MAX,
+    _I64_MAX,
+    _add_block_extras,
+    _as_int,
+    _as_tokens,
+    _block_attrs,
+    _diff,
+    _hash_list,
 )
-from kvstream.events.trusted import (
-    native_events_builder,
-    token_blocks,
-    trusted_builder,
-    trusted_stored_blocks,
-)
+from kvstream.events.model import AttentionKind, EventBatch, MmKey, SourceId
+from kvstream.events.recorder import NULL_RECORDER, EventRecorder, NullRecorder
 
 __all__ = [
     "DeferredBatch",
@@ -109,125 +109,11 @@ __all__ = [
     "gather_attention_dp",
 ]
 
-_I32_MAX: Final = 2**31 - 1
-_I64_MAX: Final = 2**63 - 1
-_U64_MAX: Final = 2**64 - 1
-
 # An event as the model will validate it: {"event_id", "hash_algo", "layer_group_id",
 # "window_size", "data": {...}}, except that a stored event's "blocks" is a BlockRun, appended
 # to in place while the event is its group's coalescing target (deferred.model_input expands it).
 _Rec: TypeAlias = dict[str, Any]
-
-_NOT_SEQUENCES: Final = (bytes, bytearray, memoryview, str)
 _BYTES: Final = frozenset({bytes})
-
-
-@runtime_checkable
-class EventRecorder(Protocol):
-    """What a cache manager records KV-cache events into (engine thread, synchronous).
-
-    ``enabled`` is False for a recorder that discards everything (:class:`NullRecorder`), so
-    callers may skip building arguments. Every hash is ``bytes``; ``cache_level`` 0 is the
-    GPU, 1 host, 2 disk.
-    """
-
-    enabled: bool
-
-    def created(
-        self,
-        layer_group_id: int,
-        *,
-        window_size: int,
-        num_blocks_per_cache_level: Sequence[int],
-        tokens_per_block: int,
-        attention_kind: AttentionKind = AttentionKind.FULL,
-    ) -> None:
-        """Register (or re-announce, e.g. after a capacity change) a layer group."""
-        ...
-
-    def stored(
-        self,
-        layer_group_id: int,
-        *,
-        parent_hash: bytes | None,
-        block_hash: bytes,
-        token_ids: TokenIds | Sequence[int],
-        cache_level: int = 0,
-        priority: int = PRIORITY_DEFAULT,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        mm_keys: Sequence[MmKey] = (),
-        cache_salt: str | None = None,
-        token_extra_ids: TokenIds | Sequence[int] | None = None,
-    ) -> None:
-        """One block entered the cache; ``parent_hash`` is its parent (None at the root)."""
-        ...
-
-    def stored_chain(
-        self,
-        layer_group_id: int,
-        *,
-        parent_hash: bytes | None,
-        block_hashes: Sequence[bytes],
-        token_ids: TokenIds | Sequence[int],
-        cache_level: int = 0,
-        priority: int = PRIORITY_DEFAULT,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Consecutive full blocks entered the cache: block i's parent is block i-1, block 0's
-        is ``parent_hash``; ``token_ids`` holds their tokens packed, ``tokens_per_block`` per
-        block. The same as one ``stored`` call per block."""
-        ...
-
-    def removed(
-        self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
-    ) -> None:
-        """A block left the cache (its last tier, ``cache_level`` when known)."""
-        ...
-
-    def removed_many(
-        self, layer_group_id: int, block_hashes: Sequence[bytes], *, cache_level: int | None = None
-    ) -> None:
-        """Blocks left the cache, in this order; the same as one ``removed`` call per block."""
-        ...
-
-    def updated(
-        self,
-        layer_group_id: int,
-        block_hash: bytes,
-        *,
-        cache_level: tuple[int, int] | None = None,
-        priority: tuple[int, int] | None = None,
-    ) -> None:
-        """A block moved tier and/or changed priority; each change is (old, new)."""
-        ...
-
-    def cleared(self, layer_group_id: int | None = None) -> None:
-        """Every block of the group (None: of every group) is gone."""
-        ...
-
-    def flush_iteration(self) -> None:
-        """End of an engine iteration: materialise pending removals, reset coalescing."""
-        ...
-
-    def take(self) -> EventBatch | None:
-        """Hand over every materialised event (None when there is none) and clear them."""
-        ...
-
-    def flush(self) -> EventBatch | None:
-        """``flush_iteration()`` then ``take()``."""
-        ...
-
-    def take_deferred(self) -> DeferredBatch | None:
-        """Like ``take`` but hands the raw records over (O(1)); the models are built by
-        :meth:`DeferredBatch.materialize`, on whatever thread needs them."""
-        ...
-
-    def flush_deferred(self) -> DeferredBatch | None:
-        """``flush_iteration()`` then ``take_deferred()``."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,98 +183,6 @@ class _Group:
         # Blocks of the coalescing target (a buffered stored event) and its last hash.
         self.target: BlockRun | None = None
         self.last_hash: bytes | None = None
-
-
-def _as_int(value: object, lo: int, hi: int, what: str) -> int:
-    if isinstance(value, bool):
-        raise EmitterError(f"{what} must be an int, got bool")
-    try:
-        v = operator.index(cast("SupportsIndex", value))
-    except TypeError:
-        raise EmitterError(f"{what} must be an int, got {type(value).__name__}") from None
-    if not lo <= v <= hi:
-        raise EmitterError(f"{what} must be in {lo}..{hi}, got {v}")
-    return v
-
-
-def _as_tokens(value: object, what: str) -> TokenIds:
-    # Copies the caller's ints (it may reuse its list). Any iterable of ints is accepted,
-    # numpy arrays included; bools pass as the ints they are (checking costs ~1 us a block).
-    if isinstance(value, TokenIds):
-        return value
-    if isinstance(value, (bytes, bytearray, memoryview, str)):
-        raise EmitterError(f"{what} must be a sequence of ints, got {type(value).__name__}")
-    try:
-        return TokenIds(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise EmitterError(f"{what} must be a sequence of ints in 0..2**32-1: {exc}") from None
-
-
-def _as_opt_str(value: object, what: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise EmitterError(f"{what} must be a str or None, got {type(value).__name__}")
-
-
-def _hash_list(block_hashes: object) -> list[Any]:
-    # A copy of a sequence of hashes (not a bytes-like object: that is one hash, not many).
-    if isinstance(block_hashes, _NOT_SEQUENCES):
-        raise EmitterError("block_hashes must be a sequence of hashes")
-    try:
-        return list(cast("Iterable[Any]", block_hashes))
-    except TypeError:
-        raise EmitterError(
-            f"block_hashes must be a sequence of hashes, got {type(block_hashes).__name__}"
-        ) from None
-
-
-def _block_attrs(
-    cache_level: object, priority: object, lora_id: object, lora_name: object, cache_salt: object
-) -> dict[str, Any]:
-    # A stored block's validated attributes other than its hash, tokens and multimodal keys.
-    attrs: dict[str, Any] = {
-        "cache_level": _as_int(cache_level, 0, _I32_MAX, "cache_level"),
-        "priority": _as_int(priority, PRIORITY_MIN, PRIORITY_MAX, "priority"),
-    }
-    if lora_id is not None:
-        attrs["lora_id"] = _as_int(lora_id, 0, _U64_MAX, "lora_id")
-    if lora_name is not None:
-        attrs["lora_name"] = _as_opt_str(lora_name, "lora_name")
-    if cache_salt is not None:
-        attrs["cache_salt"] = _as_opt_str(cache_salt, "cache_salt")
-    return attrs
-
-
-def _add_block_extras(
-    attrs: dict[str, Any], token_ids: TokenIds, mm_keys: object, token_extra_ids: object
-) -> None:
-    # Validate a block's multimodal keys and extra token ids into its attributes.
-    if mm_keys:
-        if isinstance(mm_keys, (str, bytes)) or not isinstance(mm_keys, Sequence):
-            raise EmitterError("mm_keys must be a sequence of MmKey")
-        keys = tuple(mm_keys)
-        for i, k in enumerate(keys):
-            if not isinstance(k, MmKey):
-                raise EmitterError(f"mm_keys[{i}] must be an MmKey, got {type(k).__name__}")
-        attrs["mm_keys"] = keys
-    if token_extra_ids is not None:
-        extra = _as_tokens(token_extra_ids, "token_extra_ids")
-        if len(extra) != len(token_ids):
-            raise EmitterError(
-                f"token_extra_ids has {len(extra)} entries for {len(token_ids)} tokens"
-            )
-        attrs["token_extra_ids"] = extra
-
-
-def _diff(value: object, lo: int, hi: int, what: str) -> dict[str, int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, tuple) or len(value) != 2:
-        raise EmitterError(f"{what} must be an (old, new) tuple or None, got {value!r}")
-    return {
-        "old_value": _as_int(value[0], lo, hi, f"{what}[0] (old)"),
-        "new_value": _as_int(value[1], lo, hi, f"{what}[1] (new)"),
-    }
 
 
 class EventEmitter:
@@ -1068,170 +862,3 @@ class EventEmitter:
             f"layer group {layer_group_id!r} is not registered (call created() first; "
             f"registered: {known})"
         )
-
-
-class NullRecorder:
-    """A recorder that records nothing: every method returns None and builds nothing.
-
-    ``enabled`` is False so a cache manager may skip computing arguments altogether.
-    """
-
-    enabled: bool = False
-
-    def created(
-        self,
-        layer_group_id: int,
-        *,
-        window_size: int,
-        num_blocks_per_cache_level: Sequence[int],
-        tokens_per_block: int,
-        attention_kind: AttentionKind = AttentionKind.FULL,
-    ) -> None:
-        """Does nothing."""
-
-    def stored(
-        self,
-        layer_group_id: int,
-        *,
-        parent_hash: bytes | None,
-        block_hash: bytes,
-        token_ids: TokenIds | Sequence[int],
-        cache_level: int = 0,
-        priority: int = PRIORITY_DEFAULT,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        mm_keys: Sequence[MmKey] = (),
-        cache_salt: str | None = None,
-        token_extra_ids: TokenIds | Sequence[int] | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def stored_chain(
-        self,
-        layer_group_id: int,
-        *,
-        parent_hash: bytes | None,
-        block_hashes: Sequence[bytes],
-        token_ids: TokenIds | Sequence[int],
-        cache_level: int = 0,
-        priority: int = PRIORITY_DEFAULT,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def removed(
-        self, layer_group_id: int, block_hash: bytes, *, cache_level: int | None = None
-    ) -> None:
-        """Does nothing."""
-
-    def removed_many(
-        self, layer_group_id: int, block_hashes: Sequence[bytes], *, cache_level: int | None = None
-    ) -> None:
-        """Does nothing."""
-
-    def updated(
-        self,
-        layer_group_id: int,
-        block_hash: bytes,
-        *,
-        cache_level: tuple[int, int] | None = None,
-        priority: tuple[int, int] | None = None,
-    ) -> None:
-        """Does nothing."""
-
-    def cleared(self, layer_group_id: int | None = None) -> None:
-        """Does nothing."""
-
-    def flush_iteration(self) -> None:
-        """Does nothing."""
-
-    def take(self) -> None:
-        """Always None."""
-
-    def flush(self) -> None:
-        """Always None."""
-
-    def take_deferred(self) -> None:
-        """Always None."""
-
-    def flush_deferred(self) -> None:
-        """Always None."""
-
-
-#: A shared :class:`NullRecorder` (it has no state).
-NULL_RECORDER: Final = NullRecorder()
-
-
-_BUILD_EVENT: Final = trusted_builder(KVCacheEvent)
-_BUILD_STORED: Final = trusted_builder(Stored)
-_BUILD_REMOVED: Final = trusted_builder(Removed)
-_BUILD_BATCH: Final = trusted_builder(EventBatch)
-_views: Final = TokenIdsView.of_run
-
-
-def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]]) -> EventBatch:
-    """The :class:`EventBatch` of an emitter's buffered records: equal to
-    ``EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))`` (same fields and
-    ``model_fields_set``; a record that would fail validation raises EventValidationError).
-
-    The emitter validated every value it recorded (hash widths, ids, groups, tokens), so the
-    ``stored`` events of plain blocks and the ``removed`` events, nearly all of a cache's
-    traffic, are built without re-validating (:mod:`kvstream.events.trusted`; the whole loop
-    in one C call where the extension is built); any other record (blocks with attributes,
-    created/updated/cleared/lost) is validated as before.
-    """
-    if type(ts_ns) is not int or not 0 <= ts_ns <= _I64_MAX:
-        return EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))
-    events = _events(records)
-    return _BUILD_BATCH({"source": source, "ts_ns": ts_ns, "events": events})
-
-
-def _validated_event(rec: dict[str, Any]) -> KVCacheEvent:
-    return KVCacheEvent(**model_input((rec,))[0])
-
-
-def _py_events(records: Iterable[dict[str, Any]]) -> tuple[KVCacheEvent, ...]:
-    # emitted_batch's events in Python: the reference of the C loop, and its fallback
-    events: list[KVCacheEvent] = []
-    append = events.append
-    for rec in records:
-        data = rec["data"]
-        kind = data["type"]
-        if kind == "stored":
-            run = data["blocks"]
-            if type(run) is BlockRun and run.hashes and not run.attrs:
-                blocks = trusted_stored_blocks(tuple(run.hashes), _run_tokens(run))
-                built = _BUILD_STORED(
-                    {"type": "stored", "parent_hash": data["parent_hash"], "blocks": blocks}
-                )
-                append(_BUILD_EVENT({**rec, "data": built}))
-                continue
-        elif kind == "removed" and data["block_hashes"]:
-            gone = _BUILD_REMOVED(
-                {
-                    "type": "removed",
-                    "block_hashes": tuple(data["block_hashes"]),
-                    "cache_level": data["cache_level"],
-                }
-            )
-            append(_BUILD_EVENT({**rec, "data": gone}))
-            continue
-        append(_validated_event(rec))
-    return tuple(events)
-
-
-_events: Final = native_events_builder(BlockRun, _validated_event) or _py_events
-
-
-def _run_tokens(run: BlockRun) -> tuple[TokenIds, ...]:
-    # run.block_tokens() as a tuple; a packed chain of k > 1 blocks as views of its bytes
-    out: list[TokenIds] = []
-    for t in run.tokens:
-        if isinstance(t, tuple):
-            packed, k = t
-            out += token_blocks(packed._raw, len(packed._raw)) if k == 1 else _views(packed._raw, k)
-        else:
-            out.append(t)
-    return tuple(out)
