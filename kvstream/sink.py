@@ -160,6 +160,10 @@ class Sink(abc.ABC):
 
     #: The URL scheme this sink registers under (``memory``, ``file``, ``kafka``).
     scheme: ClassVar[str] = ""
+    #: True when ``export`` also takes :class:`~kvstream.events.columns.ColumnBatch` objects
+    #: (it encodes them without their models; what it reads of them: ``source``, ``ts_ns``,
+    #: ``hash_algos``); the pipeline materialises them for every other sink.
+    accepts_columns: ClassVar[bool] = False
 
     def __init__(self, *, name: str | None = None) -> None:
         self._name = name or self.scheme or type(self).__name__.lower()

@@ -55,6 +55,7 @@ from kvstream.errors import (
     RetriableSinkError,
     SinkError,
 )
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch, SourceId
 from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
 from kvstream.kafka_security import KafkaSecurity, describe_error
@@ -201,6 +202,8 @@ class KafkaSink(Sink):
     """
 
     scheme = "kafka"
+    #: ColumnBatch (an engine bridge's) is encoded from its columns, no models built
+    accepts_columns = True
 
     def __init__(
         self,
@@ -680,8 +683,12 @@ class KafkaSink(Sink):
             key, partition = route
             value = codec.encode(b) if schema_id is None else codec.encode_confluent(b, schema_id)
             headers = base
-            if b.events:
-                algos = {ev.hash_algo for ev in b.events}
+            # a ColumnBatch when the pipeline hands columns over (accepts_columns)
+            names: list[str] = (
+                b.hash_algos if isinstance(b, ColumnBatch) else [ev.hash_algo for ev in b.events]
+            )
+            if names:
+                algos = set(names)
                 algo = next(iter(algos)) if len(algos) == 1 else ",".join(sorted(algos))
                 headers = [*base, (HEADER_HASH_ALGO, algo.encode())]
             part = by_partition.get(partition)

@@ -6,6 +6,10 @@ over the sinks, and stops when the source ends, when nothing arrived for ``idle_
 after ``max_batches``, or when ``stop`` is set (SIGTERM/SIGINT in the CLI). Closing flushes
 every sink within the pipeline's close deadline; the result says what went where and what
 was lost, counted by source.
+
+A live engine's batches travel as columns (:class:`~kvstream.events.columns.ColumnBatch`: no
+model object per event or block); sinks that encode columns (Kafka) take them as they are, the
+pipeline builds the models for the others.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstream.errors import ConfigError
+from kvstream.events.columns import KIND_NAMES, LOST, REMOVED, STORED, ColumnBatch
 from kvstream.events.model import EventBatch, Lost, Removed, Stored
 from kvstream.index import EventSource, open_source
 from kvstream.kafka_security import redact_url
@@ -145,15 +150,20 @@ def _sink_urls(opts: BridgeOptions) -> list[str]:
     return urls
 
 
-def _source_key(batch: EventBatch) -> str:
+def _source_key(batch: EventBatch | ColumnBatch) -> str:
     s = batch.source
     rank = "" if s.attention_dp_rank is None else f"/rank{s.attention_dp_rank}"
     return f"{s.instance_id}{rank}#{s.incarnation}"
 
 
-def _tally(batch: EventBatch, p: BridgeProgress, t: SourceTally, kinds: dict[str, int]) -> None:
+def _tally(
+    batch: EventBatch | ColumnBatch, p: BridgeProgress, t: SourceTally, kinds: dict[str, int]
+) -> None:
     p.batches += 1
     t.batches += 1
+    if isinstance(batch, ColumnBatch):
+        _tally_columns(batch, p, t, kinds)
+        return
     for ev in batch.events:
         data = ev.data
         kinds[data.type] = kinds.get(data.type, 0) + 1
@@ -173,10 +183,35 @@ def _tally(batch: EventBatch, p: BridgeProgress, t: SourceTally, kinds: dict[str
     t.events += len(batch.events)
 
 
+def _tally_columns(
+    cols: ColumnBatch, p: BridgeProgress, t: SourceTally, kinds: dict[str, int]
+) -> None:
+    for kind, payload in zip(cols.kinds, cols.payloads, strict=True):
+        name = KIND_NAMES[kind]
+        kinds[name] = kinds.get(name, 0) + 1
+        if kind == STORED:
+            p.blocks_stored += len(payload[1])
+        elif kind == REMOVED:
+            p.blocks_removed += len(payload[0])
+        elif kind == LOST:
+            p.lost_markers += 1
+            p.lost_ids += payload[1]
+            t.lost_markers += 1
+            t.lost_ids += payload[1]
+    n = len(cols.event_ids)
+    if n:
+        if t.first_id is None:
+            t.first_id = cols.event_ids[0]
+        t.last_id = cols.event_ids[-1]
+    p.events += n
+    t.events += n
+
+
 def _open(opts: BridgeOptions) -> EventSource:
     kwargs = dict(opts.source_options)
     text = opts.source
     if text.startswith(("vllm://", "sglang://")):
+        kwargs.setdefault("columns", True)
         return open_source(text, **kwargs)
     follow = opts.follow if opts.follow is not None else text.startswith("kafka://")
     return open_source(text, follow=follow, **kwargs)
@@ -267,7 +302,7 @@ async def run_bridge(
                     break
                 continue
             progress.last_item = time.monotonic()
-            batch = item.batch
+            batch = item.data  # columns from a live engine
             key = _source_key(batch)
             _tally(batch, progress, tallies.setdefault(key, SourceTally()), kinds)
             if not await pipe.put(batch):

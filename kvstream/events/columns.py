@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final, TypeAlias
 
 from kvstream._types import TokenIds
@@ -144,6 +144,7 @@ class ColumnBatch:
         "_batch",
         "_build",
         "_planes",
+        "_source",
         "_tokens",
         "attention_dp_rank",
         "event_ids",
@@ -196,6 +197,7 @@ class ColumnBatch:
         #: builds the validated model (from the record or frame the columns came from)
         self._build = build
         self._batch = batch
+        self._source: SourceId | None = None
 
     @property
     def tokens(self) -> bytes:
@@ -229,6 +231,70 @@ class ColumnBatch:
                 raise DecodeError("a column batch without its source record or model")
         return self._batch
 
+    # The metadata a pipeline reads without building the model (as DeferredBatch offers it).
+
+    @property
+    def source(self) -> SourceId:
+        """The producer, as :attr:`EventBatch.source` (built once, one model per batch)."""
+        src = self._source
+        if src is None:
+            src = self._source = SourceId(
+                instance_id=self.instance_id,
+                attention_dp_rank=self.attention_dp_rank,
+                incarnation=self.incarnation,
+            )
+        return src
+
+    @property
+    def num_events(self) -> int:
+        """How many events (lost markers included) the batch holds."""
+        return len(self.event_ids)
+
+    def spans(self) -> Iterator[tuple[int, int, str, int, int]]:
+        """Per event, in order: the inclusive id range it stands for (a lost marker's whole
+        range) and its hash_algo, layer group and window (``EventSpan``)."""
+        for eid, kind, algo, gid, window, payload in zip(
+            self.event_ids,
+            self.kinds,
+            self.hash_algos,
+            self.group_ids,
+            self.window_sizes,
+            self.payloads,
+            strict=True,
+        ):
+            lo = hi = eid
+            if kind == LOST:
+                lo = min(payload[0], eid)
+                hi = max(payload[0] + payload[1] - 1, eid)
+            yield lo, hi, algo, gid, window
+
+    @property
+    def first_event_id(self) -> int | None:
+        """The lowest id the batch covers (None if it has no events)."""
+        return next(self.spans())[0] if self.event_ids else None
+
+    @property
+    def last_event_id(self) -> int | None:
+        """The highest id the batch covers (its events are in id order; None if none)."""
+        if not self.event_ids:
+            return None
+        i = len(self.event_ids) - 1
+        eid = self.event_ids[i]
+        if self.kinds[i] == LOST:
+            first: int = self.payloads[i][0]
+            count: int = self.payloads[i][1]
+            return max(first + count - 1, eid)
+        return eid
+
+    @property
+    def materialized(self) -> bool:
+        """True once the model is built (or was given)."""
+        return self._batch is not None
+
+    def materialize(self) -> EventBatch:
+        """:meth:`to_batch` (the name a pipeline calls on any batch built on demand)."""
+        return self.to_batch()
+
     @property
     def stored_blocks(self) -> int:
         """Blocks announced by the stored events."""
@@ -251,6 +317,7 @@ class ColumnBatch:
         out._planes = None
         out._build = None
         out._batch = batch
+        out._source = None
         out.has_blocks = True
         out.stored_extra = None
         native = _model_columns if _model_columns is not _UNSET else native_model_columns()

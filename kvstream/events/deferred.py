@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, TypeAlias
 
 from kvstream._types import TokenIds
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import (
     CURRENT_SCHEMA_VERSION,
     DEFAULT_HASH_ALGO,
@@ -34,7 +35,7 @@ from kvstream.events.model import (
     SourceId,
 )
 
-__all__ = ["AnyBatch", "BlockRun", "DeferredBatch", "EventSpan", "model_input"]
+__all__ = ["LAZY_BATCHES", "AnyBatch", "BlockRun", "DeferredBatch", "EventSpan", "model_input"]
 
 #: ``(first id, last id, hash_algo, layer_group_id, window_size)`` of one event: the inclusive
 #: id range it stands for (a ``lost`` marker's whole range, else its own id) and its group.
@@ -280,5 +281,9 @@ class DeferredBatch:
         )
 
 
-#: What a pipeline accepts from an engine: a built batch or a deferred one.
-AnyBatch: TypeAlias = EventBatch | DeferredBatch
+#: What a pipeline accepts: a built batch, or one whose models are built on demand (a
+#: deferred emitter batch, or an engine bridge's :class:`~kvstream.events.columns.ColumnBatch`).
+AnyBatch: TypeAlias = EventBatch | DeferredBatch | ColumnBatch
+#: The batch types whose models are built on demand (same metadata API: ``source``,
+#: ``num_events``, ``first_event_id``, ``last_event_id``, ``spans()``, ``materialize()``).
+LAZY_BATCHES: Final = (DeferredBatch, ColumnBatch)

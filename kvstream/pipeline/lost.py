@@ -22,7 +22,7 @@ import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvstream.events.deferred import AnyBatch, DeferredBatch, EventSpan
+from kvstream.events.deferred import LAZY_BATCHES, AnyBatch, EventSpan
 from kvstream.events.model import EventBatch, KVCacheEvent, Lost, SourceId
 
 __all__ = [
@@ -50,7 +50,7 @@ def event_span(event: KVCacheEvent) -> tuple[int, int]:
 
 def batch_first_id(batch: AnyBatch) -> int | None:
     """The lowest id a batch covers (None for an empty batch); O(1), never materialises."""
-    if isinstance(batch, DeferredBatch):
+    if isinstance(batch, LAZY_BATCHES):
         return batch.first_event_id
     if not batch.events:
         return None
@@ -59,7 +59,7 @@ def batch_first_id(batch: AnyBatch) -> int | None:
 
 def batch_last_id(batch: AnyBatch) -> int:
     """The highest id a non-empty batch covers (events are in id order); O(1)."""
-    if isinstance(batch, DeferredBatch):
+    if isinstance(batch, LAZY_BATCHES):
         last = batch.last_event_id
         assert last is not None
         return last
@@ -68,14 +68,14 @@ def batch_last_id(batch: AnyBatch) -> int:
 
 def batch_len(batch: AnyBatch) -> int:
     """How many events a batch holds (markers included); O(1), never materialises."""
-    if isinstance(batch, DeferredBatch):
+    if isinstance(batch, LAZY_BATCHES):
         return batch.num_events
     return len(batch.events)
 
 
 def batch_spans(batch: AnyBatch) -> Iterator[EventSpan]:
     """Per event: its inclusive id range and group fields; never materialises."""
-    if isinstance(batch, DeferredBatch):
+    if isinstance(batch, LAZY_BATCHES):
         return batch.spans()
     return (
         (*event_span(ev), ev.hash_algo, ev.layer_group_id, ev.window_size) for ev in batch.events

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvstream.clock import Clock
-from kvstream.events.deferred import AnyBatch, DeferredBatch
+from kvstream.events.deferred import LAZY_BATCHES, AnyBatch
 from kvstream.events.model import EventBatch
 
 from .config import OverflowPolicy, SinkPolicy
@@ -212,7 +212,7 @@ class SinkQueue:
         deadline from the loop thread (it would wait on the task that makes room): use
         :meth:`put_async` there.
         """
-        n = batch.num_events if isinstance(batch, DeferredBatch) else len(batch.events)
+        n = batch.num_events if isinstance(batch, LAZY_BATCHES) else len(batch.events)
         with self._lock:
             if self._append_if_room(batch, n):
                 return True

@@ -2,7 +2,10 @@
 
 Deferred batches (:class:`~kvstream.events.deferred.DeferredBatch`) are materialised here, on
 the pipeline's loop, by the first sink task that exports them; the batch caches its models,
-so every other sink gets the same :class:`~kvstream.events.model.EventBatch` for free.
+so every other sink gets the same :class:`~kvstream.events.model.EventBatch` for free. Column
+batches (:class:`~kvstream.events.columns.ColumnBatch`, an engine bridge's) go to a sink whose
+``accepts_columns`` is true as they are (it encodes them without the models), materialised
+for any other.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvstream.errors import PermanentSinkError
-from kvstream.events.deferred import AnyBatch, DeferredBatch
+from kvstream.events.columns import ColumnBatch
+from kvstream.events.deferred import LAZY_BATCHES, AnyBatch, DeferredBatch
 from kvstream.events.model import EventBatch
 from kvstream.sink import Abandoned, ExportResult, ExportStatus, Sink
 
@@ -63,6 +67,8 @@ class SinkWorker:
         self._backoff = Backoff(policy.retry, rng)
         self._marker_backoff = Backoff(policy.retry, rng)
         self._started = False
+        #: the sink encodes ColumnBatch itself (no models needed)
+        self._columns = bool(getattr(sink, "accepts_columns", False))
         # the sink's synchronous export (see deliver_now); not with lingering, which exists
         # to make chunks fuller than one batch
         self._export_now: Callable[[Sequence[EventBatch]], bool] | None = (
@@ -113,7 +119,7 @@ class SinkWorker:
         queue's lock (:meth:`~kvstream.pipeline.queue.SinkQueue.deliver_now`).
         """
         export_now = self._export_now
-        if export_now is None or not self._started or isinstance(batch, DeferredBatch):
+        if export_now is None or not self._started or isinstance(batch, LAZY_BATCHES):
             return False
         t0 = time.perf_counter()
         if not self.queue.deliver_now(export_now, batch, n):
@@ -129,7 +135,7 @@ class SinkWorker:
         retry = self.policy.retry
         counters = self.queue.counters
         try:
-            batches = _materialized(chunk.batches)
+            batches = _materialized(chunk.batches, self._columns)
         except Exception as exc:
             self.last_error = f"materialising a deferred batch failed: {type(exc).__name__}: {exc}"
             counters.failures_permanent += 1
@@ -233,7 +239,7 @@ class SinkWorker:
             self.queue.failed(chunk, reason, 0.0, delivered=delivered, unknown=doubt)
             return
         try:
-            batches = _materialized(chunk.batches)
+            batches = _materialized(chunk.batches, self._columns)
         except Exception:
             self.queue.failed(chunk, DropReason.SHUTDOWN, 0.0)
             return
@@ -274,7 +280,14 @@ async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
 _TIMEOUT: Any = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
-def _materialized(batches: Sequence[AnyBatch]) -> Sequence[EventBatch]:
+def _materialized(batches: Sequence[AnyBatch], columns: bool = False) -> Sequence[EventBatch]:
     """The chunk's batches with every deferred one materialised (cached by the batch itself,
-    so a batch shared by several sinks is built once)."""
-    return [b.materialize() if isinstance(b, DeferredBatch) else b for b in batches]
+    so a batch shared by several sinks is built once); with ``columns``, column batches stay
+    columns (typed as the sink's export takes them: such a sink declares it encodes both)."""
+    out: list[Any] = [
+        b.materialize()
+        if isinstance(b, DeferredBatch) or (not columns and isinstance(b, ColumnBatch))
+        else b
+        for b in batches
+    ]
+    return out

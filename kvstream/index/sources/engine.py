@@ -43,15 +43,20 @@ class EngineSource(EventSource):
         resume_from: Mapping[str, Any] | None = None,
         base_rank: int = 0,
         rank_from_events: bool = False,
+        columns: bool = False,
     ) -> None:
         """``base_rank``: the DP rank of the endpoint's first publisher (a service that
         registers each rank's socket on its own gives the rank here). ``rank_from_events``:
         take each batch's rank from the ``data_parallel_rank`` the engine put in it, when it
-        did (as Dynamo's indexer does), instead of from the socket it came on."""
+        did (as Dynamo's indexer does), instead of from the socket it came on. ``columns``:
+        hand each engine batch over as a :class:`~kvstream.events.columns.ColumnBatch`
+        (:meth:`~kvstream.engines.stream.EngineStream.payload_columns`: the same events, no
+        model per event or block; what a publisher encodes fastest) instead of the model."""
         super().__init__()
         self.endpoint = parse_engine_url(endpoint) if isinstance(endpoint, str) else endpoint
         self.name = self.endpoint.describe()
         self.rank_from_events = rank_from_events
+        self.columns = columns
         self.streams: dict[int, EngineStream] = {}
         #: subscriber socket -> the rank its batches are attributed to now
         self._rank_of = {r: base_rank + r for r in range(self.endpoint.dp_size)}
@@ -135,9 +140,15 @@ class EngineSource(EventSource):
         if isinstance(item, Frame):
             stream = self._stream(self._rank_of[item.rank])
             self._last_seq[item.rank] = item.seq
+            dialect = self.endpoint.dialect
             try:
+                if self.columns and not self.rank_from_events:  # one pass, payload to columns
+                    return SourceItem(stream.payload_columns(item.payload, dialect))
                 wire = decode_payload(
-                    item.payload, width=stream.width, dialect=self.endpoint.dialect
+                    item.payload,
+                    width=stream.width,
+                    dialect=dialect,
+                    split_tokens=not self.columns,
                 )
             except InteropError as exc:
                 self._malformed(f"rank {item.rank}@seq {item.seq}", exc)
@@ -145,6 +156,8 @@ class EngineSource(EventSource):
             if self.rank_from_events and wire.dp_rank is not None and 0 <= wire.dp_rank < 65536:
                 self._rank_of[item.rank] = wire.dp_rank
                 stream = self._stream(wire.dp_rank)
+            if self.columns:
+                return SourceItem(stream.convert_columns(wire))
             return SourceItem(stream.convert(wire))
         if isinstance(item, Gap):
             stream = self._stream(self._rank_of[item.rank])
