@@ -29,7 +29,7 @@ from kvstream.cache.tiering import Tiers
 from kvstream.errors import HashingError
 from kvstream.events.emitter import EventRecorder
 from kvstream.events.model import MmKey
-from kvstream.hashing import BlockHasher, ChainState
+from kvstream.hashing import BlockHasher, ChainState, HashScope
 from kvstream.hashing.blocks import coerce_tokens
 
 if TYPE_CHECKING:
@@ -140,7 +140,9 @@ class ManagerState:
             if root is None:
                 root = self._plain_root = self._hasher.root()
             return root
-        return self._hasher.root(lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name)
+        return self._hasher.root(
+            HashScope(lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name)
+        )
 
     def _hash_blocks(
         self, chain: ChainState, raw: bytes, first_index: int, items: tuple[MmItem, ...]
