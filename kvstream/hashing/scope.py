@@ -52,42 +52,36 @@ class HashScope:
         more than four positional fields, a field given twice, or a scope given together
         with fields.
         """
-        if scope is None and len(args) <= len(_POSITIONAL) and args.count(None) == len(args):
-            # the common request without adapter or salt, in any form: no value built
-            if not kwargs:
-                return EMPTY_SCOPE
-            values = list(kwargs.values())
-            if (
-                values.count(None) == len(values)
-                and kwargs.keys() <= _FIELDS
-                and not kwargs.keys() & _POSITIONAL[: len(args)]
-            ):
-                return EMPTY_SCOPE
-        if len(args) == 1 and isinstance(args[0], HashScope):
-            if scope is not None:
-                raise TypeError("got a HashScope twice (positionally and as scope=)")
-            scope, args = args[0], ()
-        if scope is not None:
-            if args or kwargs:
-                raise TypeError(
-                    "pass either a HashScope or its fields, not both (got a scope and "
-                    f"{', '.join([*_POSITIONAL[: len(args)], *kwargs])})"
-                )
-            if not isinstance(scope, HashScope):
-                raise TypeError(f"scope must be a HashScope, got {type(scope).__name__}")
-            return scope
-        if not args and not kwargs:
-            return EMPTY_SCOPE
-        if len(args) > len(_POSITIONAL):
+        if scope is None:
+            if len(args) == 1 and isinstance(args[0], HashScope):
+                scope, args = args[0], ()
+            else:
+                if len(args) > len(_POSITIONAL):
+                    raise TypeError(
+                        f"at most {len(_POSITIONAL)} positional scope fields "
+                        f"({', '.join(_POSITIONAL)}), got {len(args)}"
+                    )
+                for name, value in zip(_POSITIONAL, args, strict=False):
+                    if name in kwargs:
+                        raise TypeError(f"got multiple values for argument {name!r}")
+                    kwargs[name] = value
+                for value in kwargs.values():
+                    if value is not None:
+                        return cls(**kwargs)  # TypeError for a name that is not a field
+                if kwargs.keys() <= _FIELDS:
+                    # the common request without adapter or salt: no value built
+                    return EMPTY_SCOPE
+                return cls(**kwargs)
+        elif args and isinstance(args[0], HashScope):
+            raise TypeError("got a HashScope twice (positionally and as scope=)")
+        if args or kwargs:
             raise TypeError(
-                f"at most {len(_POSITIONAL)} positional scope fields ({', '.join(_POSITIONAL)}), "
-                f"got {len(args)}"
+                "pass either a HashScope or its fields, not both (got a scope and "
+                f"{', '.join([*_POSITIONAL[: len(args)], *kwargs])})"
             )
-        for name, value in zip(_POSITIONAL, args, strict=False):
-            if name in kwargs:
-                raise TypeError(f"got multiple values for argument {name!r}")
-            kwargs[name] = value
-        return cls(**kwargs)
+        if not isinstance(scope, HashScope):
+            raise TypeError(f"scope must be a HashScope, got {type(scope).__name__}")
+        return scope
 
     def given(self) -> dict[str, Any]:
         """The fields that are set (not None), as keywords."""
