@@ -8,7 +8,10 @@ interleaved; the figure that matters is the server process's CPU per request (ut
 from /proc), since a Python client saturates before a fast server does.
 
 Candidates: aiohttp's ``web`` server; uvicorn with httptools and uvloop running a bare ASGI
-app (no framework); granian (Rust HTTP, RSGI interface), one worker.
+app (no framework); granian (Rust HTTP, RSGI interface), one worker; ``kvstream``: the
+service's own HTTP/1.1 protocol (kvstream.serve.server: httptools' parser on
+``loop.create_server``, uvloop) with a one-route table. aiohttp, uvicorn and granian are
+not kvstream dependencies: install them to run their rows (``--servers`` picks rows).
 
     python benchmarks/bench_http_servers.py [--rounds 3] [--requests 4000]
 """
@@ -27,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-SERVERS = ("aiohttp", "uvicorn", "granian")
+SERVERS = ("aiohttp", "uvicorn", "granian", "kvstream")
 
 _APP = r"""
 import json, sys
@@ -67,6 +70,28 @@ elif kind == "uvicorn":
         await send({"type": "http.response.body", "body": out})
     uvicorn.run(app, host="127.0.0.1", port=port, http="httptools", loop="uvloop",
                 log_level="warning", access_log=False, lifespan="off")
+elif kind == "kvstream":
+    import asyncio
+    import uvloop
+    from kvstream.serve.server import HttpServer
+
+    class Metrics:
+        def observe(self, endpoint, method, status, seconds):
+            pass
+
+    class Routes:
+        routes = {"/query": ("POST", None, None)}
+        metrics = Metrics()
+
+        def respond(self, method, path, authorization, body):
+            return 200, work(body), b"content-type: application/json\r\n"
+
+    async def main():
+        server = HttpServer(Routes(), max_body_bytes=1 << 24)
+        await server.start("127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 else:
     from granian import Granian
     from granian.constants import Interfaces

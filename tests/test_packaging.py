@@ -31,7 +31,7 @@ def test_torch_comes_only_with_the_cache_extra() -> None:
     assert "torch" not in expand("all")  # a default torch wheel pulls gigabytes of CUDA
     assert "torch" in expand("cache")
     assert "torch" in expand("dev")  # the test suite runs the tensor-backed cache
-    assert {"aiokafka", "avro", "matplotlib", "uvicorn"} <= expand("all")
+    assert {"aiokafka", "avro", "matplotlib", "httptools"} <= expand("all")
 
 
 def test_the_license_ships() -> None:

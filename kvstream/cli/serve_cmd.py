@@ -1,6 +1,6 @@
 """``kvstream serve``: run the KV index service (Dynamo's standalone-indexer API).
 
-Only typer is imported at module level; the service (uvicorn, the index) when it runs.
+Only typer is imported at module level; the service (httptools, the index) when it runs.
 Exit codes: 0 stopped by SIGTERM/SIGINT (after a last snapshot); 1 the service failed at run
 time; 2 bad configuration (flags, env, config file, an unreadable snapshot, a port in use).
 """
@@ -102,7 +102,7 @@ def serve(
     from kvstream.index.errors import SnapshotError
 
     try:
-        import uvicorn  # noqa: F401 - the HTTP server: the serve extra
+        import httptools  # noqa: F401 - the HTTP parser: the serve extra
 
         from kvstream.serve import IndexService, ServeConfig
 

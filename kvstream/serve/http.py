@@ -1,10 +1,12 @@
-"""The HTTP API: a bare ASGI application over :class:`~kvstream.serve.service.IndexService`.
+"""The HTTP API's routes over :class:`~kvstream.serve.service.IndexService`.
 
 No framework: a route table, one msgspec decode per body, and errors turned into JSON bodies
 ``{"error": message, "type": kvstream error class}`` with the error's status. Every route but
-``/health`` needs ``Authorization: Bearer TOKEN`` when the service has a token. A body over
-``max_body_bytes`` gets 413 before it is read whole. Anything unexpected while answering is
-logged and answered 500 with the same JSON shape; the service goes on.
+``/health`` needs ``Authorization: Bearer TOKEN`` when the service has a token. Anything
+unexpected while answering is logged and answered 500 with the same JSON shape; the service
+goes on. The HTTP/1.1 connection work (parsing, keep-alive, the body limit's 413, TLS) is
+:mod:`kvstream.serve.server`'s; :class:`Routes` takes a parsed request and gives the
+response's status, body and header lines.
 
 Routes (Dynamo 1.6.1's, then kvstream's):
 
@@ -27,9 +29,10 @@ Routes (Dynamo 1.6.1's, then kvstream's):
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -38,7 +41,6 @@ from kvstream.errors import KVStreamError
 from kvstream.serve.errors import (
     MethodNotAllowedError,
     NotFoundError,
-    PayloadTooLargeError,
     ServiceError,
     UnauthorizedError,
     UnavailableError,
@@ -56,163 +58,148 @@ from kvstream.serve.requests import (
 if TYPE_CHECKING:
     from kvstream.serve.service import IndexService
 
-__all__ = ["create_app"]
+__all__ = ["Response", "Routes"]
 
 log = logging.getLogger("kvstream.serve")
 
-_JSON: Final = [(b"content-type", b"application/json")]
+#: status, body, and the response's extra header lines (each ending in CRLF)
+Response = tuple[int, bytes, bytes]
+Handler = Callable[[bytes], Response]
+AsyncHandler = Callable[[bytes], Awaitable[Response]]
+
+_JSON: Final = b"content-type: application/json\r\n"
+_TEXT: Final = b"content-type: text/plain; version=0.0.4\r\n"
+_BINARY: Final = b"content-type: application/octet-stream\r\n"
 _OK: Final = b'{"status":"ok"}'
 _encode = msgspec.json.Encoder().encode
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Handler = Callable[[bytes], Awaitable[tuple[int, bytes, list[tuple[bytes, bytes]]]]]
+
+def error_response(exc: BaseException, allow: str | None = None) -> Response:
+    """The JSON error response of ``exc``: a ServiceError's status, 422 for another kvstream
+    error (bad input the handlers did not map), else 500."""
+    if isinstance(exc, ServiceError):
+        status = exc.status
+    elif isinstance(exc, KVStreamError):
+        status = 422
+    else:
+        status = 500
+    message = str(exc) if status != 500 else f"internal error: {exc}"
+    headers = _JSON if allow is None else _JSON + b"allow: " + allow.encode() + b"\r\n"
+    return status, _encode({"error": message, "type": type(exc).__name__}), headers
 
 
-def create_app(svc: IndexService) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The ASGI application of ``svc``."""
-    limit = svc.config.max_body_bytes
-    token = None if svc.token is None else f"Bearer {svc.token}".encode()
-    metrics = svc.metrics
+class Routes:
+    """The route table of ``svc`` (the module docstring lists it) and the per-request
+    bookkeeping: authorization, the method check, errors as JSON, metrics."""
 
-    def ok(body: Any, status: int = 200) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    def __init__(self, svc: IndexService) -> None:
+        self.svc = svc
+        self.metrics = svc.metrics
+        self._token = None if svc.token is None else f"Bearer {svc.token}".encode()
+        ok = self._ok
+        self.routes: dict[str, tuple[str, Handler | None, AsyncHandler | None]] = {
+            "/health": ("GET", lambda _: (200, b"", b""), None),
+            "/register": ("POST", self._register, None),
+            "/unregister": ("POST", None, self._unregister),
+            "/workers": ("GET", lambda _: ok(svc.workers_json()), None),
+            "/query": ("POST", lambda body: ok(svc.query_body(body)), None),
+            "/query_by_hash": (
+                "POST",
+                lambda body: ok(svc.query_by_hash(decode(body, QueryByHashRequest))),
+                None,
+            ),
+            "/dump": ("GET", lambda _: ok(svc.dump()), None),
+            "/metrics": ("GET", lambda _: (200, self.metrics.render(), _TEXT), None),
+            "/register_peer": ("POST", self._register_peer, None),
+            "/deregister_peer": ("POST", self._deregister_peer, None),
+            "/peers": ("GET", lambda _: ok(svc.peers()), None),
+            "/ready": ("GET", self._ready, None),
+            "/route": ("POST", lambda body: ok(svc.route(decode(body, QueryRequest))), None),
+            "/snapshot": ("GET", self._snapshot, None),
+            "/match": ("POST", match_handler(svc), None),
+        }
+
+    @staticmethod
+    def _ok(body: Any, status: int = 200) -> Response:
         return status, _encode(body), _JSON
 
-    async def health(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return 200, b"", []
-
-    async def register(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        svc.register(decode(body, RegisterRequest))
+    def _register(self, body: bytes) -> Response:
+        self.svc.register(decode(body, RegisterRequest))
         return 201, _OK, _JSON
 
-    async def unregister(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        await svc.unregister(decode(body, UnregisterRequest))
+    async def _unregister(self, body: bytes) -> Response:
+        await self.svc.unregister(decode(body, UnregisterRequest))
         return 200, _OK, _JSON
 
-    async def workers(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.workers_json())
-
-    async def query(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.query_body(body))
-
-    async def query_by_hash(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.query_by_hash(decode(body, QueryByHashRequest)))
-
-    async def dump(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.dump())
-
-    async def prometheus(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return 200, metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")]
-
-    async def register_peer(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        svc.add_peer(decode(body, PeerRequest).url)
+    def _register_peer(self, body: bytes) -> Response:
+        self.svc.add_peer(decode(body, PeerRequest).url)
         return 201, _OK, _JSON
 
-    async def deregister_peer(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        svc.remove_peer(decode(body, PeerRequest).url)
+    def _deregister_peer(self, body: bytes) -> Response:
+        self.svc.remove_peer(decode(body, PeerRequest).url)
         return 200, _OK, _JSON
 
-    async def peers(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.peers())
-
-    async def ready(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    def _ready(self, _: bytes) -> Response:
+        svc = self.svc
         is_ready, waiting = svc.ready()
         body = {"ready": is_ready, "waiting": waiting, "restored_from": svc.restored_from}
-        return ok(body, 200 if is_ready else 503)
+        return self._ok(body, 200 if is_ready else 503)
 
-    async def route(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        return ok(svc.route(decode(body, QueryRequest)))
-
-    async def snapshot(_: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        if svc.ready()[1][:1] == ["restore"]:
+    def _snapshot(self, _: bytes) -> Response:
+        if self.svc.ready()[1][:1] == ["restore"]:
             raise UnavailableError("the service is still restoring its state")
-        return 200, svc.snapshot_bytes(), [(b"content-type", b"application/octet-stream")]
+        return 200, self.svc.snapshot_bytes(), _BINARY
 
-    routes: dict[str, tuple[str, Handler]] = {
-        "/health": ("GET", health),
-        "/register": ("POST", register),
-        "/unregister": ("POST", unregister),
-        "/workers": ("GET", workers),
-        "/query": ("POST", query),
-        "/query_by_hash": ("POST", query_by_hash),
-        "/dump": ("GET", dump),
-        "/metrics": ("GET", prometheus),
-        "/register_peer": ("POST", register_peer),
-        "/deregister_peer": ("POST", deregister_peer),
-        "/peers": ("GET", peers),
-        "/ready": ("GET", ready),
-        "/route": ("POST", route),
-        "/snapshot": ("GET", snapshot),
-        "/match": ("POST", match_handler(svc)),
-    }
-
-    async def read_body(scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > limit:
-                    raise PayloadTooLargeError(
-                        f"a {declared}-byte body is over the limit of {limit} bytes"
-                    )
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            msg = await receive()
-            chunk = msg.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLargeError(f"the body is over the limit of {limit} bytes")
-                chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def authorized(scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return bool(value == token)
-        return False
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
+    def respond(
+        self, method: str, path: str, authorization: bytes | None, body: bytes
+    ) -> Response | Coroutine[Any, Any, Response]:
+        """The response to one request: at once, or a coroutine for the few routes that
+        wait (``/unregister``). ``HEAD`` is answered as ``GET`` (the server leaves the body
+        out). Metrics are recorded when the response is known."""
         t0 = time.perf_counter()
-        path = scope["path"]
-        method = scope["method"]
-        entry = routes.get(path)
-        endpoint = path if entry is not None else "other"
-        headers: list[tuple[bytes, bytes]] = _JSON
+        entry = self.routes.get(path)
         try:
             if entry is None:
                 raise NotFoundError(f"no route {path}")
-            want, handler = entry
+            want, handler, waiter = entry
             if method != want and not (method == "HEAD" and want == "GET"):
-                raise MethodNotAllowedError(f"{path} takes {want}, not {method}")
-            if token is not None and path != "/health" and not authorized(scope):
+                return self._done(
+                    path,
+                    method,
+                    t0,
+                    error_response(
+                        MethodNotAllowedError(f"{path} takes {want}, not {method}"), want
+                    ),
+                )
+            if (
+                self._token is not None
+                and path != "/health"
+                and (authorization is None or not hmac.compare_digest(authorization, self._token))
+            ):
                 raise UnauthorizedError("a valid 'Authorization: Bearer TOKEN' header is required")
-            body = await read_body(scope, receive) if want == "POST" else b""
-            status, payload, headers = await handler(body)
-        except ServiceError as exc:
-            status = exc.status
-            payload = _encode({"error": str(exc), "type": type(exc).__name__})
-            if status == 405:
-                headers = [*_JSON, (b"allow", routes[path][0].encode())]
-        except KVStreamError as exc:  # a library error the handlers did not map: bad input
-            status = 422
-            payload = _encode({"error": str(exc), "type": type(exc).__name__})
+            if waiter is not None:
+                return self._wait(waiter, method, path, body, t0)
+            assert handler is not None
+            res = handler(body)
         except Exception as exc:
-            log.exception("%s %s failed", method, path)
-            status = 500
-            payload = _encode({"error": f"internal error: {exc}", "type": type(exc).__name__})
-        # a known length: no chunked encoding for the client to undo
-        headers = [*headers, (b"content-length", b"%d" % len(payload))]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else payload})
-        metrics.observe(endpoint, method, status, time.perf_counter() - t0)
+            res = self._failed(exc, method, path)
+        return self._done(path if entry is not None else "other", method, t0, res)
 
-    return app
+    async def _wait(
+        self, waiter: AsyncHandler, method: str, path: str, body: bytes, t0: float
+    ) -> Response:
+        try:
+            res = await waiter(body)
+        except Exception as exc:
+            res = self._failed(exc, method, path)
+        return self._done(path, method, t0, res)
+
+    @staticmethod
+    def _failed(exc: Exception, method: str, path: str) -> Response:
+        if not isinstance(exc, KVStreamError):
+            log.exception("%s %s failed", method, path)
+        return error_response(exc)
+
+    def _done(self, endpoint: str, method: str, t0: float, res: Response) -> Response:
+        self.metrics.observe(endpoint, method, res[0], time.perf_counter() - t0)
+        return res

@@ -36,7 +36,7 @@ model: 404; more token ids than ``max_tokens``: 413.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import msgspec
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-_JSON: Final = [(b"content-type", b"application/json")]
+_JSON: Final = b"content-type: application/json\r\n"
 _encode = msgspec.json.Encoder().encode
 
 #: a worker on the wire: [instance id, DP rank or null]
@@ -286,12 +286,11 @@ def answer_match(svc: IndexService, req: MatchRequest) -> MatchAnswer:
     )
 
 
-def match_handler(
-    svc: IndexService,
-) -> Callable[[bytes], Awaitable[tuple[int, bytes, list[tuple[bytes, bytes]]]]]:
-    """The route handler of ``POST /match`` for :mod:`kvstream.serve.http`."""
+def match_handler(svc: IndexService) -> Callable[[bytes], tuple[int, bytes, bytes]]:
+    """The route handler of ``POST /match`` for :mod:`kvstream.serve.http`: status, body
+    and header lines."""
 
-    async def match(body: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    def match(body: bytes) -> tuple[int, bytes, bytes]:
         return 200, _encode(answer_match(svc, decode(body, MatchRequest))), _JSON
 
     return match

@@ -23,9 +23,8 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from kvstream._types import hash_width
 from kvstream.errors import ConfigError, HashingError, KVStreamError
@@ -62,6 +61,9 @@ from kvstream.serve.snapshot import (
     read_snapshot,
 )
 
+if TYPE_CHECKING:
+    from kvstream.serve.server import HttpServer
+
 __all__ = ["IndexService"]
 
 log = logging.getLogger("kvstream.serve")
@@ -87,8 +89,7 @@ class IndexService:
         self.snapshots = 0
         self.last_snapshot_error = ""
         self._snap_task: asyncio.Task[None] | None = None
-        self._server: Any = None
-        self._server_task: asyncio.Task[None] | None = None
+        self._server: HttpServer | None = None
         self.port: int | None = None
         self.started_at = time.monotonic()
 
@@ -546,48 +547,21 @@ class IndexService:
             self._snap_task = asyncio.create_task(self._snapshot_loop(cfg.snapshot_every_s))
 
     async def _start_http(self) -> None:
-        import uvicorn
+        from kvstream.serve.http import Routes
+        from kvstream.serve.server import HttpServer, server_ssl_context
 
-        from kvstream.serve.http import create_app
-
-        class _Server(uvicorn.Server):
-            # the application (or the CLI) owns the process's signals, not uvicorn
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
-        try:
-            import httptools  # noqa: F401
-
-            http = "httptools"
-        except ImportError:  # pragma: no cover - the serve extra installs it
-            http = "h11"
         cfg = self.config
-        config = uvicorn.Config(
-            create_app(self),
-            host=cfg.host,
-            port=cfg.port,
-            http=http,
-            loop="none",
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-            ssl_certfile=None if cfg.tls_cert is None else str(cfg.tls_cert),
-            ssl_keyfile=None if cfg.tls_key is None else str(cfg.tls_key),
-            timeout_keep_alive=60,
-            server_header=False,
-        )
-        server = _Server(config)
+        ctx = None
+        if cfg.tls_cert is not None:
+            assert cfg.tls_key is not None  # the configuration gives both or neither
+            ctx = server_ssl_context(str(cfg.tls_cert), str(cfg.tls_key))
+        server = HttpServer(Routes(self), max_body_bytes=cfg.max_body_bytes, ssl_context=ctx)
+        try:
+            await server.start(cfg.host, cfg.port)
+        except OSError as exc:
+            raise OSError(f"cannot serve on {cfg.host}:{cfg.port}: {exc}") from exc
         self._server = server
-        self._server_task = asyncio.create_task(server.serve())
-        while not server.started:
-            if self._server_task.done():
-                exc = self._server_task.exception()
-                self._server = self._server_task = None
-                raise OSError(f"cannot serve on {cfg.host}:{cfg.port}: {exc or 'port in use?'}")
-            await asyncio.sleep(0.01)
-        sock = server.servers[0].sockets[0]
-        self.port = int(sock.getsockname()[1])
+        self.port = server.port
 
     @property
     def url(self) -> str:
@@ -606,12 +580,9 @@ class IndexService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._snap_task
             self._snap_task = None
-        server, task = self._server, self._server_task
-        self._server = self._server_task = None
-        if server is not None and task is not None:
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await task
+        server, self._server = self._server, None
+        if server is not None:
+            await server.aclose()
         if snapshot and not self._restoring:
             try:
                 await self.save_snapshot()
