@@ -85,7 +85,7 @@ from kvstream.index.matching import (
     new_worker_match,
 )
 from kvstream.index.stats import IndexStats, SourceStats
-from kvstream.index.table import GroupTable
+from kvstream.index.table import GroupTable, native_table_type
 from kvstream.index.token_table import TokenGroupTable
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
@@ -98,6 +98,10 @@ if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
         _fill = None  # type: ignore[assignment]
 else:
     _fill = None  # type: ignore[assignment]
+
+
+#: engine-keyed tables: the native type when built (chosen once, at import), else the twin
+_ENGINE_TABLE: Callable[[int], GroupTable] = native_table_type() or GroupTable
 
 
 class _Group:
@@ -126,7 +130,7 @@ class _Group:
         #: blocks the group can hold (all tiers); more cached blocks mean missed removals
         self.limit = 1 << 62
         self.max_block_tokens = 0
-        self.table = TokenGroupTable(bit, dynamo) if tokens else GroupTable(bit)
+        self.table = TokenGroupTable(bit, dynamo) if tokens else _ENGINE_TABLE(bit)
         self.domain: HashDomain | None = None
 
 
@@ -664,7 +668,7 @@ class PrefixIndex:
             return None
         if isinstance(t, TokenGroupTable):
             return t.key_of(block_hash)
-        return block_hash if block_hash in t.ids else None
+        return block_hash if t.knows(block_hash) else None
 
     def domains(self) -> list[DomainKey]:
         """Domains with at least one member."""

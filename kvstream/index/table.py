@@ -30,7 +30,7 @@ Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialise
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any, Final, Protocol
 
@@ -39,7 +39,7 @@ from kvstream.index.domain import MaskMap
 from kvstream.index.stats import SourceStats
 from kvstream.index.types import MAX_TIERS
 
-__all__ = ["NATIVE_AVAILABLE", "ROOT", "UNKNOWN", "GroupTable", "best_tier"]
+__all__ = ["NATIVE_AVAILABLE", "ROOT", "UNKNOWN", "GroupTable", "best_tier", "native_table_type"]
 
 if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
     try:
@@ -111,6 +111,20 @@ def _deepest(refs: int) -> int:
     return -1  # pragma: no cover - callers pass non-zero refs
 
 
+def native_table_type() -> Callable[[int], GroupTable] | None:
+    """The native block table (``kvstream._native._index.GroupTable``: this interface and
+    these semantics, its state in C arrays) when built and not switched off by
+    ``KVSTREAM_NO_NATIVE=1``; None otherwise (use :class:`GroupTable`)."""
+    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        from kvstream._native._index import GroupTable as native
+    except ImportError:  # built without a C compiler
+        return None
+    # the same interface, not a subclass: callers see the twin's type
+    return native  # type: ignore[return-value]
+
+
 class GroupTable:
     """The blocks of one (worker, layer group); see the module docstring.
 
@@ -178,6 +192,10 @@ class GroupTable:
     def __contains__(self, block_hash: object) -> bool:
         n = self.ids.get(block_hash)  # type: ignore[call-overload]
         return n is not None and self.refs[n] != 0
+
+    def knows(self, block_hash: bytes) -> bool:
+        """True when the table has a node for ``block_hash`` (present or a ghost)."""
+        return block_hash in self.ids
 
     def tiers_of(self, block_hash: bytes) -> tuple[int, ...]:
         """Reference count per tier of a block (all zero when absent or a ghost)."""
