@@ -130,6 +130,23 @@ class MaskMap:
 _MASK_MAP: Final[Any] = _native.MaskMap if _native is not None else MaskMap
 
 
+def _index_masks() -> Any:
+    """The index core's ``MaskMap`` (keys inline, no object per key; it answers the prefix
+    search itself and the native block tables write it directly), or None when not built or
+    ``KVSTREAM_NO_NATIVE=1``."""
+    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        from kvstream._native._index import MaskMap as native
+    except ImportError:  # built without a C compiler
+        return None
+    return native
+
+
+#: what a new domain keeps: the index core's map when built, else :data:`_MASK_MAP`
+_INDEX_MASKS: Final[Any] = _index_masks()
+
+
 class HashDomain:
     """The shared block -> workers bitmask map of one :class:`DomainKey`.
 
@@ -140,7 +157,7 @@ class HashDomain:
 
     def __init__(self, key: DomainKey) -> None:
         self.key = key
-        self.masks: MaskMap = _MASK_MAP()
+        self.masks: MaskMap = (_INDEX_MASKS or _MASK_MAP)()
         self.members = 0
 
     def depths(self, hashes: Sequence[bytes], allowed: int) -> list[tuple[int, int]]:
@@ -150,6 +167,9 @@ class HashDomain:
         # the masks hold members' bits only: with every member allowed, nothing to filter
         keep = None if allowed == self.members else allowed
         masks = self.masks
+        if type(masks) is _INDEX_MASKS and _native is not None and type(hashes) is list:
+            a = None if keep is None else keep.to_bytes(masks.width, "little")
+            return masks.prefix_depths(hashes, a)  # type: ignore[attr-defined,no-any-return]
         if _native is not None and type(hashes) is list:
             # members are reserved slots (attach), so ``keep`` fits the entries' width
             a = None if keep is None else keep.to_bytes(masks.width, "little")
@@ -162,6 +182,8 @@ class HashDomain:
         if _native is not None and type(hashes) is list:
             allowed &= self.members
             a = None if allowed == self.members else allowed.to_bytes(self.masks.width, "little")
+            if type(self.masks) is _INDEX_MASKS:
+                return self.masks.slot_depths(hashes, a)  # type: ignore[attr-defined,no-any-return]
             return _native.slot_depths(self.masks, hashes, a)
         return sorted(expand_depths(self.depths(hashes, allowed), _SLOTS).items())
 

@@ -71,6 +71,8 @@ typedef struct {
 
 static PyTypeObject TabType;
 
+#include "index_masks.h"
+
 /* ------------------------------------------------------------------ keys and the map */
 
 static inline uint64_t
@@ -347,6 +349,16 @@ unlink_child(Tab *t, int32_t n)
 static int
 mask_call(Tab *t, PyObject *name, PyObject *key)
 {
+    if (Py_TYPE(t->masks) == &MMType) {
+        const uint8_t *k;
+        Py_ssize_t len;
+        if (mm_key_arg(key, &k, &len) < 0)
+            return -1;
+        if (name == s_add)
+            return mm_add((MM *)t->masks, k, len, t->slot);
+        mm_discard((MM *)t->masks, k, len, t->slot);
+        return 0;
+    }
     PyObject *args[3] = {t->masks, key, t->slot_obj};
     PyObject *r = PyObject_VectorcallMethod(name, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL)
@@ -361,6 +373,12 @@ mask_node(Tab *t, PyObject *name, int32_t n, PyObject *key)
 {
     if (t->masks == NULL)
         return 0;
+    if (Py_TYPE(t->masks) == &MMType) { /* the native map: keys straight from the arena */
+        if (name == s_add)
+            return mm_add((MM *)t->masks, KEY(t, n), t->klen[n], t->slot);
+        mm_discard((MM *)t->masks, KEY(t, n), t->klen[n], t->slot);
+        return 0;
+    }
     if (key != NULL)
         return mask_call(t, name, key);
     PyObject *k = key_bytes(t, n);
@@ -1493,7 +1511,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__index(void)
 {
-    if (PyType_Ready(&TabType) < 0)
+    if (PyType_Ready(&TabType) < 0 || PyType_Ready(&MMType) < 0)
         return NULL;
 #define INTERN(var, s)                                 \
     if ((var = PyUnicode_InternFromString(s)) == NULL) \
@@ -1509,7 +1527,8 @@ PyInit__index(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "GroupTable", (PyObject *)&TabType) < 0) {
+    if (PyModule_AddObjectRef(m, "GroupTable", (PyObject *)&TabType) < 0
+        || PyModule_AddObjectRef(m, "MaskMap", (PyObject *)&MMType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
