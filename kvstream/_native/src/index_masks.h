@@ -2,7 +2,8 @@
  * (kvstream.index.domain.MaskMap's contract), keys inline, and the prefix search over it.
  *
  * One open-addressing table (linear probing, tombstones until the next rebuild); a slot is
- * [key hash: 8][state: 1, key length: 1, pad: 6][key: kw bytes][bits: width bytes], kw the
+ * [state: 1, key length: 1, pad: 6][key: kw bytes][bits: width bytes] (the key's hash is
+ * recomputed when needed: keys are block hashes, one multiply-mix per 8 bytes), kw the
  * longest key so far rounded up to 8 (a longer key rebuilds the table wider). No Python object
  * per key. Included by index_table.c: the table mirrors its rooted blocks with mm_add and
  * mm_discard directly when its masks are this type. */
@@ -16,11 +17,10 @@ typedef struct {
 
 static PyTypeObject MMType;
 
-#define MM_HDR 16
+#define MM_HDR 8
 #define MM_SLOT(m, i) ((m)->slots + (size_t)(i) * (size_t)(m)->stride)
-#define MM_HASH(m, i) (*(uint64_t *)MM_SLOT(m, i))
-#define MM_STATE(m, i) (MM_SLOT(m, i)[8])
-#define MM_LEN(m, i) (MM_SLOT(m, i)[9])
+#define MM_STATE(m, i) (MM_SLOT(m, i)[0])
+#define MM_LEN(m, i) (MM_SLOT(m, i)[1])
 #define MM_KEY(m, i) (MM_SLOT(m, i) + MM_HDR)
 #define MM_BITS(m, i) (MM_SLOT(m, i) + MM_HDR + (m)->kw)
 #define MM_EMPTY 0
@@ -39,7 +39,7 @@ mm_find(MM *m, const uint8_t *k, Py_ssize_t len, uint64_t h)
         uint8_t s = MM_STATE(m, i);
         if (s == MM_EMPTY)
             return -1;
-        if (s == MM_LIVE && MM_HASH(m, i) == h && MM_LEN(m, i) == len
+        if (s == MM_LIVE && MM_LEN(m, i) == len
             && !memcmp(MM_KEY(m, i), k, (size_t)len))
             return (Py_ssize_t)i;
     }
@@ -65,7 +65,7 @@ mm_rebuild(MM *m, Py_ssize_t cap, Py_ssize_t kw, Py_ssize_t width)
     for (Py_ssize_t j = 0; j < old.cap; j++) {
         if (MM_STATE(&old, j) != MM_LIVE)
             continue;
-        size_t i = (size_t)MM_HASH(&old, j) & mask;
+        size_t i = (size_t)key_hash(MM_KEY(&old, j), MM_LEN(&old, j)) & mask;
         while (MM_STATE(m, i) != MM_EMPTY)
             i = (i + 1) & mask;
         memcpy(MM_SLOT(m, i), MM_SLOT(&old, j), (size_t)(MM_HDR + old.kw));
@@ -104,7 +104,6 @@ mm_add(MM *m, const uint8_t *k, Py_ssize_t len, Py_ssize_t slot)
     if (MM_STATE(m, j) == MM_EMPTY)
         m->fill++;
     m->used++;
-    MM_HASH(m, j) = h;
     MM_STATE(m, j) = MM_LIVE;
     MM_LEN(m, j) = (uint8_t)len;
     memcpy(MM_KEY(m, j), k, (size_t)len);

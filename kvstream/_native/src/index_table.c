@@ -243,9 +243,7 @@ nodes_grow(Tab *t, Py_ssize_t want)
     GROW(t->flags, uint8_t, cap);
     GROW(t->klen, uint8_t, cap);
     GROW(t->keys, uint8_t, cap * t->kw);
-    GROW(t->freel, int32_t, cap); /* every node can be free at once */
     t->cap = cap;
-    t->freecap = cap;
     return 0;
 }
 
@@ -519,6 +517,22 @@ is_ancestor(Tab *t, int32_t n, int32_t p)
     return 1;
 }
 
+/* Put node n on the free list (grown on demand: a table that never deletes keeps none). When
+ * the list cannot grow, n stays unused: the table stays consistent, the id is not reused. */
+static void
+push_free(Tab *t, int32_t n)
+{
+    if (t->nfree == t->freecap) {
+        Py_ssize_t cap = t->freecap ? t->freecap * 2 : 64;
+        int32_t *f = PyMem_Realloc(t->freel, (size_t)cap * sizeof(int32_t));
+        if (f == NULL)
+            return;
+        t->freel = f;
+        t->freecap = cap;
+    }
+    t->freel[t->nfree++] = n;
+}
+
 /* Delete childless non-present n, then any ghost ancestors it leaves childless. */
 static void
 delete_up(Tab *t, int32_t n)
@@ -531,7 +545,7 @@ delete_up(Tab *t, int32_t n)
         t->klen[n] = 0;
         t->parent[n] = UNKNOWN;
         t->live--;
-        t->freel[t->nfree++] = n; /* freecap == cap */
+        push_free(t, n);
         if (p < 0 || t->refs[p] || t->kid[p] >= 0)
             return;
         n = p;
@@ -1342,8 +1356,9 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
 static PyObject *
 tab_nbytes(Tab *t, PyObject *Py_UNUSED(ignored))
 {
-    size_t per = 4 * sizeof(int32_t) + sizeof(uint64_t) + 2 + (size_t)t->kw + sizeof(int32_t);
+    size_t per = 4 * sizeof(int32_t) + sizeof(uint64_t) + 2 + (size_t)t->kw;
     return PyLong_FromSize_t(sizeof(Tab) + (size_t)t->cap * per
+                             + (size_t)t->freecap * sizeof(int32_t)
                              + (size_t)t->mcap * sizeof(int32_t));
 }
 
