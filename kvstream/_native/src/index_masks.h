@@ -1,7 +1,8 @@
 /* kvstream._native._index.MaskMap: a hash domain's block key -> worker bitmask map
  * (kvstream.index.domain.MaskMap's contract), keys inline, and the prefix search over it.
  *
- * One open-addressing table (linear probing, tombstones until the next rebuild); a slot is
+ * One open-addressing table (linear probing, deletion by backward shift: no tombstones); a
+ * slot is
  * [state: 1, key length: 1, pad: 6][key: kw bytes][bits: width bytes] (the key's hash is
  * recomputed when needed: keys are block hashes, one multiply-mix per 8 bytes), kw the
  * longest key so far rounded up to 8 (a longer key rebuilds the table wider). No Python object
@@ -11,7 +12,7 @@
 typedef struct {
     PyObject_HEAD
     uint8_t *slots;
-    Py_ssize_t cap, used, fill; /* slots (a power of two, 0 before the first key); keys; + tombs */
+    Py_ssize_t cap, used, fill; /* slots (a power of two, 0 before the first key); keys (twice) */
     Py_ssize_t kw, width, stride;
 } MM;
 
@@ -25,7 +26,6 @@ static PyTypeObject MMType;
 #define MM_BITS(m, i) (MM_SLOT(m, i) + MM_HDR + (m)->kw)
 #define MM_EMPTY 0
 #define MM_LIVE 1
-#define MM_TOMB 2
 
 static inline uint64_t key_hash(const uint8_t *k, Py_ssize_t n);
 
@@ -114,6 +114,29 @@ mm_add(MM *m, const uint8_t *k, Py_ssize_t len, Py_ssize_t slot)
     return 0;
 }
 
+/* True when ``home`` lies cyclically in (i, j]: an entry there must stay behind the hole. */
+static inline int
+stays(size_t home, size_t i, size_t j)
+{
+    return i <= j ? (home > i && home <= j) : (home > i || home <= j);
+}
+
+/* Empty slot i by backward shift (linear probing without tombstones: later entries of the
+ * probe run move up, so lookups never cross dead slots). */
+static void
+mm_erase(MM *m, size_t i)
+{
+    size_t mask = (size_t)m->cap - 1;
+    for (size_t j = (i + 1) & mask; MM_STATE(m, j) == MM_LIVE; j = (j + 1) & mask) {
+        size_t home = (size_t)key_hash(MM_KEY(m, j), MM_LEN(m, j)) & mask;
+        if (stays(home, i, j))
+            continue;
+        memcpy(MM_SLOT(m, i), MM_SLOT(m, j), (size_t)m->stride);
+        i = j;
+    }
+    MM_STATE(m, i) = MM_EMPTY;
+}
+
 /* Clear bit ``slot`` of key k's mask, dropping a key left without bits. */
 static void
 mm_discard(MM *m, const uint8_t *k, Py_ssize_t len, Py_ssize_t slot)
@@ -126,8 +149,9 @@ mm_discard(MM *m, const uint8_t *k, Py_ssize_t len, Py_ssize_t slot)
     for (Py_ssize_t b = 0; b < m->width; b++)
         if (bits[b])
             return;
-    MM_STATE(m, i) = MM_TOMB;
+    mm_erase(m, (size_t)i);
     m->used--;
+    m->fill--;
 }
 
 /* The bits of bytes key ``key`` (NULL when absent or not a key). */

@@ -4,11 +4,11 @@
  * per-tier reference counts, ghosts, rooted blocks mirrored into a domain's masks); the Python
  * class stays as its pure-Python twin and the parity tests run both on the same operations.
  *
- * Layout, no Python object per node: parallel C arrays indexed by node id (parent, first
- * child, next and previous sibling as int32, packed refs as uint64, a flags byte: live and
- * rooted, the key length), the block hashes inline in one array of ``kw`` bytes per node (kw
- * grows to the longest hash seen), and an open-addressing map hash -> node id (int32 slots,
- * linear probing, tombstones until the next rebuild). Freed node ids are reused (LIFO).
+ * Layout, no Python object per node: one record per node id (parent, first child, next and
+ * previous sibling as int32, packed refs as uint64, a flags byte: live and rooted, the key
+ * length), the block hash inline after it in ``kw`` bytes (kw grows to the longest hash
+ * seen), and an open-addressing map hash -> node id (int32 slots,
+ * linear probing, deletion by backward shift). Freed node ids are reused (LIFO).
  *
  * Mask mirroring goes through the masks object's public ``add``/``discard``/``reserve``
  * methods (MaskMap contract, kvstream.index.domain): this file reads no other object's
@@ -27,7 +27,6 @@
 #define F_LIVE 2
 #define F_ROOTED 1
 #define MAP_EMPTY (-1)
-#define MAP_TOMB (-2)
 #define MAX_KEY 255
 
 static PyObject *s_add, *s_discard, *s_reserve, *s_get, *s_block_hash, *s_cache_level;
@@ -55,21 +54,29 @@ typedef struct {
     PyObject *slot_obj;  /* slot as an int */
     Py_ssize_t slot;
     PyObject *masks;     /* the domain's masks (NULL: detached) */
-    int32_t *parent, *kid, *next, *prev;
-    uint64_t *refs;
-    uint8_t *flags, *klen;
-    uint8_t *keys;       /* cap * kw bytes */
+    uint8_t *nodes;      /* cap records of ``stride`` bytes: a Node, then kw bytes of key */
     Py_ssize_t kw;       /* bytes per key slot */
+    Py_ssize_t stride;   /* NODE_HDR + kw, rounded up to 2 */
     Py_ssize_t hw, cap;  /* node ids used so far (high water), allocated */
     int32_t *freel;
     Py_ssize_t nfree, freecap;
     int32_t *map;
-    Py_ssize_t mcap, mfill; /* slots; live + tombstones */
+    Py_ssize_t mcap, mfill; /* slots; used slots */
     Py_ssize_t live, present, lower, rooted;
     Py_ssize_t counters[C_N];
 } Tab;
 
 static PyTypeObject TabType;
+
+/* One node's record (its key follows it): one cache line or two per node visited, where
+ * parallel arrays would touch one per field. Packed: records are 2-byte aligned. */
+typedef struct __attribute__((packed)) {
+    int32_t parent, kid, next, prev;
+    uint64_t refs;
+    uint8_t flags, klen;
+} Node;
+#define NODE_HDR ((Py_ssize_t)sizeof(Node))
+#define ND(t, n) ((Node *)((t)->nodes + (size_t)(n) * (size_t)(t)->stride))
 
 #include "index_masks.h"
 
@@ -104,12 +111,12 @@ key_hash(const uint8_t *k, Py_ssize_t n)
     return mix(h);
 }
 
-#define KEY(t, n) ((t)->keys + (size_t)(n) * (size_t)(t)->kw)
+#define KEY(t, n) ((t)->nodes + (size_t)(n) * (size_t)(t)->stride + NODE_HDR)
 
 static inline int
 key_eq(Tab *t, int32_t n, const uint8_t *k, Py_ssize_t len)
 {
-    return t->klen[n] == len && !memcmp(KEY(t, n), k, (size_t)len);
+    return ND(t, n)->klen == len && !memcmp(KEY(t, n), k, (size_t)len);
 }
 
 /* Node id of key k (-1 when absent). */
@@ -139,9 +146,9 @@ map_rebuild(Tab *t, Py_ssize_t cap)
     memset(m, 0xFF, (size_t)cap * sizeof(int32_t)); /* MAP_EMPTY */
     size_t mask = (size_t)cap - 1;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
-        if (!(t->flags[n] & F_LIVE))
+        if (!(ND(t, n)->flags & F_LIVE))
             continue;
-        size_t i = (size_t)key_hash(KEY(t, n), t->klen[n]) & mask;
+        size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
         while (m[i] != MAP_EMPTY)
             i = (i + 1) & mask;
         m[i] = (int32_t)n;
@@ -153,7 +160,7 @@ map_rebuild(Tab *t, Py_ssize_t cap)
     return 0;
 }
 
-/* Room for one more key in the map (at most 2/3 full, tombstones included). */
+/* Room for one more key in the map (at most 2/3 full). */
 static int
 map_room(Tab *t)
 {
@@ -169,7 +176,7 @@ static void
 map_insert(Tab *t, int32_t n)
 {
     size_t mask = (size_t)t->mcap - 1;
-    size_t i = (size_t)key_hash(KEY(t, n), t->klen[n]) & mask;
+    size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
     while (t->map[i] >= 0)
         i = (i + 1) & mask;
     if (t->map[i] == MAP_EMPTY)
@@ -177,14 +184,45 @@ map_insert(Tab *t, int32_t n)
     t->map[i] = n;
 }
 
+#define AHEAD 8
+
+/* Start loading the map slot (and the masks' slot, when native) where hs[i]'s probe begins:
+ * the loops touch keys ahead, so the cache misses of random hashes overlap. */
+static inline void
+prefetch_key(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end, PyTypeObject *mmtype)
+{
+    if (i >= end || !PyBytes_Check(hs[i]))
+        return;
+    Py_ssize_t len = PyBytes_GET_SIZE(hs[i]);
+    uint64_t h = key_hash((const uint8_t *)PyBytes_AS_STRING(hs[i]), len);
+    if (t->mcap)
+        __builtin_prefetch(&t->map[h & ((uint64_t)t->mcap - 1)]);
+    if (t->masks != NULL && Py_TYPE(t->masks) == mmtype) {
+        MM *m = (MM *)t->masks;
+        if (m->cap)
+            __builtin_prefetch(MM_SLOT(m, h & ((uint64_t)m->cap - 1)));
+    }
+}
+
+/* Take node n out of the map by backward shift (no tombstones: probe runs stay short however
+ * many keys come and go). */
 static void
 map_delete(Tab *t, int32_t n)
 {
     size_t mask = (size_t)t->mcap - 1;
-    size_t i = (size_t)key_hash(KEY(t, n), t->klen[n]) & mask;
+    size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
     while (t->map[i] != n)
         i = (i + 1) & mask;
-    t->map[i] = MAP_TOMB;
+    for (size_t j = (i + 1) & mask; t->map[j] >= 0; j = (j + 1) & mask) {
+        int32_t v = t->map[j];
+        size_t home = (size_t)key_hash(KEY(t, v), ND(t, v)->klen) & mask;
+        if (i <= j ? (home > i && home <= j) : (home > i || home <= j))
+            continue; /* its probe run starts after the hole: it stays */
+        t->map[i] = v;
+        i = j;
+    }
+    t->map[i] = MAP_EMPTY;
+    t->mfill--;
 }
 
 /* ------------------------------------------------------------------ node storage */
@@ -192,22 +230,15 @@ map_delete(Tab *t, int32_t n)
 static void
 nodes_free(Tab *t)
 {
-    PyMem_Free(t->parent);
-    PyMem_Free(t->kid);
-    PyMem_Free(t->next);
-    PyMem_Free(t->prev);
-    PyMem_Free(t->refs);
-    PyMem_Free(t->flags);
-    PyMem_Free(t->klen);
-    PyMem_Free(t->keys);
+    PyMem_Free(t->nodes);
     PyMem_Free(t->freel);
     PyMem_Free(t->map);
-    t->parent = t->kid = t->next = t->prev = t->freel = t->map = NULL;
-    t->refs = NULL;
-    t->flags = t->klen = t->keys = NULL;
+    t->nodes = NULL;
+    t->freel = t->map = NULL;
     t->hw = t->cap = t->nfree = t->freecap = t->mcap = t->mfill = 0;
     t->live = t->present = t->lower = t->rooted = 0;
     t->kw = 8;
+    t->stride = NODE_HDR + 8;
 }
 
 #define GROW(ptr, type, n)                                                   \
@@ -235,14 +266,7 @@ nodes_grow(Tab *t, Py_ssize_t want)
         }
         cap = INT32_MAX;
     }
-    GROW(t->parent, int32_t, cap);
-    GROW(t->kid, int32_t, cap);
-    GROW(t->next, int32_t, cap);
-    GROW(t->prev, int32_t, cap);
-    GROW(t->refs, uint64_t, cap);
-    GROW(t->flags, uint8_t, cap);
-    GROW(t->klen, uint8_t, cap);
-    GROW(t->keys, uint8_t, cap * t->kw);
+    GROW(t->nodes, uint8_t, cap * t->stride);
     t->cap = cap;
     return 0;
 }
@@ -251,16 +275,18 @@ nodes_grow(Tab *t, Py_ssize_t want)
 static int
 keys_widen(Tab *t, Py_ssize_t kw)
 {
-    uint8_t *k = PyMem_Calloc((size_t)(t->cap ? t->cap : 1), (size_t)kw);
+    Py_ssize_t stride = (NODE_HDR + kw + 1) & ~(Py_ssize_t)1;
+    uint8_t *k = PyMem_Calloc((size_t)(t->cap ? t->cap : 1), (size_t)stride);
     if (k == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t n = 0; n < t->hw; n++)
-        memcpy(k + (size_t)n * (size_t)kw, KEY(t, n), (size_t)t->kw);
-    PyMem_Free(t->keys);
-    t->keys = k;
+        memcpy(k + (size_t)n * (size_t)stride, ND(t, n), (size_t)(NODE_HDR + t->kw));
+    PyMem_Free(t->nodes);
+    t->nodes = k;
     t->kw = kw;
+    t->stride = stride;
     return 0;
 }
 
@@ -297,12 +323,12 @@ alloc_node(Tab *t, const uint8_t *k, Py_ssize_t len, int32_t p)
             return -1;
         n = (int32_t)t->hw++;
     }
-    t->parent[n] = p;
-    t->kid[n] = NIL;
-    t->next[n] = t->prev[n] = NIL;
-    t->refs[n] = 0;
-    t->flags[n] = F_LIVE;
-    t->klen[n] = (uint8_t)len;
+    ND(t, n)->parent = p;
+    ND(t, n)->kid = NIL;
+    ND(t, n)->next = ND(t, n)->prev = NIL;
+    ND(t, n)->refs = 0;
+    ND(t, n)->flags = F_LIVE;
+    ND(t, n)->klen = (uint8_t)len;
     memcpy(KEY(t, n), k, (size_t)len);
     t->live++;
     map_insert(t, n);
@@ -312,34 +338,34 @@ alloc_node(Tab *t, const uint8_t *k, Py_ssize_t len, int32_t p)
 static inline PyObject *
 key_bytes(Tab *t, int32_t n)
 {
-    return PyBytes_FromStringAndSize((const char *)KEY(t, n), t->klen[n]);
+    return PyBytes_FromStringAndSize((const char *)KEY(t, n), ND(t, n)->klen);
 }
 
 static void
 link_child(Tab *t, int32_t n, int32_t p)
 {
-    int32_t f = t->kid[p];
-    t->prev[n] = NIL;
-    t->next[n] = f;
+    int32_t f = ND(t, p)->kid;
+    ND(t, n)->prev = NIL;
+    ND(t, n)->next = f;
     if (f >= 0)
-        t->prev[f] = n;
-    t->kid[p] = n;
+        ND(t, f)->prev = n;
+    ND(t, p)->kid = n;
 }
 
 static void
 unlink_child(Tab *t, int32_t n)
 {
-    int32_t p = t->parent[n];
+    int32_t p = ND(t, n)->parent;
     if (p < 0)
         return;
-    int32_t a = t->prev[n], b = t->next[n];
+    int32_t a = ND(t, n)->prev, b = ND(t, n)->next;
     if (a >= 0)
-        t->next[a] = b;
-    else if (t->kid[p] == n)
-        t->kid[p] = b;
+        ND(t, a)->next = b;
+    else if (ND(t, p)->kid == n)
+        ND(t, p)->kid = b;
     if (b >= 0)
-        t->prev[b] = a;
-    t->prev[n] = t->next[n] = NIL;
+        ND(t, b)->prev = a;
+    ND(t, n)->prev = ND(t, n)->next = NIL;
 }
 
 /* ------------------------------------------------------------------ masks */
@@ -373,8 +399,8 @@ mask_node(Tab *t, PyObject *name, int32_t n, PyObject *key)
         return 0;
     if (Py_TYPE(t->masks) == &MMType) { /* the native map: keys straight from the arena */
         if (name == s_add)
-            return mm_add((MM *)t->masks, KEY(t, n), t->klen[n], t->slot);
-        mm_discard((MM *)t->masks, KEY(t, n), t->klen[n], t->slot);
+            return mm_add((MM *)t->masks, KEY(t, n), ND(t, n)->klen, t->slot);
+        mm_discard((MM *)t->masks, KEY(t, n), ND(t, n)->klen, t->slot);
         return 0;
     }
     if (key != NULL)
@@ -416,7 +442,7 @@ best_tier(uint64_t r)
 static inline void
 set_refs(Tab *t, int32_t n, uint64_t old, uint64_t new)
 {
-    t->refs[n] = new;
+    ND(t, n)->refs = new;
     t->present += (new != 0) - (old != 0);
     t->lower += (new != 0 && !(new & FIELD)) - (old != 0 && !(old & FIELD));
 }
@@ -424,17 +450,17 @@ set_refs(Tab *t, int32_t n, uint64_t old, uint64_t new)
 static inline void
 set_rooted(Tab *t, int32_t n, int on)
 {
-    if (on && !(t->flags[n] & F_ROOTED)) {
-        t->flags[n] |= F_ROOTED;
+    if (on && !(ND(t, n)->flags & F_ROOTED)) {
+        ND(t, n)->flags |= F_ROOTED;
         t->rooted++;
     }
-    else if (!on && (t->flags[n] & F_ROOTED)) {
-        t->flags[n] &= (uint8_t)~F_ROOTED;
+    else if (!on && (ND(t, n)->flags & F_ROOTED)) {
+        ND(t, n)->flags &= (uint8_t)~F_ROOTED;
         t->rooted--;
     }
 }
 
-#define ROOTED(t, n) ((t)->flags[n] & F_ROOTED)
+#define ROOTED(t, n) (ND(t, n)->flags & F_ROOTED)
 
 /* A growable stack of node ids (subtree walks). */
 typedef struct {
@@ -462,7 +488,7 @@ push(Stack *s, int32_t x)
 static int
 push_children(Stack *s, Tab *t, int32_t x)
 {
-    for (int32_t c = t->kid[x]; c >= 0; c = t->next[c])
+    for (int32_t c = ND(t, x)->kid; c >= 0; c = ND(t, c)->next)
         if (push(s, c) < 0)
             return -1;
     return 0;
@@ -475,7 +501,7 @@ root_subtree(Tab *t, int32_t n)
     int rc = push(&s, n);
     while (rc == 0 && s.n) {
         int32_t x = s.v[--s.n];
-        if (ROOTED(t, x) || !t->refs[x])
+        if (ROOTED(t, x) || !ND(t, x)->refs)
             continue;
         set_rooted(t, x, 1);
         if (mask_node(t, s_add, x, NULL) < 0 || push_children(&s, t, x) < 0)
@@ -512,7 +538,7 @@ is_ancestor(Tab *t, int32_t n, int32_t p)
             return 1;
         if (x < 0)
             return 0;
-        x = t->parent[x];
+        x = ND(t, x)->parent;
     }
     return 1;
 }
@@ -538,15 +564,15 @@ static void
 delete_up(Tab *t, int32_t n)
 {
     for (;;) {
-        int32_t p = t->parent[n];
+        int32_t p = ND(t, n)->parent;
         unlink_child(t, n);
         map_delete(t, n);
-        t->flags[n] = 0;
-        t->klen[n] = 0;
-        t->parent[n] = UNKNOWN;
+        ND(t, n)->flags = 0;
+        ND(t, n)->klen = 0;
+        ND(t, n)->parent = UNKNOWN;
         t->live--;
         push_free(t, n);
-        if (p < 0 || t->refs[p] || t->kid[p] >= 0)
+        if (p < 0 || ND(t, p)->refs || ND(t, p)->kid >= 0)
             return;
         n = p;
     }
@@ -555,12 +581,12 @@ delete_up(Tab *t, int32_t n)
 static void
 adopt_parent(Tab *t, int32_t n, int32_t p)
 {
-    int32_t q = t->parent[n];
+    int32_t q = ND(t, n)->parent;
     if (q == UNKNOWN) {
         if (p >= 0 && is_ancestor(t, n, p))
             t->counters[C_PARENT_MISMATCH]++;
         else {
-            t->parent[n] = p;
+            ND(t, n)->parent = p;
             if (p >= 0)
                 link_child(t, n, p);
         }
@@ -572,11 +598,11 @@ adopt_parent(Tab *t, int32_t n, int32_t p)
 static int
 store_existing(Tab *t, int32_t n, int32_t p, long level)
 {
-    uint64_t r = t->refs[n];
+    uint64_t r = ND(t, n)->refs;
     int shift = 16 * tier_of(level);
     if (r) {
         t->counters[C_DUPLICATE]++;
-        if (t->parent[n] != p)
+        if (ND(t, n)->parent != p)
             t->counters[C_PARENT_MISMATCH]++;
         if (((r >> shift) & FIELD) == FIELD) {
             t->counters[C_SATURATED]++;
@@ -587,7 +613,7 @@ store_existing(Tab *t, int32_t n, int32_t p, long level)
     }
     adopt_parent(t, n, p);
     set_refs(t, n, 0, 1ull << shift);
-    int32_t q = t->parent[n];
+    int32_t q = ND(t, n)->parent;
     if (q == ROOT || (q >= 0 && ROOTED(t, q)))
         return root_subtree(t, n);
     return 0;
@@ -616,7 +642,7 @@ store_parent(Tab *t, PyObject *parent_hash, int32_t *p, int *ok)
         *ok = 0;
         return 0;
     }
-    if (!t->refs[q])
+    if (!ND(t, q)->refs)
         t->counters[C_UNKNOWN_PARENT]++;
     *p = q;
     *ok = ROOTED(t, q) ? 1 : 0;
@@ -678,7 +704,10 @@ do_store(Tab *t, PyObject *parent_hash, PyObject *hashes, PyObject *levels_seq, 
         PyErr_SetString(PyExc_ValueError, "store: one cache level per block hash");
         return -1;
     }
+    for (Py_ssize_t i = 0; i < AHEAD && i < end; i++)
+        prefetch_key(t, hs, i, end, &MMType);
     for (Py_ssize_t i = 0; i < end; i++) {
+        prefetch_key(t, hs, i + AHEAD, end, &MMType);
         long c = one_level;
         if (levels_seq != NULL && level_arg(PySequence_Fast_GET_ITEM(levels_seq, i), &c) < 0)
             return -1;
@@ -714,7 +743,7 @@ do_store(Tab *t, PyObject *parent_hash, PyObject *hashes, PyObject *levels_seq, 
         if (key_arg(parent_hash, &k, &len) < 0)
             return -1;
         int32_t q = find(t, k, len);
-        if (q >= 0 && !t->refs[q] && t->kid[q] < 0)
+        if (q >= 0 && !ND(t, q)->refs && ND(t, q)->kid < 0)
             delete_up(t, q);
     }
     return 0;
@@ -793,7 +822,7 @@ remove_one(Tab *t, PyObject *h, int has_level, long level)
     if (key_arg(h, &k, &len) < 0)
         return -1;
     int32_t n = find(t, k, len);
-    uint64_t r = n < 0 ? 0 : t->refs[n];
+    uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
     if (!r) {
         t->counters[C_UNKNOWN_REMOVE]++;
         return 0;
@@ -816,7 +845,7 @@ remove_one(Tab *t, PyObject *h, int has_level, long level)
     }
     set_refs(t, n, r, 0);
     if (ROOTED(t, n)) {
-        if (t->kid[n] < 0) {
+        if (ND(t, n)->kid < 0) {
             set_rooted(t, n, 0);
             if (mask_node(t, s_discard, n, h) < 0)
                 return -1;
@@ -824,7 +853,7 @@ remove_one(Tab *t, PyObject *h, int has_level, long level)
         else if (unroot_subtree(t, n) < 0)
             return -1;
     }
-    if (t->kid[n] < 0)
+    if (ND(t, n)->kid < 0)
         delete_up(t, n);
     return 0;
 }
@@ -846,8 +875,12 @@ tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     int rc = 0;
     Py_ssize_t end = PySequence_Fast_GET_SIZE(hashes);
     PyObject **hs = PySequence_Fast_ITEMS(hashes);
-    for (Py_ssize_t i = 0; i < end && rc == 0; i++)
+    for (Py_ssize_t i = 0; i < AHEAD && i < end; i++)
+        prefetch_key(t, hs, i, end, &MMType);
+    for (Py_ssize_t i = 0; i < end && rc == 0; i++) {
+        prefetch_key(t, hs, i + AHEAD, end, &MMType);
         rc = remove_one(t, hs[i], has_level, level);
+    }
     Py_DECREF(hashes);
     if (flush_counters(t, args[2]) < 0 || rc < 0)
         return NULL;
@@ -868,7 +901,7 @@ tab_update(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         || level_arg(args[2], &new) < 0)
         return NULL;
     int32_t n = find(t, k, len);
-    uint64_t r = n < 0 ? 0 : t->refs[n];
+    uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
     if (!r)
         t->counters[C_UNKNOWN_UPDATE]++;
     else {
@@ -896,7 +929,7 @@ tab_mirrored(Tab *t, PyObject *Py_UNUSED(ignored))
     if (out == NULL)
         return NULL;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
-        if ((t->flags[n] & (F_LIVE | F_ROOTED)) != (F_LIVE | F_ROOTED))
+        if ((ND(t, n)->flags & (F_LIVE | F_ROOTED)) != (F_LIVE | F_ROOTED))
             continue;
         PyObject *k = key_bytes(t, (int32_t)n);
         if (k == NULL || PyList_Append(out, k) < 0) {
@@ -986,7 +1019,7 @@ tab_tiers_of(Tab *t, PyObject *h)
     int32_t n = node_of(t, h);
     if (n == -2)
         return NULL;
-    uint64_t r = n < 0 ? 0 : t->refs[n];
+    uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
     PyObject *out = PyTuple_New(MAX_TIERS);
     if (out == NULL)
         return NULL;
@@ -1068,7 +1101,7 @@ tab_weighted(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         int32_t n = node_of(t, PySequence_Fast_GET_ITEM(hs, i));
         if (n == -2)
             goto done;
-        uint64_t r = n < 0 ? 0 : t->refs[n];
+        uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
         if (r & FIELD)
             total += w[0];
         else if (r) {
@@ -1108,7 +1141,7 @@ tab_tier_depths(Tab *t, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(hs);
             return NULL;
         }
-        uint64_t r = n < 0 ? 0 : t->refs[n];
+        uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
         if (gpu == d0 && !(r & 0xFFFFull))
             gpu = i;
         if (host == d0 && !(r & 0xFFFFFFFFull))
@@ -1149,14 +1182,14 @@ tab_nodes(Tab *t, PyObject *Py_UNUSED(ignored))
     if (out == NULL)
         return NULL;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
-        if (!(t->flags[n] & F_LIVE))
+        if (!(ND(t, n)->flags & F_LIVE))
             continue;
-        int32_t p = t->parent[n];
+        int32_t p = ND(t, n)->parent;
         PyObject *ref = p == ROOT      ? Py_NewRef(Py_None)
                         : p == UNKNOWN ? PyLong_FromLong(UNKNOWN)
                                        : key_bytes(t, p);
         PyObject *k = key_bytes(t, (int32_t)n);
-        PyObject *r = PyLong_FromUnsignedLongLong(t->refs[n]);
+        PyObject *r = PyLong_FromUnsignedLongLong(ND(t, n)->refs);
         PyObject *tup = (ref && k && r) ? PyTuple_Pack(3, k, ref, r) : NULL;
         Py_XDECREF(ref);
         Py_XDECREF(k);
@@ -1187,14 +1220,14 @@ tab_dump_nodes(Tab *t, PyObject *Py_UNUSED(ignored))
     }
     int32_t i = 0;
     for (Py_ssize_t n = 0; n < t->hw; n++)
-        index[n] = (t->flags[n] & F_LIVE) ? i++ : -1;
+        index[n] = (ND(t, n)->flags & F_LIVE) ? i++ : -1;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
-        if (!(t->flags[n] & F_LIVE))
+        if (!(ND(t, n)->flags & F_LIVE))
             continue;
-        int32_t p = t->parent[n];
+        int32_t p = ND(t, n)->parent;
         PyObject *k = key_bytes(t, (int32_t)n);
         PyObject *pv = PyLong_FromLong(p >= 0 ? index[p] : p);
-        PyObject *r = PyLong_FromUnsignedLongLong(t->refs[n]);
+        PyObject *r = PyLong_FromUnsignedLongLong(ND(t, n)->refs);
         int bad = k == NULL || pv == NULL || r == NULL || PyList_Append(hs, k) < 0
                   || PyList_Append(ps, pv) < 0 || PyList_Append(rs, r) < 0;
         Py_XDECREF(k);
@@ -1259,12 +1292,12 @@ tab_load_nodes(Tab *t, PyObject *arg)
         set_refs(t, n, 0, r);
     }
     for (int32_t n = (int32_t)count - 1; n >= 0; n--) /* children keep their order */
-        if (t->parent[n] >= 0)
-            link_child(t, n, t->parent[n]);
+        if (ND(t, n)->parent >= 0)
+            link_child(t, n, ND(t, n)->parent);
     t->masks = masks;
     masks = NULL;
     for (int32_t n = 0; n < (int32_t)count; n++)
-        if (t->parent[n] == ROOT && t->refs[n] && root_subtree(t, n) < 0)
+        if (ND(t, n)->parent == ROOT && ND(t, n)->refs && root_subtree(t, n) < 0)
             goto fail;
     Py_DECREF(nodes);
     Py_RETURN_NONE;
@@ -1286,23 +1319,23 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
     Py_ssize_t present = 0, lower = 0, live = 0, rooted = 0;
     for (Py_ssize_t i = 0; i < t->hw; i++) {
         int32_t n = (int32_t)i;
-        if (!(t->flags[n] & F_LIVE))
+        if (!(ND(t, n)->flags & F_LIVE))
             continue;
         live++;
-        if (find(t, KEY(t, n), t->klen[n]) != n) {
+        if (find(t, KEY(t, n), ND(t, n)->klen) != n) {
             assert_fail("the map does not lead to the node", n);
             return NULL;
         }
-        uint64_t r = t->refs[n];
+        uint64_t r = ND(t, n)->refs;
         if (r) {
             present++;
             lower += !(r & FIELD);
         }
-        else if (t->kid[n] < 0) {
+        else if (ND(t, n)->kid < 0) {
             assert_fail("a ghost without children", n);
             return NULL;
         }
-        int32_t p = t->parent[n];
+        int32_t p = ND(t, n)->parent;
         int want = r && (p == ROOT || (p >= 0 && ROOTED(t, p)));
         if (!!ROOTED(t, n) != want) {
             assert_fail("rooted flag", n);
@@ -1327,17 +1360,17 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
             }
         }
         int32_t before = NIL;
-        for (int32_t c = t->kid[n]; c >= 0; c = t->next[c]) {
-            if (t->parent[c] != n || !(t->flags[c] & F_LIVE) || t->prev[c] != before) {
+        for (int32_t c = ND(t, n)->kid; c >= 0; c = ND(t, c)->next) {
+            if (ND(t, c)->parent != n || !(ND(t, c)->flags & F_LIVE) || ND(t, c)->prev != before) {
                 assert_fail("child link", n);
                 return NULL;
             }
             before = c;
         }
         if (p >= 0) {
-            int32_t c = t->kid[p];
+            int32_t c = ND(t, p)->kid;
             while (c >= 0 && c != n)
-                c = t->next[c];
+                c = ND(t, c)->next;
             if (c != n) {
                 assert_fail("parent link", n);
                 return NULL;
@@ -1356,7 +1389,7 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
 static PyObject *
 tab_nbytes(Tab *t, PyObject *Py_UNUSED(ignored))
 {
-    size_t per = 4 * sizeof(int32_t) + sizeof(uint64_t) + 2 + (size_t)t->kw;
+    size_t per = (size_t)t->stride;
     return PyLong_FromSize_t(sizeof(Tab) + (size_t)t->cap * per
                              + (size_t)t->freecap * sizeof(int32_t)
                              + (size_t)t->mcap * sizeof(int32_t));
@@ -1387,6 +1420,7 @@ tab_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     t->slot = nbits - 1;
     t->slot_obj = PyLong_FromSsize_t(t->slot);
     t->kw = 8;
+    t->stride = NODE_HDR + 8;
     if (t->slot_obj == NULL) {
         Py_DECREF(t);
         return NULL;
@@ -1431,7 +1465,7 @@ tab_contains(Tab *t, PyObject *h)
     int32_t n = node_of(t, h);
     if (n == -2)
         return -1;
-    return n >= 0 && t->refs[n] != 0;
+    return n >= 0 && ND(t, n)->refs != 0;
 }
 
 static PyObject *
