@@ -31,14 +31,13 @@ extension, leaves only the reference (:data:`NATIVE` says which).
 
 from __future__ import annotations
 
-import importlib
 import io
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, cast
 
+from kvstream._native import load as load_native
 from kvstream._types import ALLOWED_UNKNOWN_WIDTHS, BLOCK_HASH_WIDTHS, PRIORITY_MAX
 from kvstream.codec.container import ContainerReader
 from kvstream.codec.decoder import read_record
@@ -100,11 +99,8 @@ _MAX_HASH: Final = 64
 
 
 def _load_native() -> Any:
-    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        mod: Any = importlib.import_module("kvstream.codec._columns_native")
-    except ImportError:
+    mod: Any = load_native("kvstream.codec._columns_native")
+    if mod is None:
         return None
     attention = (None, AttentionKind.FULL.value, AttentionKind.SLIDING_WINDOW.value)
     mod.configure(dict(BLOCK_HASH_WIDTHS), tuple(ALLOWED_UNKNOWN_WIDTHS), PRIORITY_MAX, attention)

@@ -12,11 +12,11 @@ Field order must follow the schema files; one function per record type keeps tha
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any, Final
 
+from kvstream._native import load as load_native
 from kvstream._types import TokenIds
 from kvstream.codec.binary import LONG_MAX, encode_bytes, encode_long, encode_string
 from kvstream.codec.downgrade import (
@@ -303,9 +303,8 @@ def _gather_py(block_tuples: list[tuple[StoredBlock, ...]]) -> _Gathered:
 
 
 def _native_gather() -> _Gather | None:
-    try:
-        mod: Any = importlib.import_module("kvstream.codec._tokens_native")
-    except ImportError:
+    mod: Any = load_native("kvstream.codec._tokens_native")
+    if mod is None:
         return None
     gather: _Gather | None = getattr(mod, "gather_blocks", None)
     return gather

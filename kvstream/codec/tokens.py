@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvstream._native import load as load_native
 from kvstream.errors import DecodeError, EncodeError
 
 __all__ = [
@@ -280,9 +281,8 @@ _Sizes = Callable[[bytes], tuple[int, int, int]]
 
 
 def _native() -> tuple[_Encode, _Decode, _Sizes, _Planes | None]:
-    try:
-        mod: Any = importlib.import_module("kvstream.codec._tokens_native")
-    except ImportError:
+    mod: Any = load_native("kvstream.codec._tokens_native")
+    if mod is None:
         return _varint_encode_np, _varint_decode_np, _varint_sizes_np, None
 
     def decode(data: bytes | memoryview, count: int, delta: bool) -> bytes:

@@ -37,25 +37,22 @@ built or ``KVSTREAM_NO_NATIVE`` is set; anything unusual is decoded by the gener
 from __future__ import annotations
 
 import functools
-import os
 import struct
 import sys
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from kvstream._native import load as load_native
 from kvstream._types import CacheLevel, TokenIds
 from kvstream.errors import InteropError
 from kvstream.events.trusted import token_blocks
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.engines import _wire_native
-    except ImportError:  # built without a C compiler: the pure-Python path
-        _wire_native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.engines import _wire_native
 else:
-    _wire_native = None  # type: ignore[assignment]
+    _wire_native = load_native("kvstream.engines._wire_native")
 
 __all__ = [
     "MEDIUM_LEVELS",

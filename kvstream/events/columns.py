@@ -15,12 +15,11 @@ batches of only stored and removed events; the Python loop here is the reference
 
 from __future__ import annotations
 
-import importlib
 import operator
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, Final, TypeAlias
 
+from kvstream._native import load as load_native
 from kvstream._types import TokenIds
 from kvstream.errors import DecodeError
 from kvstream.events.model import (
@@ -75,14 +74,9 @@ def native_model_columns() -> Any:
     global _model_columns  # noqa: PLW0603  (set once; tests patch it to force Python)
     if _model_columns is _UNSET:
         _model_columns = None
-        if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-            try:
-                # an extension module without Python dependencies: it reads model attributes
-                mod: Any = importlib.import_module("kvstream.codec._columns_native")
-            except ImportError:
-                pass
-            else:
-                _model_columns = getattr(mod, "model_columns", None)
+        # an extension module without Python dependencies: it reads model attributes
+        mod: Any = load_native("kvstream.codec._columns_native")
+        _model_columns = getattr(mod, "model_columns", None)
     return _model_columns
 
 

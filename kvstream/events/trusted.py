@@ -15,21 +15,18 @@ the default when it is) and the pure-Python code here (the reference, and the fa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from kvstream._native import load as load_native
 from kvstream._types import PRIORITY_DEFAULT as _PRIORITY_DEFAULT
 from kvstream._types import TokenIds, TokenIdsView
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, Stored, StoredBlock
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.events import _trusted_native
-    except ImportError:  # built without a C compiler: the pure-Python path
-        _trusted_native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.events import _trusted_native
 else:
-    _trusted_native = None  # type: ignore[assignment]
+    _trusted_native = load_native("kvstream.events._trusted_native")
 
 __all__ = [
     "NATIVE_AVAILABLE",

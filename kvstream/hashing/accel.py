@@ -21,21 +21,18 @@ Also here, with pure-Python fallbacks: :func:`pack_request` (a request's ids as 
 
 from __future__ import annotations
 
-import os
 import re
 import struct
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from kvstream._native import load as load_native
 from kvstream.errors import HashingError
 from kvstream.hashing.blocks import coerce_tokens
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.hashing import _chainnative
-    except ImportError:  # built without a C compiler: the pure-Python path
-        _chainnative = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.hashing import _chainnative
 else:
-    _chainnative = None  # type: ignore[assignment]
+    _chainnative = load_native("kvstream.hashing._chainnative")
 
 __all__ = [
     "KIND_BLAKE3",

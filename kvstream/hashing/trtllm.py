@@ -67,14 +67,14 @@ Digest tokens are hashed verbatim in every encoding; ``mm_keys`` are appended as
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import numpy as np
 
+from kvstream._native import load as load_native
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
 from kvstream.hashing.accel import KIND_V2, native_chains
@@ -99,13 +99,10 @@ from kvstream.hashing.blocks import (
 from kvstream.hashing.multimodal import digest32, normalize_mm_keys
 from kvstream.hashing.salt import check_salt_hash
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.hashing import _v1native
-    except ImportError:  # built without a C compiler: the pure-Python path
-        _v1native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.hashing import _v1native
 else:
-    _v1native = None  # type: ignore[assignment]
+    _v1native = load_native("kvstream.hashing._v1native")
 
 __all__ = ["NATIVE_AVAILABLE", "V2_ENCODINGS", "V1BlockKeyHasher", "V2Sha256Hasher"]
 

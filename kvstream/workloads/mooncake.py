@@ -23,11 +23,11 @@ reports bad ids. Both give the same bytes (property-tested).
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from kvstream._native import load as load_native
 from kvstream._types import TokenIds
 from kvstream.errors import ConfigError
 from kvstream.workloads.base import WorkloadRequest, pseudo_tokens
@@ -41,13 +41,10 @@ from kvstream.workloads.traces import (
     trace_path,
 )
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.workloads import _mooncake_native
-    except ImportError:  # built without a C compiler: the pure-Python path
-        _mooncake_native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.workloads import _mooncake_native
 else:
-    _mooncake_native = None  # type: ignore[assignment]
+    _mooncake_native = load_native("kvstream.workloads._mooncake_native")
 
 __all__ = [
     "DATA_DIR_ENV",

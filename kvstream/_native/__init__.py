@@ -1,0 +1,130 @@
+"""kvstream's native core: the one loader and the one switch for its C extension modules.
+
+Every C extension kvstream ships is listed in :data:`MODULES` (pyproject.toml's
+``ext-modules`` builds them; a test checks the two agree) and imported through
+:func:`load`, never directly, so that:
+
+- ``KVSTREAM_NO_NATIVE=1`` (any value but empty or ``0``) turns every one of them off, and
+  each user falls back to its pure-Python twin (same results, tested for parity);
+- a missing build is loud: the first :func:`load` of a module that did not build warns once
+  (:class:`NativeMissingWarning`) naming it and how to rebuild, and with
+  ``KVSTREAM_REQUIRE_NATIVE=1`` (what CI sets) it raises :class:`NativeBuildError` instead;
+- :func:`report` says which parts are active (``kvstream --version``, the ``native`` label of
+  ``kvstream_build_info``).
+
+Both variables are read when a module is first loaded; a module's answer is cached for the
+life of the process. This package is at layer 0: it imports nothing else from kvstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from importlib import import_module
+from types import ModuleType
+from typing import Final
+
+__all__ = [
+    "MODULES",
+    "NativeBuildError",
+    "NativeMissingWarning",
+    "disabled",
+    "load",
+    "report",
+    "required",
+]
+
+#: Every extension module, by role, as pyproject.toml's ``ext-modules`` lists them.
+MODULES: Final[dict[str, str]] = {
+    "kvstream.hashing._v1native": "hashing",
+    "kvstream.hashing._chainnative": "hashing",
+    "kvstream.events._trusted_native": "events",
+    "kvstream.engines._wire_native": "wire",
+    "kvstream.codec._tokens_native": "codec",
+    "kvstream.codec._columns_native": "codec",
+    "kvstream.index._table_native": "index",
+    "kvstream.index._match_native": "index",
+    "kvstream._native._index": "index",
+    "kvstream.workloads._mooncake_native": "workloads",
+}
+
+_REBUILD: Final = "pip install --force-reinstall --no-deps kvstream (with a C compiler present)"
+
+
+class NativeMissingWarning(RuntimeWarning):
+    """A native module did not build (or does not load): its pure-Python twin runs instead."""
+
+
+class NativeBuildError(ImportError):
+    """A native module is missing while ``KVSTREAM_REQUIRE_NATIVE`` asks for every one."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def disabled() -> bool:
+    """Whether ``KVSTREAM_NO_NATIVE`` turns the native core off."""
+    return _flag("KVSTREAM_NO_NATIVE")
+
+
+def required() -> bool:
+    """Whether ``KVSTREAM_REQUIRE_NATIVE`` makes a missing native module an error."""
+    return _flag("KVSTREAM_REQUIRE_NATIVE") and not disabled()
+
+
+_loaded: dict[str, ModuleType | None] = {}
+_failures: dict[str, str] = {}
+
+
+def load(name: str) -> ModuleType | None:
+    """The extension module ``name`` (a key of :data:`MODULES`), or None when the native
+    core is disabled or the module did not build.
+
+    A module that is missing or fails to import warns once per process
+    (:class:`NativeMissingWarning`), or raises :class:`NativeBuildError` when
+    :func:`required`. Raises KeyError for a name not in :data:`MODULES`.
+    """
+    if name not in MODULES:
+        raise KeyError(f"{name!r} is not one of kvstream's native modules")
+    if name in _loaded:
+        return _loaded[name]
+    mod: ModuleType | None = None
+    if not disabled():
+        try:
+            mod = import_module(name)
+        except ImportError as exc:
+            why = "not built" if getattr(exc, "name", None) == name else f"failed: {exc}"
+            _failures[name] = why
+            if required():
+                raise NativeBuildError(
+                    f"native module {name} is {why} and KVSTREAM_REQUIRE_NATIVE is set"
+                ) from exc
+            warnings.warn(
+                f"kvstream's native module {name} is {why}: its pure-Python twin runs "
+                f"instead (slower, same results). Rebuild with: {_REBUILD}; or set "
+                "KVSTREAM_NO_NATIVE=1 to choose pure Python and silence this.",
+                NativeMissingWarning,
+                stacklevel=2,
+            )
+    _loaded[name] = mod
+    return mod
+
+
+def report() -> dict[str, str]:
+    """Module name -> ``"active"``, ``"off (KVSTREAM_NO_NATIVE)"``, ``"not built"`` or
+    ``"failed: <error>"`` for every native module, loading each as its users do (without
+    warning: a report is how one asks)."""
+    out: dict[str, str] = {}
+    for name in MODULES:
+        if disabled():
+            out[name] = "off (KVSTREAM_NO_NATIVE)"
+            continue
+        if name not in _loaded:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NativeMissingWarning)
+                with contextlib.suppress(NativeBuildError):
+                    load(name)
+        out[name] = "active" if _loaded.get(name) is not None else _failures[name]
+    return out
