@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +123,11 @@ def test_columns_native_and_python_loops_build_the_same_index(
 
 
 def test_native_loop_is_built() -> None:
-    """The C loop is part of a normal build (the fallback is only for machines without a
-    compiler)."""
-    assert table_module.NATIVE_AVAILABLE
+    """The native table is part of a normal build (the fallback is only for machines without
+    a compiler)."""
+    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
+        pytest.skip("KVSTREAM_NO_NATIVE: the Python twin by request")
+    assert table_module.native_table_type() is not None
 
 
 def worker_stream(p: Producer, n: int) -> list[EventBatch]:

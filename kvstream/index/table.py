@@ -5,6 +5,8 @@ first child (further children of a branching node live in a side dict of sets, s
 O(1)), packed per-tier reference counts and a "rooted" flag. With the C extension built the
 integer columns are its ``Column`` (64-bit ints in one array: no int object per node, never
 walked by the cyclic GC), else lists; nothing else is allocated per block beyond the dict entry.
+This class is the pure-Python twin: where the extension is built, engine-keyed indexes use the
+native type :func:`native_table_type` returns (same interface and semantics, its state in C).
 
 Semantics (DESIGN §7):
 
@@ -49,7 +51,8 @@ if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
 else:
     _native = None  # type: ignore[assignment]
 
-#: True when stores of new blocks run in the optional C loop (:mod:`._table_native`).
+#: True when this twin's integer columns are the C extension's ``Column`` (its loops are
+#: Python: the native table is :func:`native_table_type`, a type of its own).
 NATIVE_AVAILABLE: Final[bool] = _native is not None
 #: The extension whose ``Column`` holds the tables' integer columns, fixed at import (tests
 #: set ``_native`` to None to run the Python loops on the same tables).
@@ -228,9 +231,6 @@ class GroupTable:
     ) -> None:
         """:meth:`store` from columns: the blocks' hashes and their cache level (one for all,
         or one per block)."""
-        if _native is not None and type(level) is int and type(hashes) is list:
-            self._store_native(parent_hash, hashes, level, st)
-            return
         levels: Iterable[int] = repeat(level, len(hashes)) if isinstance(level, int) else level
         ids = self.ids
         p, ok = self._store_parent(parent_hash, st)
@@ -294,33 +294,6 @@ class GroupTable:
         self.present += added
         self.lower += lowered
         self._drop_bare_ghost(parent_hash)
-
-    def _store_native(
-        self, parent_hash: bytes | None, hashes: list[bytes], level: int, st: SourceStats
-    ) -> None:
-        """:meth:`store_hashes` of one cache level with the C loop for new blocks; blocks the
-        table already holds are applied here, as the Python loop does."""
-        assert _native is not None
-        inc = _INC[level if level < _LAST else _LAST]
-        run = _native.store_run
-        end = len(hashes)
-        # the common store (under the root or a held block) resolves its parent in C
-        got = _native.store_chain(self, parent_hash, hashes, inc)
-        if got is None:  # an unknown or ghost parent: resolved and counted here
-            p, ok = self._store_parent(parent_hash, st)
-            i, p, total = run(self, hashes, 0, p, ok, inc)
-        else:
-            i, p, total = got
-        while i < end:
-            n = self.ids[hashes[i]]
-            self._store_existing(n, p, level, st)
-            i, p, added = run(self, hashes, i + 1, n, self.rooted[n], inc)
-            total += added
-        self.present += total
-        if level != 0:
-            self.lower += total
-        if got is None:  # a held parent is no ghost: nothing to drop then
-            self._drop_bare_ghost(parent_hash)
 
     def _drop_bare_ghost(self, h: bytes | None) -> None:
         """Delete ``h``'s node when it is a ghost without children: the unknown parent of a
@@ -514,30 +487,7 @@ class GroupTable:
     def remove(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
         """Apply a ``removed`` event: one reference per hash leaves ``level`` (or the deepest
         level holding the block when ``level`` is None or does not hold it)."""
-        if (
-            _native is not None
-            and (level is None or level == 0)
-            and type(self) is GroupTable
-            and type(block_hashes) is list
-        ):
-            self._remove_native(block_hashes, level, st)
-            return
         self._remove_py(block_hashes, level, st)
-
-    def _remove_native(self, hashes: list[bytes], level: int | None, st: SourceStats) -> None:
-        """:meth:`remove` with the C loop for leaf blocks holding one GPU reference; any
-        other hash goes through the Python loop, one at a time."""
-        assert _native is not None
-        run = _native.remove_run
-        end = len(hashes)
-        i = 0
-        while True:
-            i, removed = run(self, hashes, i)
-            self.present -= removed
-            if i >= end:
-                return
-            self._remove_py(hashes[i : i + 1], level, st)
-            i += 1
 
     def _remove_py(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
         get = self.ids.get
