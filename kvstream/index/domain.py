@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any, Final, TypeVar
 
+from kvstream._native import load
 from kvstream.index.types import DomainKey
 
 if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
@@ -134,13 +135,8 @@ def _index_masks() -> Any:
     """The index core's ``MaskMap`` (keys inline, no object per key; it answers the prefix
     search itself and the native block tables write it directly), or None when not built or
     ``KVSTREAM_NO_NATIVE=1``."""
-    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        from kvstream._native._index import MaskMap as native
-    except ImportError:  # built without a C compiler
-        return None
-    return native
+    core = load("kvstream._native._index")
+    return None if core is None else core.MaskMap
 
 
 #: what a new domain keeps: the index core's map when built, else :data:`_MASK_MAP`

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Any, Final, Protocol
 
+from kvstream._native import load
 from kvstream.events.model import StoredBlock
 from kvstream.index.domain import MaskMap
 from kvstream.index.stats import SourceStats
@@ -118,14 +119,9 @@ def native_table_type() -> Callable[[int], GroupTable] | None:
     """The native block table (``kvstream._native._index.GroupTable``: this interface and
     these semantics, its state in C arrays) when built and not switched off by
     ``KVSTREAM_NO_NATIVE=1``; None otherwise (use :class:`GroupTable`)."""
-    if os.environ.get("KVSTREAM_NO_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        from kvstream._native._index import GroupTable as native
-    except ImportError:  # built without a C compiler
-        return None
+    core = load("kvstream._native._index")
     # the same interface, not a subclass: callers see the twin's type
-    return native  # type: ignore[return-value]
+    return None if core is None else core.GroupTable
 
 
 class GroupTable:
