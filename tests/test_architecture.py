@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Top-level name under kvstream -> layer. A module imports only its own or lower layers.
 LAYERS = {
+    "_native": 0,  # the native core: its loader, and C modules that import nothing of kvstream
     "_types": 0,
     "errors": 0,
     "clock": 0,
@@ -114,3 +115,32 @@ def test_core_imports_without_torch_or_kafka() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports at run time (``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.extend([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+    return names
+
+
+@pytest.mark.parametrize(("module", "path"), MODULES, ids=[m for m, _ in MODULES])
+def test_native_modules_load_only_through_the_one_loader(module: str, path: Path) -> None:
+    # so KVSTREAM_NO_NATIVE, the missing-build warning and the version report cover them all
+    from kvstream._native import MODULES as NATIVE
+
+    if _area(module) == "_native":
+        return
+    direct = [imp for imp in _runtime_imports(path) if imp in NATIVE]
+    assert not direct, f"{module} imports {direct} directly: use kvstream._native.load"

@@ -226,49 +226,55 @@ def test_cached_match_plans_follow_every_change(
 
 
 @st.composite
-def mask_maps(draw: st.DrawFn) -> tuple[MaskMap, dict[bytes, int]]:
-    """A MaskMap built by random adds and discards (slots up to 140), and the dict of ints it
-    must equal."""
+def mask_maps(draw: st.DrawFn) -> tuple[MaskMap, Any, dict[bytes, int]]:
+    """A MaskMap and the C MaskMap built by the same random adds and discards (slots up to
+    140), and the dict of ints they must equal."""
     masks = MaskMap()
+    cmasks = native.MaskMap()
     want: dict[bytes, int] = {}
     for key, slot, add in draw(
         st.lists(st.tuples(_hash, st.integers(0, 140), st.booleans()), max_size=80)
     ):
         masks.reserve(slot)
+        cmasks.reserve(slot)
         if add:
             masks.add(key, slot)
+            cmasks.add(key, slot)
             want[key] = want.get(key, 0) | 1 << slot
         else:
             masks.discard(key, slot)
+            cmasks.discard(key, slot)
             m = want.get(key, 0) & ~(1 << slot)
             if m:
                 want[key] = m
             else:
                 want.pop(key, None)
-    return masks, want
+    return masks, cmasks, want
 
 
 @given(mm=mask_maps(), hashes=st.lists(_hash, max_size=20), allowed=st.integers(0, 1 << 141))
 def test_mask_map_and_the_c_search_equal_the_reference(
-    mm: tuple[MaskMap, dict[bytes, int]], hashes: list[bytes], allowed: int
+    mm: tuple[MaskMap, Any, dict[bytes, int]], hashes: list[bytes], allowed: int
 ) -> None:
     """A MaskMap reads as the dict of ints its updates describe, and the C search gives the
     Python search's pairs over it, for any masks (shrinking along the chain or not) and any
     allowed set."""
-    masks, want = mm
-    assert masks.as_dict() == want
-    assert len(masks) == len(want)
+    masks, cmasks, want = mm
+    assert masks.as_dict() == want == cmasks.as_dict()
+    assert len(masks) == len(want) == len(cmasks)
     for a in (None, allowed):
         want_pairs = prefix_depths(hashes, want, a)
-        raw = None if a is None else (a & ((1 << 8 * masks.width) - 1))
-        raw_b = None if raw is None else raw.to_bytes(masks.width, "little")
-        assert native.prefix_depths(masks, hashes, raw_b) == want_pairs
+        raw = None if a is None else (a & ((1 << 8 * cmasks.width) - 1))
+        raw_b = None if raw is None else raw.to_bytes(cmasks.width, "little")
+        assert native.prefix_depths(cmasks, hashes, raw_b) == want_pairs
+        with pytest.raises(TypeError):  # the C search reads only its own map
+            native.prefix_depths(masks, hashes, raw_b)
         per_slot: dict[int, int] = {}
         for mask, d in want_pairs:
             for s in range(mask.bit_length()):
                 if mask >> s & 1 and d > per_slot.get(s, 0):
                     per_slot[s] = d
-        assert native.slot_depths(masks, hashes, raw_b) == sorted(per_slot.items())
+        assert native.slot_depths(cmasks, hashes, raw_b) == sorted(per_slot.items())
 
 
 def test_mask_map_widens_keeping_every_bit() -> None:

@@ -87,7 +87,7 @@ def absent(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv("KVSTREAM_REQUIRE_NATIVE", raising=False)
     yield name
     native._loaded.pop(name, None)
-    native._failures.pop(name, None)
+    native._status.pop(name, None)
 
 
 def test_a_missing_build_warns_once(absent: str) -> None:
@@ -112,6 +112,7 @@ def test_the_switch_wins_over_required(absent: str, monkeypatch: pytest.MonkeyPa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.load(absent) is None
+    assert native.report()[absent] == "off (KVSTREAM_NO_NATIVE)"
 
 
 def test_unknown_names_are_refused() -> None:

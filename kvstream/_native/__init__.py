@@ -75,7 +75,7 @@ def required() -> bool:
 
 
 _loaded: dict[str, ModuleType | None] = {}
-_failures: dict[str, str] = {}
+_status: dict[str, str] = {}
 
 
 def load(name: str) -> ModuleType | None:
@@ -91,12 +91,14 @@ def load(name: str) -> ModuleType | None:
     if name in _loaded:
         return _loaded[name]
     mod: ModuleType | None = None
-    if not disabled():
+    if disabled():
+        _status[name] = "off (KVSTREAM_NO_NATIVE)"
+    else:
         try:
             mod = import_module(name)
         except ImportError as exc:
             why = "not built" if getattr(exc, "name", None) == name else f"failed: {exc}"
-            _failures[name] = why
+            _status[name] = why
             if required():
                 raise NativeBuildError(
                     f"native module {name} is {why} and KVSTREAM_REQUIRE_NATIVE is set"
@@ -108,23 +110,21 @@ def load(name: str) -> ModuleType | None:
                 NativeMissingWarning,
                 stacklevel=2,
             )
+        else:
+            _status[name] = "active"
     _loaded[name] = mod
     return mod
 
 
 def report() -> dict[str, str]:
     """Module name -> ``"active"``, ``"off (KVSTREAM_NO_NATIVE)"``, ``"not built"`` or
-    ``"failed: <error>"`` for every native module, loading each as its users do (without
-    warning: a report is how one asks)."""
-    out: dict[str, str] = {}
+    ``"failed: <error>"`` for every native module: what this process decided when the module
+    was first loaded (modules not loaded yet are loaded now, as their users would, without
+    the warning: a report is how one asks)."""
     for name in MODULES:
-        if disabled():
-            out[name] = "off (KVSTREAM_NO_NATIVE)"
-            continue
-        if name not in _loaded:
+        if name not in _status:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", NativeMissingWarning)
                 with contextlib.suppress(NativeBuildError):
                     load(name)
-        out[name] = "active" if _loaded.get(name) is not None else _failures[name]
-    return out
+    return {name: _status[name] for name in MODULES}

@@ -1,47 +1,18 @@
 /*
- * kvstream.index._table_native: the hot loops of GroupTable.store_hashes and .remove in C.
+ * kvstream.index._table_native: the Python twin's helpers and the search over this module's
+ * MaskMap (the index core itself, which owns its state, is kvstream._native._index).
  *
  *   Column(values=(), *, unsigned=False)
  *
- * The type of a GroupTable's integer columns (parent, refs (unsigned: packed counts), kid,
- * free) when this extension is built: 64-bit ints in one C array, with the list operations
- * table.py uses on them. The loops below read and write them in place (no int object per
- * node), and the cyclic GC never walks them; untrack_atoms(list) takes a table's hashes list
- * (bytes only) out of the GC's walks too.
+ * The type of the pure-Python GroupTable's integer columns (parent, refs (unsigned: packed
+ * counts), kid, free) when this extension is built: 64-bit ints in one C array with the list
+ * operations table.py uses on them (no int object per node, never walked by the cyclic GC);
+ * untrack_atoms(list) takes a table's hashes list (bytes only) out of the GC's walks too.
  *
- *   store_run(table, hashes, start, p, ok, inc) -> (stop, p, added)
+ *   MaskMap()
  *
- * Links the blocks hashes[start:], all stored at one cache level (``inc``: the packed
- * reference count of one store at that level), as a chain under node ``p`` (ROOT = -1), each
- * new block rooted when ``ok``, exactly as the pure-Python loop of
- * kvstream/index/table.py (GroupTable.store_hashes) does for blocks the table does not know:
- * a node id from the table's free list (or the next one), ``ids[h] = n``, the parallel
- * columns (hashes, parent, refs, kid, rooted) written, the node linked under its parent
- * (``kid`` or the ``more`` side sets) and, when rooted and attached, the table's ``slot`` bit
- * set in ``masks`` (a kvstream.index.domain.MaskMap: an entry per key in ``index``, ``width``
- * bytes of bits per entry in ``words``, reusable entries in ``free``). It stops at the first block the table already holds: ``stop`` is its index
- * in ``hashes`` (len(hashes) when none), ``p`` the last node linked and ``added`` how many
- * nodes were created; the caller applies that block (a duplicate store or a ghost stored
- * again) in Python and calls again from stop + 1. The caller keeps the present/lower gauges.
- *
- *   store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None
- *
- * store_run from hashes[0] of a store whose parent the table resolves without counting
- * anything: the root (parent_hash None) or a block it holds (present), rooted as that block
- * is. None, with nothing changed, for an unknown or ghost parent (the caller resolves it,
- * counts it, and calls store_run). Saves the caller a Python round trip per store.
- *
- *   remove_run(table, hashes, start) -> (stop, removed)
- *
- * The common removal, as GroupTable.remove does it: a block holding exactly one reference,
- * on the GPU (refs == 1), with no children. Its count drops to 0, it leaves the masks
- * (when rooted and attached), and it is deleted with the childless ghost ancestors it leaves
- * (_delete_up: unlinked from its parent, ``ids`` entry dropped, slot freed). It stops at the
- * first hash that is not such a block (unknown, several references, deeper tiers, children):
- * ``stop`` is its index, ``removed`` how many blocks left; the caller applies that hash in
- * Python (which counts what needs counting) and calls again from stop + 1. Only for plain
- * engine-hash tables (a token table's keys differ from its hashes), with the removal's level
- * None or 0. The caller keeps the present gauge.
+ * kvstream.index.domain.MaskMap's contract in one C hash table (the fallback of the index
+ * core's MaskMap).
  *
  *   prefix_depths(masks, hashes, allowed) -> [(workers mask, depth), ...]
  *
@@ -68,9 +39,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-
-static PyObject *s_ids, *s_hashes, *s_parent, *s_refs, *s_kid, *s_rooted, *s_free, *s_more,
-    *s_masks, *s_slot, *s_index, *s_words, *s_width;
 
 /* ------------------------------------------------------------------ Column */
 
@@ -766,560 +734,6 @@ static PyTypeObject NMapType = {
     .tp_new = nmap_new,
 };
 
-/* ------------------------------------------------------------------ node ids */
-
-/* The int objects of node ids, shared by every table: ``ids`` values and ``more`` entries
- * are node ids, and a stored block would otherwise allocate a new int for its id (ints are
- * immutable, so sharing one per value changes nothing the tables can observe). Grows to the
- * largest node id any table reached and lives as long as the module: one int per id, where
- * each table already holds one per node. */
-static PyObject **node_ints;
-static Py_ssize_t node_ints_n;
-
-/* A new reference to the int ``n`` (a node id, >= 0). */
-static PyObject *
-node_int(Py_ssize_t n)
-{
-    if (n < node_ints_n)
-        return Py_NewRef(node_ints[n]);
-    if (n > (Py_ssize_t)1 << 40)
-        return PyLong_FromSsize_t(n); /* not a plausible node id: no cache */
-    Py_ssize_t cap = node_ints_n ? node_ints_n : 1024;
-    while (cap <= n)
-        cap *= 2;
-    PyObject **v = PyMem_Realloc(node_ints, (size_t)cap * sizeof(PyObject *));
-    if (v == NULL)
-        return PyErr_NoMemory();
-    node_ints = v;
-    for (; node_ints_n < cap; node_ints_n++)
-        if ((node_ints[node_ints_n] = PyLong_FromSsize_t(node_ints_n)) == NULL)
-            return NULL;
-    return Py_NewRef(node_ints[n]);
-}
-
-/* ------------------------------------------------------------------ table state */
-
-/* A MaskMap's storage (kvstream/index/domain.py). */
-typedef struct {
-    PyObject *index, *words, *free;
-    Py_ssize_t width;
-    NMap *nm; /* the C MaskMap (index, words and free unused), or NULL */
-} Masks;
-
-typedef struct {
-    PyObject *ids, *hashes, *rooted, *more, *masks;
-    PyObject *parent_o, *refs_o, *kid_o, *free_o;
-    Column *parent, *refs, *kid, *free; /* borrowed from the *_o references */
-    Py_ssize_t slot;
-    Masks m; /* when masks is not None */
-} Table;
-
-static void
-masks_release(Masks *m)
-{
-    Py_XDECREF(m->index);
-    Py_XDECREF(m->words);
-    Py_XDECREF(m->free);
-    Py_XDECREF(m->nm);
-}
-
-static int
-masks_get(PyObject *obj, Masks *m)
-{
-    memset(m, 0, sizeof(*m));
-    if (Py_IS_TYPE(obj, &NMapType)) {
-        m->nm = (NMap *)Py_NewRef(obj);
-        m->width = m->nm->width;
-        return 0;
-    }
-    PyObject *w;
-    if (!(m->index = PyObject_GetAttr(obj, s_index)) || !(m->words = PyObject_GetAttr(obj, s_words))
-        || !(m->free = PyObject_GetAttr(obj, s_free)) || !(w = PyObject_GetAttr(obj, s_width)))
-        return -1;
-    m->width = PyLong_AsSsize_t(w);
-    Py_DECREF(w);
-    if (m->width == -1 && PyErr_Occurred())
-        return -1;
-    if (!PyDict_CheckExact(m->index) || !PyByteArray_CheckExact(m->words)
-        || !PyList_CheckExact(m->free) || m->width <= 0
-        || PyByteArray_GET_SIZE(m->words) % m->width) {
-        PyErr_SetString(PyExc_TypeError, "_table_native: not a MaskMap's state");
-        return -1;
-    }
-    return 0;
-}
-
-/* Set bit ``slot`` of key h's mask, creating its entry (MaskMap.add). */
-static int
-masks_add(Masks *m, PyObject *h, Py_ssize_t slot)
-{
-    if (m->nm != NULL)
-        return nmap_add(m->nm, h, slot);
-    Py_ssize_t e;
-    PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
-    if (eobj != NULL) {
-        e = PyLong_AsSsize_t(eobj);
-        if (e == -1 && PyErr_Occurred())
-            return -1;
-    }
-    else {
-        if (PyErr_Occurred())
-            return -1;
-        Py_ssize_t size = PyByteArray_GET_SIZE(m->words);
-        Py_ssize_t nfree = PyList_GET_SIZE(m->free);
-        if (nfree) {
-            eobj = PyList_GET_ITEM(m->free, nfree - 1);
-            Py_INCREF(eobj);
-            if (PyList_SetSlice(m->free, nfree - 1, nfree, NULL) < 0) {
-                Py_DECREF(eobj);
-                return -1;
-            }
-            e = PyLong_AsSsize_t(eobj);
-            if (e == -1 && PyErr_Occurred()) {
-                Py_DECREF(eobj);
-                return -1;
-            }
-        }
-        else {
-            e = size / m->width;
-            if (PyByteArray_Resize(m->words, size + m->width) < 0)
-                return -1;
-            eobj = PyLong_FromSsize_t(e);
-            if (eobj == NULL)
-                return -1;
-        }
-        if ((e + 1) * m->width > PyByteArray_GET_SIZE(m->words)) {
-            Py_DECREF(eobj);
-            PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry is out of range");
-            return -1;
-        }
-        memset(PyByteArray_AS_STRING(m->words) + e * m->width, 0, (size_t)m->width);
-        int rc = PyDict_SetItem(m->index, h, eobj);
-        Py_DECREF(eobj);
-        if (rc < 0)
-            return -1;
-    }
-    if (e < 0 || (e + 1) * m->width > PyByteArray_GET_SIZE(m->words) || (slot >> 3) >= m->width) {
-        PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry or slot is out of range");
-        return -1;
-    }
-    PyByteArray_AS_STRING(m->words)[e * m->width + (slot >> 3)] |= (char)(1 << (slot & 7));
-    return 0;
-}
-
-/* Clear bit ``slot`` of key h's mask, dropping a key left without bits (MaskMap.discard). */
-static int
-masks_discard(Masks *m, PyObject *h, Py_ssize_t slot)
-{
-    if (m->nm != NULL)
-        return nmap_discard(m->nm, h, slot);
-    PyObject *eobj = PyDict_GetItemWithError(m->index, h); /* borrowed */
-    if (eobj == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    Py_ssize_t e = PyLong_AsSsize_t(eobj);
-    if (e == -1 && PyErr_Occurred())
-        return -1;
-    if (e < 0 || (e + 1) * m->width > PyByteArray_GET_SIZE(m->words)) {
-        PyErr_SetString(PyExc_ValueError, "_table_native: a MaskMap entry is out of range");
-        return -1;
-    }
-    if ((slot >> 3) >= m->width)
-        return 0;
-    unsigned char *w = (unsigned char *)PyByteArray_AS_STRING(m->words) + e * m->width;
-    w[slot >> 3] &= (unsigned char)~(1 << (slot & 7));
-    for (Py_ssize_t i = 0; i < m->width; i++)
-        if (w[i])
-            return 0;
-    Py_INCREF(eobj);
-    int rc = PyDict_DelItem(m->index, h);
-    if (rc == 0)
-        rc = PyList_Append(m->free, eobj);
-    Py_DECREF(eobj);
-    return rc;
-}
-
-static void
-table_release(Table *t)
-{
-    Py_XDECREF(t->ids);
-    Py_XDECREF(t->hashes);
-    Py_XDECREF(t->parent_o);
-    Py_XDECREF(t->refs_o);
-    Py_XDECREF(t->kid_o);
-    Py_XDECREF(t->rooted);
-    Py_XDECREF(t->free_o);
-    Py_XDECREF(t->more);
-    Py_XDECREF(t->masks);
-    masks_release(&t->m);
-}
-
-static int
-table_get(PyObject *obj, Table *t)
-{
-    memset(t, 0, sizeof(*t));
-    if (!(t->ids = PyObject_GetAttr(obj, s_ids)) || !(t->hashes = PyObject_GetAttr(obj, s_hashes))
-        || !(t->parent_o = PyObject_GetAttr(obj, s_parent))
-        || !(t->refs_o = PyObject_GetAttr(obj, s_refs))
-        || !(t->kid_o = PyObject_GetAttr(obj, s_kid))
-        || !(t->rooted = PyObject_GetAttr(obj, s_rooted))
-        || !(t->free_o = PyObject_GetAttr(obj, s_free))
-        || !(t->more = PyObject_GetAttr(obj, s_more))
-        || !(t->masks = PyObject_GetAttr(obj, s_masks)))
-        return -1;
-    PyObject *slot = PyObject_GetAttr(obj, s_slot);
-    if (slot == NULL)
-        return -1;
-    t->slot = PyLong_AsSsize_t(slot);
-    Py_DECREF(slot);
-    if (t->slot == -1 && PyErr_Occurred())
-        return -1;
-    if (!PyDict_CheckExact(t->ids) || !PyList_CheckExact(t->hashes)
-        || !PyObject_TypeCheck(t->parent_o, &ColumnType)
-        || !PyObject_TypeCheck(t->refs_o, &ColumnType)
-        || !PyObject_TypeCheck(t->kid_o, &ColumnType) || !PyByteArray_CheckExact(t->rooted)
-        || !PyObject_TypeCheck(t->free_o, &ColumnType) || !PyDict_CheckExact(t->more)
-        || t->slot < 0) {
-        PyErr_SetString(PyExc_TypeError, "_table_native: not a GroupTable's state");
-        return -1;
-    }
-    t->parent = (Column *)t->parent_o;
-    t->refs = (Column *)t->refs_o;
-    t->kid = (Column *)t->kid_o;
-    t->free = (Column *)t->free_o;
-    if (t->parent->unsig || !t->refs->unsig || t->kid->unsig || t->free->unsig) {
-        PyErr_SetString(PyExc_TypeError, "_table_native: a GroupTable column of the wrong kind");
-        return -1;
-    }
-    if (t->masks != Py_None) {
-        if (masks_get(t->masks, &t->m) < 0)
-            return -1;
-        if ((t->slot >> 3) >= t->m.width) {
-            PyErr_SetString(PyExc_ValueError, "_table_native: the table's slot is not reserved");
-            return -1;
-        }
-    }
-    Py_ssize_t n = PyList_GET_SIZE(t->hashes);
-    if (t->parent->n != n || t->refs->n != n || t->kid->n != n
-        || PyByteArray_GET_SIZE(t->rooted) != n) {
-        PyErr_SetString(PyExc_ValueError, "_table_native: the table's columns differ in length");
-        return -1;
-    }
-    return 0;
-}
-
-/* more[p].add(n), creating the set. */
-static int
-add_more(PyObject *more, Py_ssize_t p, PyObject *nobj)
-{
-    PyObject *pobj = node_int(p);
-    if (pobj == NULL)
-        return -1;
-    int rc;
-    PyObject *s = PyDict_GetItemWithError(more, pobj); /* borrowed */
-    if (s == NULL) {
-        rc = -1;
-        if (!PyErr_Occurred() && (s = PySet_New(NULL)) != NULL) {
-            rc = PySet_Add(s, nobj);
-            if (rc == 0)
-                rc = PyDict_SetItem(more, pobj, s);
-            Py_DECREF(s);
-        }
-    }
-    else if (!PySet_CheckExact(s)) {
-        PyErr_SetString(PyExc_TypeError, "store_run: a GroupTable.more entry is not a set");
-        rc = -1;
-    }
-    else {
-        rc = PySet_Add(s, nobj);
-    }
-    Py_DECREF(pobj);
-    return rc;
-}
-
-/* The loop of store_run over a fetched table (which it releases): (stop, p, added). */
-static PyObject *store_loop(Table *tp, PyObject *hashes, Py_ssize_t start, Py_ssize_t p, int ok,
-                            unsigned long long inc);
-
-static PyObject *
-store_run(PyObject *module, PyObject *args)
-{
-    PyObject *obj, *hashes, *inc_obj;
-    Py_ssize_t start, p;
-    int ok;
-    if (!PyArg_ParseTuple(args, "OO!nnpO!", &obj, &PyList_Type, &hashes, &start, &p, &ok,
-                          &PyLong_Type, &inc_obj))
-        return NULL;
-    unsigned long long inc = PyLong_AsUnsignedLongLong(inc_obj);
-    if (inc == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Table t;
-    if (table_get(obj, &t) < 0) {
-        table_release(&t);
-        return NULL;
-    }
-    return store_loop(&t, hashes, start, p, ok, inc);
-}
-
-/* store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None: store_run from
- * the start of a store whose parent is the root (``parent_hash`` None) or a block the table
- * holds (present: no counter to bump, no ghost to drop afterwards), resolved here as
- * GroupTable._store_parent does; None, with nothing changed, for any other parent (unknown,
- * or a ghost), which the caller resolves. */
-static PyObject *
-store_chain(PyObject *module, PyObject *args)
-{
-    PyObject *obj, *parent_hash, *hashes, *inc_obj;
-    if (!PyArg_ParseTuple(args, "OOO!O!", &obj, &parent_hash, &PyList_Type, &hashes,
-                          &PyLong_Type, &inc_obj))
-        return NULL;
-    unsigned long long inc = PyLong_AsUnsignedLongLong(inc_obj);
-    if (inc == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Table t;
-    if (table_get(obj, &t) < 0) {
-        table_release(&t);
-        return NULL;
-    }
-    Py_ssize_t p = -1;
-    int ok = 1;
-    if (parent_hash != Py_None) {
-        PyObject *qobj = PyDict_GetItemWithError(t.ids, parent_hash); /* borrowed */
-        Py_ssize_t q = qobj == NULL ? -1 : PyLong_AsSsize_t(qobj);
-        if (q == -1 && PyErr_Occurred()) {
-            table_release(&t);
-            return NULL;
-        }
-        if (qobj == NULL || q < 0 || q >= t.refs->n || !t.refs->v[q]) {
-            table_release(&t);
-            Py_RETURN_NONE; /* unknown or a ghost: the caller's path */
-        }
-        p = q;
-        ok = PyByteArray_AS_STRING(t.rooted)[q] != 0;
-    }
-    return store_loop(&t, hashes, 0, p, ok, inc);
-}
-
-static PyObject *
-store_loop(Table *tp, PyObject *hashes, Py_ssize_t start, Py_ssize_t p, int ok,
-           unsigned long long inc)
-{
-    Table t = *tp; /* the references move over: released below */
-    Py_ssize_t end = PyList_GET_SIZE(hashes);
-    Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
-    Py_ssize_t i = start, added = 0;
-    Column *parent = t.parent, *refs = t.refs, *kid = t.kid, *free = t.free;
-    if (start < 0 || start > end || p < -2 || p >= nodes) {
-        PyErr_SetString(PyExc_ValueError, "store_run: start or parent out of range");
-        goto error;
-    }
-    /* room for every block up front: the loop below appends without checks */
-    if (column_reserve(parent, nodes + end - start) < 0 || column_reserve(refs, nodes + end - start) < 0
-        || column_reserve(kid, nodes + end - start) < 0)
-        goto error;
-    NMap *nm = ok && t.masks != Py_None ? t.m.nm : NULL;
-    for (Py_ssize_t k = i; nm != NULL && k < end && k < i + PREFETCH_AHEAD; k++)
-        nmap_prefetch(nm, PyList_GET_ITEM(hashes, k));
-    for (; i < end; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
-        if (nm != NULL && i + PREFETCH_AHEAD < end)
-            nmap_prefetch(nm, PyList_GET_ITEM(hashes, i + PREFETCH_AHEAD));
-        Py_ssize_t n = free->n ? (Py_ssize_t)free->v[free->n - 1] : nodes;
-        if (n < 0 || (free->n && n >= nodes)) {
-            PyErr_SetString(PyExc_ValueError, "store_run: a free node id is out of range");
-            goto error;
-        }
-        PyObject *nobj = node_int(n);
-        if (nobj == NULL)
-            goto error;
-        PyObject *got = PyDict_SetDefault(t.ids, h, nobj); /* borrowed */
-        if (got != nobj) {
-            /* a key already present maps to a live node, never to a free or new id */
-            Py_DECREF(nobj);
-            if (got == NULL)
-                goto error;
-            break;
-        }
-        if (p >= 0) {
-            if (kid->v[p] < 0)
-                kid->v[p] = n;
-            else if (add_more(t.more, p, nobj) < 0) {
-                Py_DECREF(nobj);
-                goto error;
-            }
-        }
-        Py_DECREF(nobj); /* ids holds it */
-        if (n == nodes) {
-            if (PyList_Append(t.hashes, h) < 0 || PyByteArray_Resize(t.rooted, nodes + 1) < 0)
-                goto error;
-            parent->v[parent->n++] = p;
-            refs->v[refs->n++] = (int64_t)inc;
-            kid->v[kid->n++] = -1;
-            nodes++;
-        }
-        else {
-            free->n--;
-            Py_INCREF(h);
-            PyList_SetItem(t.hashes, n, h);
-            parent->v[n] = p;
-            refs->v[n] = (int64_t)inc;
-            kid->v[n] = -1;
-        }
-        PyByteArray_AS_STRING(t.rooted)[n] = (char)ok;
-        if (ok && t.masks != Py_None && masks_add(&t.m, h, t.slot) < 0)
-            goto error;
-        added++;
-        p = n;
-    }
-    table_release(&t);
-    return Py_BuildValue("nnn", i, p, added);
-error:
-    table_release(&t);
-    return NULL;
-}
-
-/* _unlink(n) of table.py: take node n out of its parent p's children. */
-static int
-unlink_node(Table *t, Py_ssize_t n, Py_ssize_t p)
-{
-    if (p < 0)
-        return 0;
-    Py_ssize_t k = (Py_ssize_t)t->kid->v[p];
-    if (k == n && !PyDict_GET_SIZE(t->more)) {
-        t->kid->v[p] = -1; /* the only child: no side sets anywhere */
-        return 0;
-    }
-    PyObject *pobj = node_int(p);
-    if (pobj == NULL)
-        return -1;
-    PyObject *s = PyDict_GetItemWithError(t->more, pobj); /* borrowed */
-    int rc = 0;
-    if (s == NULL && PyErr_Occurred()) {
-        rc = -1;
-        goto done;
-    }
-    if (s != NULL && !PySet_CheckExact(s)) {
-        PyErr_SetString(PyExc_TypeError, "remove_run: a GroupTable.more entry is not a set");
-        rc = -1;
-        goto done;
-    }
-    if (k == n) {
-        if (s != NULL && PySet_GET_SIZE(s)) {
-            PyObject *c = PySet_Pop(s);
-            if (c == NULL) {
-                rc = -1;
-                goto done;
-            }
-            Py_ssize_t cn = PyLong_AsSsize_t(c);
-            Py_DECREF(c);
-            if (cn == -1 && PyErr_Occurred()) {
-                rc = -1;
-                goto done;
-            }
-            t->kid->v[p] = cn;
-            if (!PySet_GET_SIZE(s))
-                rc = PyDict_DelItem(t->more, pobj);
-        }
-        else {
-            t->kid->v[p] = -1;
-        }
-    }
-    else if (s != NULL) {
-        PyObject *nobj = node_int(n);
-        if (nobj == NULL || PySet_Discard(s, nobj) < 0)
-            rc = -1;
-        Py_XDECREF(nobj);
-        if (rc == 0 && !PySet_GET_SIZE(s))
-            rc = PyDict_DelItem(t->more, pobj);
-    }
-done:
-    Py_DECREF(pobj);
-    return rc;
-}
-
-static PyObject *
-remove_run(PyObject *module, PyObject *args)
-{
-    PyObject *obj, *hashes;
-    Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "OO!n", &obj, &PyList_Type, &hashes, &start))
-        return NULL;
-    Table t;
-    if (table_get(obj, &t) < 0) {
-        table_release(&t);
-        return NULL;
-    }
-    Py_ssize_t end = PyList_GET_SIZE(hashes);
-    Py_ssize_t nodes = PyList_GET_SIZE(t.hashes);
-    Py_ssize_t i, removed = 0;
-    Column *parent = t.parent, *refs = t.refs, *kid = t.kid, *free = t.free;
-    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
-    if (empty == NULL || start < 0 || start > end) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "remove_run: start out of range");
-        goto error;
-    }
-    NMap *nm = t.masks != Py_None ? t.m.nm : NULL;
-    for (Py_ssize_t k = start; nm != NULL && k < end && k < start + PREFETCH_AHEAD; k++)
-        nmap_prefetch(nm, PyList_GET_ITEM(hashes, k));
-    for (i = start; i < end; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
-        if (nm != NULL && i + PREFETCH_AHEAD < end)
-            nmap_prefetch(nm, PyList_GET_ITEM(hashes, i + PREFETCH_AHEAD));
-        PyObject *nobj = PyDict_GetItemWithError(t.ids, h); /* borrowed */
-        if (nobj == NULL) {
-            if (PyErr_Occurred())
-                goto error;
-            break; /* unknown: the caller counts it */
-        }
-        Py_ssize_t n = PyLong_AsSsize_t(nobj);
-        if (n == -1 && PyErr_Occurred())
-            goto error;
-        if (n < 0 || n >= nodes) {
-            PyErr_SetString(PyExc_ValueError, "remove_run: a node id is out of range");
-            goto error;
-        }
-        if (refs->v[n] != 1)
-            break; /* not exactly one GPU reference */
-        if (kid->v[n] >= 0)
-            break; /* has children: unrooting a subtree, done in Python */
-        /* the block leaves: refs 0, unrooted, deleted with its childless ghost ancestors */
-        refs->v[n] = 0;
-        char *rooted = PyByteArray_AS_STRING(t.rooted);
-        if (rooted[n] && t.masks != Py_None && masks_discard(&t.m, h, t.slot) < 0)
-            goto error;
-        rooted[n] = 0;
-        removed++;
-        for (;;) { /* _delete_up */
-            Py_ssize_t p = (Py_ssize_t)parent->v[n];
-            if (p >= nodes) {
-                PyErr_SetString(PyExc_ValueError, "remove_run: a parent id is out of range");
-                goto error;
-            }
-            if (unlink_node(&t, n, p) < 0)
-                goto error;
-            if (PyDict_DelItem(t.ids, PyList_GET_ITEM(t.hashes, n)) < 0)
-                goto error;
-            Py_INCREF(empty);
-            PyList_SetItem(t.hashes, n, empty);
-            parent->v[n] = -2; /* UNKNOWN */
-            PyByteArray_AS_STRING(t.rooted)[n] = 0;
-            if (column_push(free, n) < 0)
-                goto error;
-            if (p < 0 || refs->v[p] || kid->v[p] >= 0)
-                break;
-            n = p;
-        }
-    }
-    Py_DECREF(empty);
-    table_release(&t);
-    return Py_BuildValue("nn", i, removed);
-error:
-    Py_XDECREF(empty);
-    table_release(&t);
-    return NULL;
-}
-
-
 /* ------------------------------------------------------------------ prefix_depths */
 
 typedef struct {
@@ -1471,20 +885,15 @@ run_search(PyObject *args, int per_slot)
     PyObject *obj, *hashes, *allowed;
     if (!PyArg_ParseTuple(args, "OO!O", &obj, &PyList_Type, &hashes, &allowed))
         return NULL;
-    Masks m;
-    if (masks_get(obj, &m) < 0) {
-        masks_release(&m);
+    if (!PyObject_TypeCheck(obj, &NMapType)) {
+        PyErr_SetString(PyExc_TypeError, "prefix_depths: masks must be this module's MaskMap");
         return NULL;
     }
-    Search s = {hashes,
-                m.index,
-                NULL,
-                m.nm != NULL ? NULL : (const unsigned char *)PyByteArray_AS_STRING(m.words),
-                NULL,
-                m.width,
-                NULL,
-                NULL,
-                m.nm};
+    NMap *nm = (NMap *)obj;
+    struct {
+        Py_ssize_t width;
+    } m = {nm->width};
+    Search s = {hashes, NULL, NULL, NULL, NULL, m.width, NULL, NULL, nm};
     PyObject *out = NULL;
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     if (allowed != Py_None) {
@@ -1557,7 +966,6 @@ run_search(PyObject *args, int per_slot)
 done:
     PyMem_Free(s.depth_of);
     PyMem_Free(s.scratch);
-    masks_release(&m);
     return out;
 }
 
@@ -1694,9 +1102,6 @@ static PyMethodDef methods[] = {
     {"untrack_atoms", untrack_atoms, METH_O,
      "untrack_atoms(list) -> the list, untracked by the cyclic GC when it holds only bytes and "
      "ints (see the module source)."},
-    {"remove_run", remove_run, METH_VARARGS,
-     "remove_run(table, hashes, start) -> (stop, removed): remove the blocks hashes[start:] "
-     "that hold exactly one GPU reference and no children (see the module source)."},
     {"prefix_depths", prefix_depths, METH_VARARGS,
      "prefix_depths(masks, hashes, allowed) -> [(mask, depth), ...]: domain.prefix_depths "
      "over a MaskMap (see the module source)."},
@@ -1706,42 +1111,18 @@ static PyMethodDef methods[] = {
     {"slots_new", (PyCFunction)(void (*)(void))slots_new, METH_FASTCALL,
      "slots_new(cls, *values) -> an instance of cls with its __slots__ set to values, in "
      "order, without calling __init__ (a fast constructor for frozen slotted dataclasses)."},
-    {"store_chain", store_chain, METH_VARARGS,
-     "store_chain(table, parent_hash, hashes, inc) -> (stop, p, added) | None: store_run from "
-     "the start of a store under the root or a held block; None (nothing changed) for any "
-     "other parent (see the module source)."},
-    {"store_run", store_run, METH_VARARGS,
-     "store_run(table, hashes, start, p, ok, inc) -> (stop, p, added): link the blocks "
-     "hashes[start:] the table does not hold (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_table_native",
-    "C loop of kvstream.index.table.GroupTable.store_hashes (optional accelerator).", -1,
+    "Column, MaskMap and the prefix search of the pure-Python index tables (optional).", -1,
     methods,
 };
 
 PyMODINIT_FUNC
 PyInit__table_native(void)
 {
-#define INTERN(var, name)                                                                         \
-    if (!(var = PyUnicode_InternFromString(name)))                                                \
-        return NULL;
-    INTERN(s_ids, "ids");
-    INTERN(s_hashes, "hashes");
-    INTERN(s_parent, "parent");
-    INTERN(s_refs, "refs");
-    INTERN(s_kid, "kid");
-    INTERN(s_rooted, "rooted");
-    INTERN(s_free, "free");
-    INTERN(s_more, "more");
-    INTERN(s_masks, "masks");
-    INTERN(s_slot, "slot");
-    INTERN(s_index, "index");
-    INTERN(s_words, "words");
-    INTERN(s_width, "width");
-#undef INTERN
     if (PyType_Ready(&ColumnType) < 0 || PyType_Ready(&NMapType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module);

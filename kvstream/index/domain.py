@@ -18,21 +18,17 @@ contract in one open-addressing table whose slots hold the key and its bits toge
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from kvstream._native import load
 from kvstream.index.types import DomainKey
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.index import _table_native as _native
-    except ImportError:  # built without a C compiler: the pure-Python search
-        _native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.index import _table_native as _native
 else:
-    _native = None  # type: ignore[assignment]
+    _native = load("kvstream.index._table_native")
 
 __all__ = ["HashDomain", "MaskMap", "expand_depths", "prefix_depths"]
 

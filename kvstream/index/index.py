@@ -49,11 +49,11 @@ it from one task or thread (the consumer's).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstream._native import load as load_native
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.columns import (
     CLEARED,
@@ -91,13 +91,10 @@ from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.index._match_native import fill as _fill
-    except ImportError:  # built without a C compiler: match() builds its results in Python
-        _fill = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.index._match_native import fill as _fill
 else:
-    _fill = None  # type: ignore[assignment]
+    _fill = getattr(load_native("kvstream.index._match_native"), "fill", None)
 
 
 #: engine-keyed tables: the native type when built (chosen once, at import), else the twin

@@ -8,25 +8,22 @@ carry) and caches the request's chain per domain.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstream._native import load as load_native
 from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, get_hasher, split_blocks
 from kvstream.hashing.accel import pack_request
 from kvstream.hashing.prefix_cache import DEFAULT_CHECKPOINT_TOKENS, PrefixCache
 from kvstream.index.types import WorkerKey
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.index import _table_native as _native
-    except ImportError:  # built without a C compiler: the dataclass constructor
-        _native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.index import _table_native as _native
 else:
-    _native = None  # type: ignore[assignment]
+    _native = load_native("kvstream.index._table_native")
 
 __all__ = [
     "HashRequest",

@@ -50,12 +50,12 @@ caller can see why a worker was chosen and what the index predicted it holds.
 from __future__ import annotations
 
 import enum
-import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstream._native import load as load_native
 from kvstream.errors import ConfigError
 from kvstream.index.index import PrefixIndex
 from kvstream.index.load import LoadTracker
@@ -70,13 +70,10 @@ from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.index._match_native import score as _score
-    except ImportError:  # built without a C compiler: route() scores in Python
-        _score = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.index._match_native import score as _score
 else:
-    _score = None  # type: ignore[assignment]
+    _score = getattr(load_native("kvstream.index._match_native"), "score", None)
 
 #: Decisions over which the utilisation estimate averages (an EWMA's 1/alpha).
 UTILISATION_HORIZON = 100

@@ -31,10 +31,9 @@ Not thread-safe; the owning :class:`~kvstream.index.index.PrefixIndex` serialise
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kvstream._native import load
 from kvstream.events.model import StoredBlock
@@ -44,13 +43,10 @@ from kvstream.index.types import MAX_TIERS
 
 __all__ = ["NATIVE_AVAILABLE", "ROOT", "UNKNOWN", "GroupTable", "best_tier", "native_table_type"]
 
-if os.environ.get("KVSTREAM_NO_NATIVE", "") in ("", "0"):
-    try:
-        from kvstream.index import _table_native as _native
-    except ImportError:  # built without a C compiler: the pure-Python loop
-        _native = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
+    from kvstream.index import _table_native as _native
 else:
-    _native = None  # type: ignore[assignment]
+    _native = load("kvstream.index._table_native")
 
 #: True when this twin's integer columns are the C extension's ``Column`` (its loops are
 #: Python: the native table is :func:`native_table_type`, a type of its own).
