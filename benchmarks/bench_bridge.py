@@ -61,6 +61,7 @@ PROMPT_TOKENS = 8192
 OUTPUT_TOKENS = 32
 CHUNK_BLOCKS = 64
 VOCAB = 128_000
+IDLE_EXIT_S = 2.0
 
 
 # vLLM 0.33's declarations (vllm/distributed/kv_events.py), for this venv without vLLM.
@@ -355,35 +356,37 @@ def live(block_size: int, requests: int) -> None:
         opts = BridgeOptions(
             source=f"vllm://127.0.0.1:{port}?from=latest",
             sinks=(f"kafka://{broker.bootstrap}/{topic}?create_topic=true&partitions=4",),
-            idle_exit_s=3.0,
+            idle_exit_s=IDLE_EXIT_S,
         )
-        first: list[float] = []
+        go: list[float] = []
 
-        def progress(p: Any) -> None:
-            if p.last_item is not None and not first:
-                first.append(p.last_item)
-
-        async def run() -> Any:
-            task = asyncio.create_task(
-                run_bridge(opts, on_progress=progress, progress_every_s=0.05)
-            )
+        async def run() -> tuple[Any, float]:
+            task = asyncio.create_task(run_bridge(opts, progress_every_s=0.05))
             await asyncio.sleep(1.0)  # subscribed before the first frame
             assert pub.stdin is not None
+            go.append(time.monotonic())
             pub.stdin.write("go\n")
             pub.stdin.flush()
-            return await task
+            result = await task
+            return result, time.monotonic()
 
-        result = asyncio.run(run())
+        result, returned = asyncio.run(run())
         p = result.progress
         blocks = p.blocks_stored + p.blocks_removed
-        busy = (p.last_item or 0) - (first[0] if first else p.started)
-        end = p.started + result.elapsed_s - 3.0  # minus the idle wait that ended it
-        span = max(end - (first[0] if first else p.started), busy, 1e-9)
+        last = p.last_item or go[0]
+        # go -> last batch read, plus the close (flush, every message acknowledged), which
+        # began once the source had been idle for idle_exit_s
+        span = (last - go[0]) + max(returned - (last + IDLE_EXIT_S), 0.0)
         print(
             f"\nlive, {block_size}-token blocks: vLLM ZmqEventPublisher -> kvstream bridge -> "
-            f"Kafka (tansu, 4 partitions, acks=all): {blocks:,} blocks, {p.batches} batches in "
-            f"{span:.2f} s = {blocks / span:,.0f} blocks/s; ok={result.ok}, "
-            f"lost ids {p.lost_ids}"
+            f"Kafka (tansu, 4 partitions, acks=all): {blocks:,} blocks in {p.batches} batches, "
+            f"{span:.2f} s from the first publish to the last acknowledgement = "
+            f"{blocks / span:,.0f} blocks/s; delivered ok={result.ok}, lost ids {p.lost_ids}"
+        )
+        read = max(last - go[0], 1e-9)
+        print(
+            f"  of which publish -> bridge read: {read:.3f} s ({blocks / read:,.0f} blocks/s), "
+            f"close (flush + acknowledgements + producer stop): {span - read:.3f} s"
         )
     finally:
         pub.wait(60)
