@@ -26,7 +26,7 @@ esac
 # the editable install is current (Python edits need no reinstall), so a second run starts at
 # once.
 _stamp="$VENV/.kvstream-installed-$_extras"
-_want=$(cat pyproject.toml kvstream/*/_*native*.c kvstream/*/*.h | sha256sum | cut -d' ' -f1)
+_want=$(find kvstream -name '*.[ch]' | LC_ALL=C sort | xargs cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$_stamp" ] && [ "$(cat "$_stamp")" = "$_want" ] && python -c "import kvstream" 2>/dev/null; then
   echo "== kvstream[$_extras] is installed (pyproject.toml and C sources unchanged)"
 else

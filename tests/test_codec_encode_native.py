@@ -140,6 +140,7 @@ def test_planes_encode_refuses_partial_ids(bad: bytes) -> None:
         native.planes_encode(bad)
 
 
+@pytest.mark.native
 def test_native_module_is_the_one_loaded() -> None:
     assert tokens.NATIVE
     assert importlib.import_module("kvstream.codec._tokens_native") is native
