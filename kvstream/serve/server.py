@@ -47,6 +47,8 @@ _MAX_QUEUED: Final = 32  # pipelined requests read ahead before reading pauses
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _STATUS: Final = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _CLOSE: Final = b"connection: close\r\n"
+#: how long a closing connection drops what the client still sends before it is cut
+_LINGER_S: Final = 2.0
 
 
 class _HeadTooLargeError(ServiceError):
@@ -101,6 +103,7 @@ class _Connection(asyncio.Protocol):
         self.closing = False  # close once the queued responses are written
         self.paused = False
         self.last_active = time.monotonic()
+        self.linger: asyncio.TimerHandle | None = None  # the half-closed wait (_shut)
 
     # ------------------------------------------------------------- asyncio.Protocol
 
@@ -109,6 +112,8 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
         self.server.connections.discard(self)
         self.queue.clear()
         self.transport = None
@@ -252,7 +257,21 @@ class _Connection(asyncio.Protocol):
     def _close_after_queue(self) -> None:
         self.closing = True
         if self.transport is not None and not self.queue and not self.busy:
-            self.transport.close()
+            self._shut()
+
+    def _shut(self) -> None:
+        """Close after the last response: half-close and drop what the client still sends
+        until it closes too (or ``_LINGER_S`` passes). Closing at once with unread bytes from
+        the client (a pipelined request after a malformed one) makes the kernel send a reset,
+        which can destroy the response before the client reads it."""
+        transport = self.transport
+        if transport is None:
+            return
+        if self.linger is None and transport.can_write_eof():
+            transport.write_eof()
+            self.linger = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def _run(self) -> None:
         """Answer queued requests in order until one has to wait."""
@@ -309,7 +328,7 @@ class _Connection(asyncio.Protocol):
         if close:
             self.closing = True
             if self.req is None:
-                transport.close()
+                self._shut()
             # else: a rejected body is still arriving; closed when it is read
 
     def idle(self) -> bool:
