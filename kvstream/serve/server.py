@@ -104,6 +104,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.last_active = time.monotonic()
         self.linger: asyncio.TimerHandle | None = None  # the half-closed wait (_shut)
+        self.refused = False  # a request was refused: the client may still be sending
 
     # ------------------------------------------------------------- asyncio.Protocol
 
@@ -238,6 +239,7 @@ class _Connection(asyncio.Protocol):
             req.keep_alive = False
             self.req = None
             self.queue.append(req)
+            self.refused = True
             self._close_after_queue()
             self._run()
 
@@ -251,6 +253,7 @@ class _Connection(asyncio.Protocol):
         req.method = req.method or "?"
         req.path = req.path or "?"
         self.queue.append(req)
+        self.refused = True
         self._close_after_queue()
         self._run()
 
@@ -260,14 +263,15 @@ class _Connection(asyncio.Protocol):
             self._shut()
 
     def _shut(self) -> None:
-        """Close after the last response: half-close and drop what the client still sends
-        until it closes too (or ``_LINGER_S`` passes). Closing at once with unread bytes from
-        the client (a pipelined request after a malformed one) makes the kernel send a reset,
-        which can destroy the response before the client reads it."""
+        """Close after the last response. After a refused request (malformed, or a body
+        refused at once) half-close and drop what the client still sends until it closes
+        too (or ``_LINGER_S`` passes): closing at once with unread bytes from the client (a
+        pipelined request behind a malformed one) makes the kernel send a reset, which can
+        destroy the error response before the client reads it."""
         transport = self.transport
         if transport is None:
             return
-        if self.linger is None and transport.can_write_eof():
+        if self.refused and self.linger is None and transport.can_write_eof():
             transport.write_eof()
             self.linger = asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
         else:
