@@ -128,7 +128,15 @@ async def test_query_body_answers_as_the_decoded_path(service: IndexService) -> 
     engine = Engine(BS)
     try:
         c = Client(service.url)
-        await asyncio.to_thread(c.register, 1, engine.endpoint, model_name="m", block_size=BS)
+        # with its replay socket: stores published before the subscription joins are replayed
+        await asyncio.to_thread(
+            c.register,
+            1,
+            engine.endpoint,
+            model_name="m",
+            block_size=BS,
+            replay_endpoint=engine.replay_endpoint,
+        )
         system = [rng.randrange(150_000) for _ in range(BS * 5)]
         prompts = [system + [rng.randrange(150_000) for _ in range(BS * 4)] for _ in range(8)]
         for p in prompts[:5]:
