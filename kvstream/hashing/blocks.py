@@ -16,12 +16,13 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, TypeAlias
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from kvstream._types import TOKEN_ID_MAX, TokenIds
 from kvstream.errors import HashingError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DIGEST_TOKEN_LEN",
@@ -48,6 +49,21 @@ _LITTLE = sys.byteorder == "little"
 _STRUCT_MAX = 1024
 _STRUCTS: dict[int, struct.Struct] = {}
 _U64_MAX = 2**64 - 1
+
+
+def _is_ndarray(obj: object) -> bool:
+    """Whether ``obj`` is a numpy array, without importing numpy: one can only exist once a
+    caller has imported it (``kvstream serve`` never does, and numpy costs it ~14 MiB of RSS)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.ndarray)
+
+
+def _is_int(obj: object) -> bool:
+    """An ``int`` or a numpy integer scalar (not a bool)."""
+    if isinstance(obj, int):
+        return not isinstance(obj, bool)
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.integer)
 
 
 class MixedBlock(NamedTuple):
@@ -99,7 +115,7 @@ def _bad_tokens(block: Any, where: Where) -> HashingError:
                 f"{where}[{i}] is a {len(tok)}-byte digest token; this algorithm takes "
                 "multimodal content through mm_keys, not inline digest tokens"
             )
-        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+        if not _is_int(tok):
             return HashingError(f"{where}[{i}] = {tok!r}: token ids must be ints")
         if not 0 <= int(tok) <= TOKEN_ID_MAX:
             return HashingError(
@@ -116,7 +132,7 @@ def _ndarray_bytes(block: np.ndarray[Any, Any], where: Where) -> bytes:
             f"{block.ndim}-D {block.dtype}"
         )
     if block.size and (int(block.min()) < 0 or int(block.max()) > TOKEN_ID_MAX):
-        bad = int(np.flatnonzero((block < 0) | (block > TOKEN_ID_MAX))[0])
+        bad = int(((block < 0) | (block > TOKEN_ID_MAX)).nonzero()[0][0])
         raise HashingError(
             f"{where}[{bad}] = {int(block[bad])}: token ids must be in 0..{TOKEN_ID_MAX}"
         )
@@ -152,7 +168,7 @@ def coerce_tokens(block: Any, where: Where = "block") -> bytes:
         return arr.tobytes()
     if isinstance(block, TokenIds):
         return block.raw
-    if isinstance(block, np.ndarray):
+    if _is_ndarray(block):
         return _ndarray_bytes(block, where)
     if isinstance(block, array) and block.typecode == "I":
         if _LITTLE:
@@ -247,7 +263,7 @@ def extra_ids_list(extra_ids: Any, n_tokens: int, where: str = "token_extra_ids"
     """
     if isinstance(extra_ids, TokenIds):
         out = extra_ids.tolist()
-    elif isinstance(extra_ids, np.ndarray):
+    elif _is_ndarray(extra_ids):
         out = [int(v) for v in extra_ids.tolist()]
     elif isinstance(extra_ids, (bytes, bytearray, memoryview, str)) or not isinstance(
         extra_ids, Iterable
@@ -258,7 +274,7 @@ def extra_ids_list(extra_ids: Any, n_tokens: int, where: str = "token_extra_ids"
     if len(out) != n_tokens:
         raise HashingError(f"{where} has {len(out)} entries for {n_tokens} tokens")
     for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= _U64_MAX:
+        if not _is_int(v) or not 0 <= v <= _U64_MAX:
             raise HashingError(f"{where}[{i}] = {v!r}: extra ids must be ints in 0..2**64-1")
     return [int(v) for v in out]
 

@@ -9,7 +9,7 @@ items' encodings. This module encodes those types directly (several times faster
 
 Token arrays, the bulk of every payload, have dedicated encoders: :func:`token_array` for one
 block (a lookup table for ids below 2**16) and :func:`token_arrays` for many blocks at once
-(numpy).
+(numpy, imported on first use: :mod:`kvstream.index.keys` needs only :func:`dumps`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Final
 
 import cbor2
-import numpy as np
 
 from kvstream.hashing.blocks import u32_list
 
@@ -94,9 +93,6 @@ def token_array(raw: bytes) -> bytes:
     return head(4, len(toks)) + body
 
 
-_ROW = np.dtype([("head", "u1"), ("arg", ">u4")])  # packed: 5 bytes per item
-
-
 def token_arrays(raw: bytes, lengths: list[int], *, none_tail: bool = False) -> list[bytes]:
     """:func:`token_array` of each block of a request, vectorised over all its tokens.
 
@@ -110,6 +106,9 @@ def token_arrays(raw: bytes, lengths: list[int], *, none_tail: bool = False) -> 
     """
     if not lengths:
         return []
+    import numpy as np
+
+    row = np.dtype([("head", "u1"), ("arg", ">u4")])  # packed: 5 bytes per item
     v = np.frombuffer(raw, dtype="<u4")
     blk_len = np.asarray(lengths, dtype=np.int64)
     per = blk_len + (2 if none_tail else 1)
@@ -131,7 +130,7 @@ def token_arrays(raw: bytes, lengths: list[int], *, none_tail: bool = False) -> 
     k2 = arg >= 0x100
     k3 = arg >= 0x10000
     k1b, k2b, k3b = k1.view(np.uint8), k2.view(np.uint8), k3.view(np.uint8)
-    rows = np.empty(m, _ROW)
+    rows = np.empty(m, row)
     rows["head"] = major | np.where(k1, np.uint8(0x17) + k1b + k2b + k3b, arg.astype(np.uint8))
     rows["arg"] = arg
     keep = np.empty((m, 5), bool)

@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstream._types import BLOCK_HASH_WIDTHS
 from kvstream.errors import ConfigError, HashingError, UnknownHashAlgorithmError, did_you_mean
 from kvstream.hashing.base import BlockHasher
 from kvstream.hashing.dynamo import DynamoXxh3Hasher
 from kvstream.hashing.native import Blake3Hasher
-from kvstream.hashing.sglang import SglangSha256Hasher
-from kvstream.hashing.trtllm import V1BlockKeyHasher, V2Sha256Hasher
-from kvstream.hashing.vllm import DEFAULT_SEED, VllmHasherBase, VllmSha256CborHasher
-from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
+
+if TYPE_CHECKING:
+    from kvstream.hashing.vllm import VllmHasherBase
 
 __all__ = [
     "HasherFactory",
@@ -50,6 +49,7 @@ MAX_ALGO_NAME = 64
 HasherFactory = Callable[..., BlockHasher]
 
 _LOCK = threading.Lock()
+_UNSET: Any = object()
 _FACTORIES: dict[str, HasherFactory] = {}
 
 
@@ -127,31 +127,59 @@ def get_hasher(name: str, **params: Any) -> BlockHasher:
     return hasher
 
 
+# The engines' algorithms are imported when first asked for: their modules bring numpy
+# (~14 MiB of RSS), which a process hashing only with Dynamo's or kvstream's own never needs.
+
+
 def _v1(*, salt_hash: str = "blake3", native: bool | None = None) -> BlockHasher:
+    from kvstream.hashing.trtllm import V1BlockKeyHasher
+
     return V1BlockKeyHasher(native=native, salt_hash=salt_hash)
 
 
 def _v2(*, salt_hash: str = "sha256", encoding: str = "u32") -> BlockHasher:
+    from kvstream.hashing.trtllm import V2Sha256Hasher
+
     return V2Sha256Hasher(32, salt_hash=salt_hash, encoding=encoding)
 
 
 def _v2_64(*, salt_hash: str = "sha256", encoding: str = "u32") -> BlockHasher:
+    from kvstream.hashing.trtllm import V2Sha256Hasher
+
     return V2Sha256Hasher(8, salt_hash=salt_hash, encoding=encoding)
 
 
-def _vllm_factory(cls: type[VllmHasherBase], width: int) -> HasherFactory:
+def _vllm_cbor() -> type[VllmHasherBase]:
+    from kvstream.hashing.vllm import VllmSha256CborHasher
+
+    return VllmSha256CborHasher
+
+
+def _vllm_pickle() -> type[VllmHasherBase]:
+    from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
+
+    return VllmSha256PickleHasher
+
+
+def _vllm_factory(load: Callable[[], type[VllmHasherBase]], width: int) -> HasherFactory:
+    """A factory of the vLLM hasher class ``load()`` returns; ``seed`` defaults to the class's
+    own default (vLLM's ``DEFAULT_SEED``)."""
+
     def factory(
         *,
-        seed: str = DEFAULT_SEED,
+        seed: Any = _UNSET,
         extra_keys: str = "tagged",
         lora_paths: Mapping[str, str] | None = None,
     ) -> BlockHasher:
-        return cls(width, seed=seed, extra_keys=extra_keys, lora_paths=lora_paths)
+        given = {} if seed is _UNSET else {"seed": seed}
+        return load()(width, extra_keys=extra_keys, lora_paths=lora_paths, **given)
 
     return factory
 
 
 def _sglang(*, event_format: str = "default") -> BlockHasher:
+    from kvstream.hashing.sglang import SglangSha256Hasher
+
     return SglangSha256Hasher(event_format=event_format)
 
 
@@ -171,10 +199,10 @@ for _name, _factory in (
     ("v1_block_key", _v1),
     ("v2_sha256", _v2),
     ("v2_sha256_64", _v2_64),
-    ("vllm_sha256", _vllm_factory(VllmSha256PickleHasher, 32)),
-    ("vllm_sha256_64", _vllm_factory(VllmSha256PickleHasher, 8)),
-    ("vllm_sha256_cbor", _vllm_factory(VllmSha256CborHasher, 32)),
-    ("vllm_sha256_cbor_64", _vllm_factory(VllmSha256CborHasher, 8)),
+    ("vllm_sha256", _vllm_factory(_vllm_pickle, 32)),
+    ("vllm_sha256_64", _vllm_factory(_vllm_pickle, 8)),
+    ("vllm_sha256_cbor", _vllm_factory(_vllm_cbor, 32)),
+    ("vllm_sha256_cbor_64", _vllm_factory(_vllm_cbor, 8)),
     ("sglang_sha256_64", _sglang),
     ("dynamo_xxh3_64", _dynamo),
     ("blake3", _blake3),
