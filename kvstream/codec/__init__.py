@@ -23,23 +23,60 @@ decoding uses fastavro's schema resolution, then validates every length and coun
 event model.
 """
 
-from kvstream.codec.codec import AvroCodec, SchemaIdResolver
-from kvstream.codec.compat import CompatIssue, CompatReport, check_compatibility
-from kvstream.codec.container import (
-    ContainerReader,
-    ContainerWriter,
-    read_container,
-    write_container,
-)
-from kvstream.codec.decoder import DecodeResult
-from kvstream.codec.records import SkippedEvent
-from kvstream.codec.schemas import (
-    CURRENT_VERSION,
-    SchemaInfo,
-    SchemaRegistry,
-    load_schema_dir,
-    schema_registry,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstream.codec.codec import AvroCodec, SchemaIdResolver
+    from kvstream.codec.compat import CompatIssue, CompatReport, check_compatibility
+    from kvstream.codec.container import (
+        ContainerReader,
+        ContainerWriter,
+        read_container,
+        write_container,
+    )
+    from kvstream.codec.decoder import DecodeResult
+    from kvstream.codec.records import SkippedEvent
+    from kvstream.codec.schemas import (
+        CURRENT_VERSION,
+        SchemaInfo,
+        SchemaRegistry,
+        load_schema_dir,
+        schema_registry,
+    )
+
+#: Public name -> the submodule defining it. The submodules load on first use: importing
+#: ``kvstream.codec._columns_native`` (a C loop the index uses on every ingest) must not
+#: bring fastavro and numpy into a process that never reads or writes Avro.
+_LAZY: dict[str, str] = {
+    "AvroCodec": "codec",
+    "SchemaIdResolver": "codec",
+    "CompatIssue": "compat",
+    "CompatReport": "compat",
+    "check_compatibility": "compat",
+    "ContainerReader": "container",
+    "ContainerWriter": "container",
+    "read_container": "container",
+    "write_container": "container",
+    "DecodeResult": "decoder",
+    "SkippedEvent": "records",
+    "CURRENT_VERSION": "schemas",
+    "SchemaInfo": "schemas",
+    "SchemaRegistry": "schemas",
+    "load_schema_dir": "schemas",
+    "schema_registry": "schemas",
+}
+
+
+def __getattr__(name: str) -> Any:
+    sub = _LAZY.get(name)
+    if sub is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{sub}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CURRENT_VERSION",

@@ -21,6 +21,8 @@ commits), :mod:`.sources` (Kafka, files, memory), :mod:`.stats`, :mod:`.errors`,
 :mod:`.types`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvstream.index.consumer import ConsumerReport, IndexConsumer
 from kvstream.index.errors import (
     HashConfigMismatchError,
@@ -42,13 +44,15 @@ from kvstream.index.router import (
 from kvstream.index.snapshot import Snapshot, load_snapshot, save_snapshot
 from kvstream.index.sources import (
     EventSource,
-    FileSource,
     MemorySource,
     SourceItem,
     open_source,
 )
 from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
+
+if TYPE_CHECKING:
+    from kvstream.index.sources.file import FileSource
 
 __all__ = [
     "CANONICAL_ALGO",
@@ -87,3 +91,12 @@ __all__ = [
     "open_source",
     "save_snapshot",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # FileSource brings the codec (fastavro, numpy): loaded when first named (see sources).
+    if name == "FileSource":
+        from kvstream.index.sources.file import FileSource
+
+        return FileSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstream.index.sources.base import (
     EventSource,
@@ -20,8 +20,10 @@ from kvstream.index.sources.base import (
     attribute_skipped,
     decode_message,
 )
-from kvstream.index.sources.file import FileSource
 from kvstream.index.sources.memory import MemorySource
+
+if TYPE_CHECKING:
+    from kvstream.index.sources.file import FileSource
 
 __all__ = [
     "EventSource",
@@ -70,7 +72,19 @@ def open_source(
         from kvstream.index.errors import SourceError
 
         raise SourceError(f"unsupported stream {text!r}: use kafka://HOST:PORT/TOPIC or a path")
+    from kvstream.index.sources.file import FileSource
+
     path = text.removeprefix("file://")
     return FileSource(
         path, follow=follow, resume_from=dict(resume_from) if resume_from else None, **kwargs
     )
+
+
+def __getattr__(name: str) -> Any:
+    # FileSource loads the codec (fastavro, numpy): imported when first named, so a process
+    # that follows only engines (``kvstream serve --workers``) never pays for it.
+    if name == "FileSource":
+        from kvstream.index.sources.file import FileSource
+
+        return FileSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,12 +20,14 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from kvstream.codec import AvroCodec, SkippedEvent
-from kvstream.codec.columnar import ColumnarResult, decode_columns_message
 from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
+
+if TYPE_CHECKING:  # the codec (fastavro, numpy) loads with the first Avro message
+    from kvstream.codec import AvroCodec, SkippedEvent
+    from kvstream.codec.columnar import ColumnarResult
 
 __all__ = [
     "EventSource",
@@ -184,6 +186,8 @@ def decode_message(
     the model): Avro single-object (``C3 01``) or Confluent (``00`` + schema id; the id maps
     to a version through ``schema_ids``, else the version the message's headers state), read
     with ``codec``'s schemas. Raises DecodeError (or UnknownSchemaError)."""
+    from kvstream.codec.columnar import decode_columns_message
+
     return decode_columns_message(
         value,
         codec.registry,
