@@ -620,18 +620,16 @@ def kafka_table(w: Workload, events_per_message: int, rounds: int) -> None:
 
 def e2e_table(rounds: int) -> None:
     """bench_peers' end-to-end rows with the C column decoder and with the reference."""
-    import random
     import tempfile
 
     import bench_peers
+    from _fleet_workload import FleetSpec, fleet_batches
 
     from kvstream.codec import ContainerWriter
 
-    wl = bench_peers.Workload(
-        argparse.Namespace(workers=64, tokens=8192, block_size=32, requests=48, pool=256),
-        random.Random(1),  # bench_peers.e2e_rows with its default seed
-    )
-    batches, stored, removed = wl.batches(True)
+    gen, _, totals = fleet_batches(FleetSpec(), seed=1)  # bench_peers' fleet
+    batches = list(gen)
+    stored, removed = totals.stored, totals.removed
     codec = AvroCodec()
     messages = [codec.encode(b) for b in batches]
     native = columnar._native

@@ -1,8 +1,9 @@
 """Index memory and ingest: kvstream's native table, its Python twin and Dynamo's RadixTree.
 
 Each measurement runs in a fresh process (``--side``), so RSS deltas are the index's alone:
-the workload (bench_peers' ``Workload``: 8k-token prompts in 32-token blocks sharing system
-prompts, 64 workers, stored only) is built first and converted to each side's input, freed
+the workload (``_fleet_workload``, bench_peers' fleet with caches large enough that nothing
+is evicted: 8k-token prompts in 32-token blocks sharing system prompts, 64 workers, stored
+only) is built first and converted to each side's input, freed
 memory is returned to the OS (``malloc_trim``), then the index is fed and RSS read again.
 kvstream is fed decoded columns (decoded before the timer) and Dynamo its event JSON bytes,
 so the ingest column is NOT a same-bytes comparison (bench_peers has that row); the memory
@@ -22,7 +23,6 @@ import ctypes
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -34,26 +34,51 @@ PEERS_PY = HERE.parent / ".peers-venv" / "bin" / "python"
 SIDES = ("kv-native", "kv-python", "dynamo")
 
 
-def _rss() -> int:
+def rss() -> int:
+    """This process's resident bytes, after a full collection and ``malloc_trim`` (freed
+    memory returned to the OS), so deltas count only what is still referenced."""
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def fresh_process(
+    python: str, argv: list[str], env: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Run ``python *argv`` in a fresh process; the JSON object its last output line holds."""
+    out = subprocess.run(
+        [python, *argv], check=True, capture_output=True, text=True, env=env
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def measure(a: argparse.Namespace) -> dict[str, float]:
     """One side, in this process: ``{"pairs", "mib_per_m", "ingest_m"}``."""
     sys.path.insert(0, str(HERE))
-    from bench_peers import Workload, dynamo_events
+    from _fleet_workload import FleetSpec, encode_fleet
 
-    wl = Workload(a, random.Random(a.seed))
-    batches, stored, _ = wl.batches(False)
+    from kvstream.codec import AvroCodec
+
+    n_blocks = a.tokens // a.block_size
+    spec = FleetSpec(
+        workers=a.workers,
+        tokens=a.tokens,
+        block_size=a.block_size,
+        pool=a.pool,
+        requests=a.requests,
+        capacity=(a.requests + 1) * n_blocks,  # room for every request: nothing evicted
+        chunk=n_blocks,
+    )
+    llm = None
     if a.side == "dynamo":
         from dynamo import llm
-
-        evs = dynamo_events(llm, batches, wl.tpb)
-        del batches, wl
-        r0 = _rss()
+    enc = encode_fleet(spec, a.seed, llm, AvroCodec())
+    stored = enc.totals.stored
+    if a.side == "dynamo":
+        evs = enc.dynamo or []
+        del enc
+        r0 = rss()
         t0 = time.perf_counter()
         tree = llm.RadixTree()
         for w, d in evs:
@@ -63,7 +88,7 @@ def measure(a: argparse.Namespace) -> dict[str, float]:
     else:
         import kvstream.index.domain as dm
         import kvstream.index.index as ix
-        from kvstream.codec import AvroCodec, schema_registry
+        from kvstream.codec import schema_registry
         from kvstream.codec.columnar import decode_columns_message
         from kvstream.index import PrefixIndex
         from kvstream.index.table import GroupTable
@@ -71,16 +96,16 @@ def measure(a: argparse.Namespace) -> dict[str, float]:
         if a.side == "kv-python":
             ix._ENGINE_TABLE = GroupTable
             dm._INDEX_MASKS = None
-        codec, reg = AvroCodec(), schema_registry()
-        cols = [decode_columns_message(codec.encode(b), reg).columns for b in batches]
-        del batches, wl
-        r0 = _rss()
+        reg = schema_registry()
+        cols = [decode_columns_message(m, reg).columns for m in enc.messages]
+        del enc
+        r0 = rss()
         t0 = time.perf_counter()
         idx = PrefixIndex()
         idx.apply_many(cols)
         t = time.perf_counter() - t0
         keep = idx
-    r1 = _rss()
+    r1 = rss()
     assert keep is not None
     return {
         "pairs": stored,
@@ -113,13 +138,9 @@ def main() -> None:
             py = str(PEERS_PY) if side == "dynamo" else sys.executable
             if side == "dynamo" and not PEERS_PY.exists():
                 continue
-            out = subprocess.run(
-                [py, __file__, f"--side={side}", f"--seed={a.seed + r}", *common],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            rows[side].append(json.loads(out.strip().splitlines()[-1]))
+            rows[side].append(
+                fresh_process(py, [__file__, f"--side={side}", f"--seed={a.seed + r}", *common])
+            )
     print(
         f"# {a.rounds} rounds, load {os.getloadavg()[0]:.2f}; pairs per round: "
         f"{[int(x['pairs']) for x in rows['kv-native']]}"

@@ -1,35 +1,69 @@
-"""kvstream side by side with what users pick instead, in one run, as one table of ratios.
+"""kvstream against what users pick instead, like with like, in one run: one table of ratios.
 
-    python benchmarks/bench_peers.py [--workers 64] [--tokens 8192] [--block-size 32]
-        [--requests 48] [--queries 300] [--rounds 5] [--json OUT.json] [--svg OUT.svg]
+    .peers-venv/bin/python benchmarks/bench_peers.py [--rounds 3] [--json OUT] [--svg OUT]
+        [--skip codec,ingest,match,memory,file,replay] [--pure] [--tiny]
+        [--workers 64 --tokens 8192 --block-size 32 --pool 256 --requests 62
+         --capacity 8192 --chunk 64 --queries 1200]
 
-Run it with ``.peers-venv/bin/python`` (``scripts/test-peers`` creates it) for the NVIDIA
-Dynamo rows; in an environment without ``ai-dynamo-runtime`` those rows say so and the rest
-runs.
+``.peers-venv`` (``scripts/test-peers``) has ai-dynamo-runtime 1.6.1 (NVIDIA Dynamo's Rust
+``RadixTree`` and ``compute_block_hash_for_seq``) and msgspec; without Dynamo its rows say
+n/a and the rest runs.
 
-Rows (issue 13's goals in the last column):
+Every round builds fresh data (a new seed, outside the timer); within a round the sides run
+interleaved (the order reverses every other round). Rows report the median of each side over
+the rounds, and the median ratio with its spread (min-max over the rounds); "met" compares
+the median ratio with the goal (issue 22's goals table). Times are process CPU time (all
+threads), the garbage collector on (a consumer runs with it).
 
-* **codec vs msgspec** on vLLM's wire types (``KVEventBatch`` of ``BlockStored`` /
-  ``BlockRemoved``, the structs and workload of ``bench_codec.py``): encode (model ->
-  bytes), decode (bytes -> kvstream's columns with the token ids unpacked, what consumers
-  use; msgspec -> structs), and bytes, for uniform and Zipf-distributed token ids.
-* **index vs Dynamo's RadixTree** (ai-dynamo-runtime's Rust tree, driven as its Python
-  binding takes events: one ``KvCacheEvent`` JSON per call, pre-serialized) on the same
-  events: ``--workers`` workers each caching random-length prefixes of ``--requests``
-  ``--tokens``-token requests that share 8 system prompts (a quarter of each), announced
-  as an engine does (only new blocks, with their parent; with removals: leaf-first eviction
-  of each request's private tail). kvstream ingests the decoded columns (what its sources
-  hand over) and, for reference, model batches. Match latency: already-hashed request
-  blocks (kvstream ``match_hashes``, Dynamo ``find_matches`` of its local hashes); hash +
-  match: the request's tokens (kvstream ``PrefixIndex.match``: the public RequestHasher with
-  the workers' ``vllm_sha256_cbor_64`` chain, then the index; Dynamo
-  ``compute_block_hash_for_seq`` + ``find_matches``).
-* **end to end, bytes -> index** (one core, no peer): a file sink directory read by
-  ``IndexConsumer(FileSource(...))``, and Kafka message values (single-object Avro, as the
-  Kafka source receives them; no broker in the loop) decoded and applied.
+The fleet (``_fleet_workload.py``, the audit's workload): ``--workers`` engines with LRU
+prefix caches of ``--capacity`` blocks serve ``--requests`` prompts each, drawn from a pool
+of ``--pool`` ``--tokens``-token prompts in ``--block-size``-token blocks that share 8 system
+prompts (a quarter of each); chunked stores of at most ``--chunk`` blocks, each allocation's
+LRU leaf-first evictions as one removal event before its store, engines interleaved batch by
+batch (one batch = one engine iteration). Defaults: about 950k blocks stored + removed.
+Both sides get the same events, each encoded before the timer in its own wire form:
 
-Timing: process CPU time (all threads, robust on a shared machine), best of ``--rounds``,
-rounds interleave kvstream and the peer; the GC stays on (a consumer runs with it).
+* kvstream: Avro single-object messages (``AvroCodec.encode``, one per batch, as Kafka values
+  arrive), decoded inside the timer by the Kafka source's reader
+  (``kvstream.index.sources.decode_message`` -> columns) and applied
+  (``PrefixIndex.apply``);
+* Dynamo: one ``KvCacheEvent`` JSON per event, what ``RadixTree.apply_event`` takes, with the
+  ``tokens_hash`` of each block computed before the timer by its own
+  ``compute_block_hash_for_seq`` (a Dynamo publisher computes it on the worker).
+
+Rows:
+
+* **codec vs msgspec** (bench_codec.py's structs and workload, a fresh seed each round): a
+  batch of 64 stored events x 16 blocks x 64 tokens, uniform and Zipf token ids; encode
+  (kvstream model -> Avro bytes; msgspec vLLM ``KVEventBatch`` -> msgpack), decode (bytes ->
+  kvstream's columns with the token ids unpacked; msgspec -> structs), and bytes per batch.
+* **ingest, engine-keyed / token-keyed / Dynamo-keyed** (M blocks/s, stored + removed): the
+  fleet's bytes into ``PrefixIndex()`` / ``PrefixIndex(key_mode="tokens")`` /
+  ``PrefixIndex(key_mode="dynamo")`` against ``RadixTree`` (which keys by token hashes
+  itself), each from an empty index.
+* **match p50 / p99** (us) over ``--queries`` distinct queries per round: prefixes of pool
+  prompts at random depths (one to all blocks), a tenth misses (random tokens), against the
+  engine-keyed index and the tree after that round's ingest. kvstream ``match_hashes`` of
+  the engine hashes; Dynamo ``find_matches`` of its local hashes. Both sides must report the
+  same matched blocks per worker for every query, else the run stops.
+* **hash + match p50 / p99** (us), the same queries from token ids: kvstream
+  ``PrefixIndex.match`` (it hashes with the workers' ``vllm_sha256_cbor_64``), and the same on
+  the Dynamo-keyed index (XXH3 local hashes, like Dynamo); Dynamo
+  ``compute_block_hash_for_seq`` + ``find_matches``.
+* **memory** (MiB per million present worker x block pairs): each side in a fresh process
+  (bench_index_memory's harness): the round's input bytes loaded, then RSS read (after
+  ``gc.collect`` and ``malloc_trim``), the bytes ingested, RSS read again; the difference over
+  the pairs still cached at the end.
+* **file -> index** (M blocks/s): ``kvstream demo --trace mooncake-synthetic --ranks 8`` writes
+  its Avro container files (a new ``--seed`` each round, outside the timer);
+  ``IndexConsumer(FileSource(dir))`` reads them to an index, against fastavro's bare record
+  iteration of the same files (``for _ in fastavro.reader(f)``: no index, no model).
+* **replay** (s CPU): ``kvstream replay`` of the Mooncake conversation trace (12,031 requests,
+  8 workers, the defaults of bench_replay.py), a new seed each round; goal: under 5 s.
+
+``--pure`` runs the same rows again in a subprocess with ``KVSTREAM_NO_NATIVE=1`` and prints,
+per row, how many times slower (or larger) the pure-Python fallback is than native (goal: at
+most 5x; reported, not asserted). ``--tiny`` shrinks everything for a smoke test.
 """
 
 from __future__ import annotations
@@ -39,39 +73,36 @@ import asyncio
 import gc
 import json
 import math
+import os
+import pickle
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import msgspec
-from bench_codec import KVEventBatch
-from bench_codec import build as build_codec_workload
-from bench_index import add_workload_args
+from _fleet_workload import ALGO, Encoded, FleetSpec, encode_fleet, random_tokens
+from bench_index_memory import fresh_process, rss
 
-from kvstream.codec import AvroCodec, ContainerWriter, schema_registry
-from kvstream.codec.columnar import decode_columns_message
-from kvstream.events.model import (
-    Created,
-    EventBatch,
-    KVCacheEvent,
-    Removed,
-    SourceId,
-    Stored,
-    StoredBlock,
-)
+from kvstream.codec import AvroCodec
 from kvstream.hashing import get_hasher, split_blocks
 from kvstream.index import DomainKey, FileSource, HashRequest, IndexConsumer, PrefixIndex
 from kvstream.index.sources import decode_message
+from kvstream.index.sources.base import skipped_ids
 
-ALGO = "vllm_sha256_cbor_64"
-VOCAB = 50_000
+SECTIONS = ("codec", "ingest", "match", "memory", "file", "replay")
+KEY_MODES = ("engine", "tokens", "dynamo")
+#: how the rows name each key mode
+MODE_LABEL = {"engine": "engine-keyed", "tokens": "token-keyed", "dynamo": "Dynamo-keyed"}
 
 
 def dynamo() -> Any:
@@ -83,194 +114,61 @@ def dynamo() -> Any:
     return llm
 
 
-def best_cpu(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Best process CPU seconds of each function; rounds interleave them."""
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            gc.collect()
-            t0 = time.process_time()
-            fn()
-            best[name] = min(best[name], time.process_time() - t0)
-    return best
+@dataclass
+class Row:
+    """One metric: kvstream's and the peer's value per round (``peer`` empty: an absolute
+    goal, or no peer here). ``sense``: "hi" (rates: higher is better) or "lo". ``goal``:
+    "OP BOUND" on the ratio (OP ">=" or "<="), "OP BOUND abs" on kvstream's own value, or ""."""
+
+    name: str
+    sense: str
+    goal: str
+    kv: list[float] = field(default_factory=list)
+    peer: list[float] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        return [k / p for k, p in zip(self.kv, self.peer, strict=False) if p]
+
+    def ratio(self) -> float:
+        rs = self.ratios()
+        return statistics.median(rs) if rs else float("nan")
+
+    def met(self) -> str:
+        parts = self.goal.split()
+        if len(parts) < 2 or not self.kv:
+            return ""
+        value = statistics.median(self.kv) if parts[2:] == ["abs"] else self.ratio()
+        if math.isnan(value):
+            return ""
+        ok = value >= float(parts[1]) if parts[0] == ">=" else value <= float(parts[1])
+        return "yes" if ok else "NO"
 
 
-# ------------------------------------------------------------------------------ codec
+class Rows:
+    """Rows by name, in order of first use."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+
+    def add(self, name: str, sense: str, goal: str, kv: float, peer: float | None) -> None:
+        row = self.rows.setdefault(name, Row(name, sense, goal))
+        row.kv.append(kv)
+        if peer is not None:
+            row.peer.append(peer)
 
 
-def codec_rows(rounds: int) -> list[tuple[str, float, float, str, str]]:
-    rows = []
-    codec = AvroCodec()
-    registry = schema_registry()
-    for dist in ("uniform", "zipf"):
-        w = build_codec_workload(dist, 64, 16, 64, 0)
-        enc = msgspec.msgpack.Encoder()
-        dec = msgspec.msgpack.Decoder(KVEventBatch)
-        data = codec.encode(w.batch)
-        ms = enc.encode(w.vllm)
-        if decode_columns_message(data, registry).batch.events != w.batch.events:
-            raise SystemExit("kvstream round trip failed")
-        n = 20
-
-        def kv_enc(w: Any = w, n: int = n) -> None:
-            for _ in range(n):
-                codec.encode(w.batch)
-
-        def ms_enc(w: Any = w, n: int = n, enc: Any = enc) -> None:
-            for _ in range(n):
-                enc.encode(w.vllm)
-
-        def kv_dec(data: bytes = data, n: int = n) -> None:
-            # .tokens: the ids unpacked (a hash-keyed index never reads them, so the decoder
-            # unpacks them lazily; msgspec always builds its int lists)
-            for _ in range(n):
-                decode_columns_message(data, registry).columns.tokens  # noqa: B018
-
-        def kv_model(data: bytes = data, n: int = n) -> None:
-            for _ in range(n):
-                codec.decode(data)
-
-        def ms_dec(ms: bytes = ms, n: int = n, dec: Any = dec) -> None:
-            for _ in range(n):
-                dec.decode(ms)
-
-        t = best_cpu(
-            {
-                "kv_enc": kv_enc,
-                "ms_enc": ms_enc,
-                "kv_dec": kv_dec,
-                "kv_model": kv_model,
-                "ms_dec": ms_dec,
-            },
-            rounds,
-        )
-        b = w.blocks * n / 1e6
-        rows += [
-            (f"encode, {dist} tokens (M blocks/s)", b / t["kv_enc"], b / t["ms_enc"], "hi", ">= 1"),
-            (
-                f"decode to columns, {dist} (M blocks/s)",
-                b / t["kv_dec"],
-                b / t["ms_dec"],
-                "hi",
-                ">= 1.5",
-            ),
-            (f"  decode to models, {dist} (ref.)", b / t["kv_model"], b / t["ms_dec"], "hi", ""),
-            (
-                f"bytes, {dist} tokens (KiB/batch)",
-                len(data) / 1024,
-                len(ms) / 1024,
-                "lo",
-                "<= 0.6" if dist == "uniform" else "<= 0.8",
-            ),
-        ]
-    return rows
+def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(process CPU seconds, result) of ``fn()``, after a full collection."""
+    gc.collect()
+    t0 = time.process_time()
+    out = fn()
+    return time.process_time() - t0, out
 
 
-# ------------------------------------------------------------------------------ index
-
-
-class Workload:
-    """Requests of ``n_blocks`` blocks; request r shares its first quarter with system
-    prompt r % 8; every worker caches random-length prefixes of ``per_worker`` of them."""
-
-    def __init__(self, args: argparse.Namespace, rng: random.Random) -> None:
-        tpb = self.tpb = args.block_size
-        self.n_blocks = args.tokens // tpb
-        shared = args.tokens // 4
-        prompts = [[rng.randrange(VOCAB) for _ in range(shared)] for _ in range(8)]
-        self.requests = [
-            prompts[r % 8] + [rng.randrange(VOCAB) for _ in range(args.tokens - shared)]
-            for r in range(args.pool)
-        ]
-        h = get_hasher(ALGO)
-        self.blocks = [split_blocks(r, tpb) for r in self.requests]
-        self.hashes = [h.chain_bytes(b) for b in self.blocks]
-        self.shared_blocks = shared // tpb
-        self.plan = [
-            [
-                (r, rng.randint(1, self.n_blocks))
-                for r in rng.sample(range(args.pool), args.requests)
-            ]
-            for _ in range(args.workers)
-        ]
-
-    def batches(self, evict: bool) -> tuple[list[EventBatch], int, int]:
-        """Model batches (16 events each) of every worker; (batches, stored, removed)."""
-        out: list[EventBatch] = []
-        stored = removed = 0
-        for w, plan in enumerate(self.plan):
-            src = SourceId(instance_id=f"worker-{w}", attention_dp_rank=0, incarnation=1)
-            evs: list[KVCacheEvent] = [
-                KVCacheEvent(
-                    event_id=0,
-                    hash_algo=ALGO,
-                    window_size=1 << 17,
-                    data=Created(num_blocks_per_cache_level=(1 << 20,), tokens_per_block=self.tpb),
-                )
-            ]
-            held: set[bytes] = set()
-            for r, n in plan:
-                chain = self.hashes[r][:n]
-                k = 0
-                while k < n and chain[k] in held:
-                    k += 1
-                if k < n:
-                    blocks = tuple(
-                        StoredBlock(block_hash=chain[i], token_ids=self.blocks[r][i])
-                        for i in range(k, n)
-                    )
-                    data = Stored(parent_hash=chain[k - 1] if k else None, blocks=blocks)
-                    evs.append(self._ev(0, data))
-                    held.update(chain[k:])
-                    stored += n - k
-                if evict:
-                    tail = [x for x in chain[max(k, self.shared_blocks) :][::-1] if x in held]
-                    if tail:
-                        evs.append(self._ev(0, Removed(block_hashes=tuple(tail))))
-                        held.difference_update(tail)
-                        removed += len(tail)
-            for i, ev in enumerate(evs):
-                evs[i] = ev.model_copy(update={"event_id": i})
-            for i in range(0, len(evs), 16):
-                out.append(EventBatch(source=src, ts_ns=1, events=tuple(evs[i : i + 16])))
-        return out, stored, removed
-
-    @staticmethod
-    def _ev(eid: int, data: Any) -> KVCacheEvent:
-        return KVCacheEvent(event_id=eid, hash_algo=ALGO, window_size=1 << 17, data=data)
-
-
-def dynamo_events(llm: Any, batches: list[EventBatch], tpb: int) -> list[tuple[int, bytes]]:
-    """Dynamo ``KvCacheEvent`` JSON per kvstream event (worker id, bytes), pre-serialized."""
-    out = []
-    for b in batches:
-        w = int(b.source.instance_id.removeprefix("worker-"))
-        for ev in b.events:
-            d = ev.data
-            if isinstance(d, Stored):
-                tokens = [t for blk in d.blocks for t in blk.token_ids.tolist()]
-                local = llm.compute_block_hash_for_seq(tokens, tpb)
-                body: Any = {
-                    "stored": {
-                        "parent_hash": None
-                        if d.parent_hash is None
-                        else int.from_bytes(d.parent_hash, "big"),
-                        "blocks": [
-                            {"block_hash": int.from_bytes(blk.block_hash, "big"), "tokens_hash": th}
-                            for blk, th in zip(d.blocks, local, strict=True)
-                        ],
-                    }
-                }
-            elif isinstance(d, Removed):
-                body = {
-                    "removed": {"block_hashes": [int.from_bytes(h, "big") for h in d.block_hashes]}
-                }
-            else:
-                continue
-            out.append(
-                (w, json.dumps({"event_id": ev.event_id, "data": body, "dp_rank": 0}).encode())
-            )
-    return out
+def in_turn(r: int, fns: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[float, Any]]:
+    """Run ``fns`` in order (reversed on odd rounds); name -> (CPU seconds, result)."""
+    order = fns if r % 2 == 0 else fns[::-1]
+    return {name: cpu(fn) for name, fn in order}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -278,105 +176,297 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)]
 
 
-def index_rows(
-    args: argparse.Namespace, llm: Any
-) -> tuple[list[tuple[str, float, float, str, str]], dict[str, Any]]:
-    rng = random.Random(args.seed)
-    wl = Workload(args, rng)
-    codec = AvroCodec()
-    registry = schema_registry()
-    rows: list[tuple[str, float, float, str, str]] = []
-    extra: dict[str, Any] = {}
-    nan = float("nan")
-    for evict in (False, True):
-        batches, stored, removed = wl.batches(evict)
-        blocks = (stored + removed) / 1e6
-        cols = [decode_columns_message(codec.encode(b), registry).columns for b in batches]
-        fns: dict[str, Callable[[], Any]] = {
-            "columns": lambda cols=cols: PrefixIndex().apply_many(cols),
-            "models": lambda batches=batches: PrefixIndex().apply_many(batches),
-        }
-        if llm is not None:
-            dyn = dynamo_events(llm, batches, wl.tpb)
+def round_seed(args: argparse.Namespace, r: int) -> int:
+    return args.seed + 1_000_003 * (r + 1)
 
-            def feed(dyn: list[tuple[int, bytes]] = dyn) -> None:
-                tree = llm.RadixTree()
-                apply = tree.apply_event
-                for w, data in dyn:
-                    apply(w, data)
 
-            fns["dynamo"] = feed
-        t = best_cpu(fns, args.rounds)
-        what = "stored + removed" if evict else "stored"
-        dyn_rate = blocks / t["dynamo"] if "dynamo" in t else nan
-        rows.append(
-            (f"ingest {what} (M blocks/s)", blocks / t["columns"], dyn_rate, "hi", ">= 1.2")
+# ------------------------------------------------------------------------------ codec
+
+
+def codec_rows(args: argparse.Namespace, rows: Rows) -> None:
+    import msgspec
+    from bench_codec import KVEventBatch
+    from bench_codec import build as build_codec_workload
+
+    from kvstream.codec import schema_registry
+    from kvstream.codec.columnar import decode_columns_message
+
+    codec, registry = AvroCodec(), schema_registry()
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch)
+    n = 2 if args.tiny else 20
+    for r in range(args.rounds):
+        for dist in ("uniform", "zipf"):
+            w = build_codec_workload(dist, 64, 16, 64, round_seed(args, r))
+            data, ms = codec.encode(w.batch), enc.encode(w.vllm)
+            if decode_columns_message(data, registry).batch.events != w.batch.events:
+                raise SystemExit("kvstream round trip failed")
+
+            def kv_dec(data: bytes = data) -> None:
+                for _ in range(n):
+                    # .tokens: the ids unpacked (msgspec always builds its int lists)
+                    decode_columns_message(data, registry).columns.tokens  # noqa: B018
+
+            t = in_turn(
+                r,
+                [
+                    ("kv_enc", lambda w=w: [codec.encode(w.batch) for _ in range(n)]),
+                    ("ms_enc", lambda w=w: [enc.encode(w.vllm) for _ in range(n)]),
+                    ("kv_dec", kv_dec),
+                    ("ms_dec", lambda ms=ms: [dec.decode(ms) for _ in range(n)]),
+                ],
+            )
+            b = w.blocks * n / 1e6
+            rows.add(
+                f"encode, {dist} tokens (M blocks/s)",
+                "hi",
+                ">= 1",
+                b / t["kv_enc"][0],
+                b / t["ms_enc"][0],
+            )
+            rows.add(
+                f"decode to columns, {dist} (M blocks/s)",
+                "hi",
+                ">= 1.5",
+                b / t["kv_dec"][0],
+                b / t["ms_dec"][0],
+            )
+            goal = "<= 0.6" if dist == "uniform" else "<= 0.8"
+            rows.add(
+                f"bytes, {dist} tokens (KiB/batch)", "lo", goal, len(data) / 1024, len(ms) / 1024.0
+            )
+
+
+# ------------------------------------------------------------------------------ ingest, match
+
+
+def kafka_to_index(
+    messages: Iterable[bytes],
+    decode: Callable[[bytes], Any] | None = None,
+    key_mode: str = "engine",
+) -> PrefixIndex:
+    """Kafka message values decoded (``decode``: bytes -> ColumnarResult; default the Kafka
+    source's ``decode_message``) and applied in order, as the Kafka source hands them over
+    (no broker in the loop)."""
+    idx = PrefixIndex(key_mode=key_mode)
+    apply = idx.apply
+    if decode is None:
+        codec = AvroCodec()
+
+        def decode(m: bytes) -> Any:
+            return decode_message(codec, m)
+
+    for m in messages:
+        res = decode(m)
+        apply(res.columns, skipped_ids(res.skipped) if res.skipped else ())
+    return idx
+
+
+def feed_dynamo(llm: Any, events: list[tuple[int, bytes]]) -> Any:
+    """A new ``RadixTree`` fed every ``(worker, KvCacheEvent JSON)`` in order."""
+    tree = llm.RadixTree()
+    apply = tree.apply_event
+    for w, data in events:
+        apply(w, data)
+    return tree
+
+
+def fleet_spec(args: argparse.Namespace) -> FleetSpec:
+    return FleetSpec(
+        workers=args.workers,
+        tokens=args.tokens,
+        block_size=args.block_size,
+        pool=args.pool,
+        requests=args.requests,
+        capacity=args.capacity,
+        chunk=args.chunk,
+    )
+
+
+def check_index(idx: PrefixIndex, enc: Encoded, mode: str) -> None:
+    st = idx.stats()
+    if st.blocks != enc.totals.present or st.stale_workers or st.unrooted_blocks:
+        raise SystemExit(
+            f"{mode}-keyed index disagrees with the fleet: {st.blocks} blocks cached "
+            f"(expected {enc.totals.present}), {st.stale_workers} stale workers, "
+            f"{st.unrooted_blocks} unrooted blocks"
         )
-        rows.append(("  from model batches (ref.)", blocks / t["models"], dyn_rate, "hi", ""))
-        extra[f"blocks_{what}"] = {"stored": stored, "removed": removed}
-    # matching, on the stored-only index
-    batches, _, _ = wl.batches(False)
-    idx = PrefixIndex()
-    idx.apply_many(batches)
-    tree = None
-    if llm is not None:
-        tree = llm.RadixTree()
-        for w, data in dynamo_events(llm, batches, wl.tpb):
-            tree.apply_event(w, data)
-    dom = DomainKey(ALGO, wl.tpb, 0)
-    queries = [rng.randrange(args.pool) for _ in range(args.queries)]
-    local = [llm.compute_block_hash_for_seq(wl.requests[q], wl.tpb) for q in queries] if llm else []
+
+
+@dataclass
+class Query:
+    tokens: list[int]
+    hashes: list[bytes]
+    local: list[int]
+
+
+def queries(args: argparse.Namespace, enc: Encoded, llm: Any, seed: int) -> list[Query]:
+    """Distinct prefixes of pool prompts at random depths, and a tenth misses."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    n_blocks = args.tokens // args.block_size
+    pairs = {(rng.randrange(args.pool), rng.randint(1, n_blocks)) for _ in range(args.queries * 2)}
+    hits = sorted(pairs)[: args.queries - args.queries // 10]
+    rng.shuffle(hits)
+    out = []
+    for p, d in hits:
+        local = enc.local[p][:d] if enc.local is not None else []
+        out.append(Query(enc.prompts.tokens(p, d), enc.prompts.hashes[p][:d], local))
+    nrng = np.random.default_rng(seed)
+    hasher = get_hasher(ALGO)
+    for _ in range(args.queries // 10):
+        toks = array("I", random_tokens(nrng, rng.randint(1, n_blocks) * args.block_size))
+        tl = toks.tolist()
+        local = list(llm.compute_block_hash_for_seq(tl, args.block_size)) if llm else []
+        out.append(Query(tl, list(hasher.chain_bytes(split_blocks(tl, args.block_size))), local))
+    rng.shuffle(out)
+    return out
+
+
+def index_rows(args: argparse.Namespace, llm: Any, rows: Rows, memory: bool) -> None:
+    codec = AvroCodec()
+    spec = fleet_spec(args)
+    for r in range(args.rounds):
+        seed = round_seed(args, r)
+        enc = encode_fleet(spec, seed, llm, codec)
+        blocks = enc.totals.blocks / 1e6
+        print(
+            f"# round {r + 1}: {enc.totals.stored:,} stored + {enc.totals.removed:,} removed "
+            f"blocks in {enc.totals.batches:,} batches, {enc.totals.present:,} present pairs",
+            file=sys.stderr,
+        )
+        idx: dict[str, PrefixIndex] = {}
+        tree = None
+        if "ingest" not in args.skip or "match" not in args.skip:
+            msgs, dyn = enc.messages, enc.dynamo
+            fns: list[tuple[str, Callable[[], Any]]] = [
+                (m, lambda m=m, msgs=msgs: kafka_to_index(msgs, key_mode=m)) for m in KEY_MODES
+            ]
+            if llm is not None and dyn is not None:
+                fns.insert(1, ("peer", lambda dyn=dyn: feed_dynamo(llm, dyn)))
+            t = in_turn(r, fns)
+            for m in KEY_MODES:
+                idx[m] = t[m][1]
+                check_index(idx[m], enc, m)
+            peer = blocks / t["peer"][0] if "peer" in t else None
+            tree = t["peer"][1] if "peer" in t else None
+            for m, goal in zip(KEY_MODES, (">= 1.2", ">= 1", ">= 1"), strict=True):
+                rows.add(
+                    f"ingest, {MODE_LABEL[m]} (M blocks/s)", "hi", goal, blocks / t[m][0], peer
+                )
+        if "match" not in args.skip:
+            qs = queries(args, enc, llm, seed + 1)
+            match_rows(args, llm, rows, qs, (idx["engine"], idx["dynamo"], tree))
+        del idx, tree
+        if memory:
+            memory_rows(args, llm, rows, enc, r)
+        del enc
+
+
+def match_rows(
+    args: argparse.Namespace, llm: Any, rows: Rows, qs: list[Query], sides: tuple[Any, Any, Any]
+) -> None:
+    """Latencies of ``qs`` on the engine-keyed and Dynamo-keyed indexes and on Dynamo's tree
+    (``sides``; the tree None without Dynamo), one query at a time on each side in turn."""
+    eng, dyk, tree = sides
     req = HashRequest(drop_last_token=False)
-    # agreement: same matched blocks per worker
-    if tree is not None:
-        for q, lh in list(zip(queries, local, strict=True))[:20]:
+    dom = DomainKey(ALGO, args.block_size, 0)
+    if tree is not None:  # both sides must give the same answer
+        for q in qs:
             kv = {
                 int(k.instance_id.removeprefix("worker-")): d
-                for k, d in idx.match_hashes(dom, wl.hashes[q]).items()
+                for k, d in eng.match_hashes(dom, q.hashes).items()
             }
-            dy = {w: d for (w, _), d in tree.find_matches(lh).scores.items()}
+            dy = {w: d for (w, _), d in tree.find_matches(q.local).scores.items()}
             if kv != dy:
-                raise SystemExit(f"kvstream and Dynamo disagree on query {q}: {kv} vs {dy}")
-    lat: dict[str, list[float]] = {"kv_m": [], "dy_m": [], "kv_hm": [], "dy_hm": []}
-    best: dict[str, tuple[float, float]] = {}
-    for _ in range(args.rounds):
-        for k in lat:
-            lat[k] = []
-        for i, q in enumerate(queries):
-            toks = wl.requests[q]
-            t0 = time.perf_counter_ns()
-            idx.match_hashes(dom, wl.hashes[q])
-            t1 = time.perf_counter_ns()
-            lat["kv_m"].append((t1 - t0) / 1e3)
-            t0 = time.perf_counter_ns()
-            idx.match(toks, request=req)
-            t1 = time.perf_counter_ns()
-            lat["kv_hm"].append((t1 - t0) / 1e3)
-            if tree is not None:
-                t0 = time.perf_counter_ns()
-                tree.find_matches(local[i])
-                t1 = time.perf_counter_ns()
-                lat["dy_m"].append((t1 - t0) / 1e3)
-                t0 = time.perf_counter_ns()
-                tree.find_matches(llm.compute_block_hash_for_seq(toks, wl.tpb))
-                t1 = time.perf_counter_ns()
-                lat["dy_hm"].append((t1 - t0) / 1e3)
-        for k, xs in lat.items():
-            if xs:
-                p = (pct(xs, 0.5), pct(xs, 0.99))
-                old = best.get(k)
-                best[k] = p if old is None else (min(old[0], p[0]), min(old[1], p[1]))
-    dm = best.get("dy_m", (nan, nan))
-    dhm = best.get("dy_hm", (nan, nan))
-    rows += [
-        ("match p50 (us)", best["kv_m"][0], dm[0], "lo", ""),
-        ("match p99 (us)", best["kv_m"][1], dm[1], "lo", "<= 1"),
-        ("hash + match p50 (us)", best["kv_hm"][0], dhm[0], "lo", "<= 0.8"),
-    ]
-    return rows, extra
+                raise SystemExit(f"kvstream and Dynamo disagree on a query: {kv} vs {dy}")
+    lat: dict[str, list[float]] = {k: [] for k in ("kv_m", "dy_m", "kv_hm", "kd_hm", "dy_hm")}
+    clock = time.perf_counter_ns
+    bs = args.block_size
+    # the indexes, the tree and the round's data are long-lived: a server would freeze them
+    # too; else a full collection walking them lands on whichever side's call is running
+    gc.collect()
+    gc.freeze()
+    for q in qs:
+        t0 = clock()
+        eng.match_hashes(dom, q.hashes)
+        t1 = clock()
+        lat["kv_m"].append((t1 - t0) / 1e3)
+        t0 = clock()
+        eng.match(q.tokens, request=req)
+        t1 = clock()
+        lat["kv_hm"].append((t1 - t0) / 1e3)
+        t0 = clock()
+        dyk.match(q.tokens, request=req)
+        t1 = clock()
+        lat["kd_hm"].append((t1 - t0) / 1e3)
+        if tree is not None:
+            t0 = clock()
+            tree.find_matches(q.local)
+            t1 = clock()
+            lat["dy_m"].append((t1 - t0) / 1e3)
+            t0 = clock()
+            tree.find_matches(llm.compute_block_hash_for_seq(q.tokens, bs))
+            t1 = clock()
+            lat["dy_hm"].append((t1 - t0) / 1e3)
+    gc.unfreeze()
+
+    def peer(key: str, q: float) -> float | None:
+        return pct(lat[key], q) if lat[key] else None
+
+    for q, name, goal in ((0.5, "p50", ""), (0.99, "p99", "<= 1")):
+        rows.add(f"match {name} (us)", "lo", goal, pct(lat["kv_m"], q), peer("dy_m", q))
+    for q, name, goal in ((0.5, "p50", "<= 0.8"), (0.99, "p99", "")):
+        rows.add(f"hash + match {name} (us)", "lo", goal, pct(lat["kv_hm"], q), peer("dy_hm", q))
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        rows.add(
+            f"hash + match {name}, Dynamo-keyed (us)",
+            "lo",
+            "<= 0.8" if q == 0.5 else "",
+            pct(lat["kd_hm"], q),
+            peer("dy_hm", q),
+        )
 
 
-# ------------------------------------------------------------------------------ end to end
+# ------------------------------------------------------------------------------ memory
+
+
+def memory_side(args: argparse.Namespace) -> None:
+    """(In a fresh process) load ``--input``, read RSS, ingest it on ``--side``, read RSS:
+    print ``{"mib": delta}``."""
+    with open(args.input, "rb") as f:
+        data = pickle.load(f)
+    r0 = rss()
+    if args.side == "peer":
+        keep: Any = feed_dynamo(dynamo(), data)
+    else:
+        keep = kafka_to_index(data, key_mode=args.side)
+    r1 = rss()
+    assert keep is not None
+    print(json.dumps({"mib": (r1 - r0) / 2**20}))
+
+
+def memory_rows(args: argparse.Namespace, llm: Any, rows: Rows, enc: Encoded, r: int) -> None:
+    pairs_m = enc.totals.present / 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        kv_in, dy_in = Path(tmp) / "avro.pickle", Path(tmp) / "dynamo.pickle"
+        kv_in.write_bytes(pickle.dumps(enc.messages))
+        sides = list(KEY_MODES)
+        if llm is not None and enc.dynamo is not None:
+            dy_in.write_bytes(pickle.dumps(enc.dynamo))
+            sides.insert(1, "peer")
+        got = {}
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            src = dy_in if side == "peer" else kv_in
+            got[side] = fresh_process(
+                sys.executable, [__file__, f"--side={side}", f"--input={src}"]
+            )["mib"]
+    peer = got["peer"] / pairs_m if "peer" in got else None
+    for m, goal in zip(KEY_MODES, ("<= 1", "<= 1.5", "<= 1.5"), strict=True):
+        rows.add(f"memory, {MODE_LABEL[m]} (MiB/M pairs)", "lo", goal, got[m] / pairs_m, peer)
+
+
+# ------------------------------------------------------------------------------ file, replay
 
 
 def file_to_index(directory: str) -> PrefixIndex:
@@ -391,80 +481,89 @@ def file_to_index(directory: str) -> PrefixIndex:
     return consumer.index
 
 
-def kafka_to_index(messages: list[bytes], decode: Callable[[bytes], Any]) -> PrefixIndex:
-    """Kafka message values decoded by ``decode`` (-> a ColumnarResult) and applied, in order,
-    as the Kafka source hands them over (no broker in the loop)."""
-    idx = PrefixIndex()
-    apply = idx.apply
-    for m in messages:
-        r = decode(m)
-        apply(r.columns, tuple(s.event_id for s in r.skipped))
-    return idx
+def fastavro_iterate(directory: str) -> int:
+    """fastavro's bare record iteration of every container file in ``directory``."""
+    import fastavro
 
-
-def e2e_rows(args: argparse.Namespace) -> list[tuple[str, float, float, str, str]]:
-    rng = random.Random(args.seed + 1)
-    wl = Workload(args, rng)
-    batches, stored, removed = wl.batches(True)
-    blocks = (stored + removed) / 1e6
-    codec = AvroCodec()
-    messages = [codec.encode(b) for b in batches]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kvstream-00000001.avro"
-        try:  # the file sink's default container codec; uncompressed when it is not installed
-            with ContainerWriter(path) as w:
-                w.write_many(batches)
-        except ImportError:
-            path.unlink()
-            with ContainerWriter(path, codec="null") as w:
-                w.write_many(batches)
+    n = 0
+    for path in sorted(Path(directory).glob("*.avro")):
         with open(path, "rb") as f:
-            head = f.read(4096)
-        file_codec = "snappy" if b"snappy" in head else "deflate" if b"deflate" in head else "null"
+            for _ in fastavro.reader(f):
+                n += 1
+    return n
 
-        t = best_cpu(
-            {
-                "file": lambda: file_to_index(tmp),
-                "kafka": lambda: kafka_to_index(messages, lambda m: decode_message(codec, m)),
-            },
-            args.rounds,
-        )
-    target = 2.0
-    return [
-        (
-            f"file ({file_codec}) -> index (M blocks/s)",
-            blocks / t["file"],
-            target,
-            "hi",
-            ">= 1 (2M/s)",
-        ),
-        ("Kafka bytes -> index (M blocks/s)", blocks / t["kafka"], target, "hi", ">= 1 (2M/s)"),
-    ]
+
+def file_rows(args: argparse.Namespace, rows: Rows) -> None:
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "kvstream", "demo", "--trace", "mooncake-synthetic"]
+            cmd += ["--ranks", "8", "--out", tmp, "--seed", str(round_seed(args, r)), "--json"]
+            if args.demo_requests:
+                cmd += ["--requests", str(args.demo_requests)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            demo = json.loads(out)
+            blocks = (demo["blocks_stored"] + demo["blocks_removed"]) / 1e6
+            t = in_turn(
+                r,
+                [
+                    ("kv", lambda tmp=tmp: file_to_index(tmp)),
+                    ("fa", lambda tmp=tmp: fastavro_iterate(tmp)),
+                ],
+            )
+            if t["kv"][1].stats().counters.stored_blocks != demo["blocks_stored"]:
+                raise SystemExit("file -> index: the index missed stored blocks of the demo")
+            rows.add(
+                "file -> index, demo stream (M blocks/s)",
+                "hi",
+                ">= 0.5",
+                blocks / t["kv"][0],
+                blocks / t["fa"][0],
+            )
+
+
+def replay_rows(args: argparse.Namespace, rows: Rows) -> None:
+    from kvstream.cli.replay_run import ReplayOptions, load_rows, run_replay
+
+    base = ReplayOptions(trace="conversation", limit=args.replay_limit)
+    trace = load_rows(base)
+    for r in range(args.rounds):
+        opts = replace(base, seed=round_seed(args, r))
+        t, _ = cpu(lambda opts=opts: asyncio.run(run_replay(opts, rows=trace)))
+        rows.add("replay, conversation trace (s CPU)", "lo", "<= 5 abs", t, None)
 
 
 # ------------------------------------------------------------------------------ output
 
 
-def ratio(row: tuple[str, float, float, str, str]) -> float:
-    kv, peer = row[1], row[2]
-    if math.isnan(peer) or not peer:
-        return float("nan")
-    return kv / peer
+def fmt(x: float) -> str:
+    return f"{x:10.2f}" if x < 1e4 else f"{x:10.3g}"
 
 
-def met(row: tuple[str, float, float, str, str]) -> str:
-    goal = row[4].split(" ")
-    if len(goal) < 2 or math.isnan(row[2]):
-        return ""
-    r = ratio(row)
-    bound = float(goal[1])
-    return "yes" if (r >= bound if goal[0] == ">=" else r <= bound) else "NO"
+def print_table(rows: list[Row], llm: Any) -> None:
+    head = f"{'metric':42} {'kvstream':>10} {'peer':>10} {'ratio':>7} {'spread':>13} "
+    head += f"{'goal':>11} {'met':>4}"
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        kv = statistics.median(row.kv)
+        peer = fmt(statistics.median(row.peer)) if row.peer else "n/a"
+        rs = row.ratios()
+        r = f"{row.ratio():6.2f}x" if rs else ""
+        spread = f"{min(rs):.2f}-{max(rs):.2f}" if rs else f"{min(row.kv):.2f}-{max(row.kv):.2f}"
+        goal = row.goal.replace(" abs", " s") if row.goal.endswith("abs") else row.goal
+        print(f"{row.name:42} {fmt(kv)} {peer:>10} {r:>7} {spread:>13} {goal:>11} {row.met():>4}")
+    print(
+        "# peers: msgspec (codec rows), Dynamo RadixTree / compute_block_hash_for_seq "
+        f"({'ai-dynamo-runtime' if llm else 'not importable here: n/a'}; ingest, match, "
+        "memory rows), fastavro's bare iteration (file row); ratio = kvstream / peer, median of "
+        "the rounds (spread: min-max; rows without a peer: kvstream's own min-max)"
+    )
 
 
-def svg(rows: list[tuple[str, float, float, str, str]], path: Path) -> None:
-    """A horizontal bar chart of the ratios (log scale around 1), hand-written SVG."""
-    data = [(r[0].strip(), ratio(r), r[3]) for r in rows if not math.isnan(ratio(r))]
-    width, left, bar, gap = 760, 300, 18, 8
+def svg(rows: list[Row], path: Path) -> None:
+    """A horizontal bar chart of the median ratios (log scale around 1), hand-written SVG."""
+    data = [(r.name, r.ratio(), r.sense) for r in rows if not math.isnan(r.ratio())]
+    width, left, bar, gap = 800, 340, 18, 8
     height = 40 + len(data) * (bar + gap)
     x1 = left + (width - left - 20) / 2
 
@@ -474,8 +573,8 @@ def svg(rows: list[tuple[str, float, float, str, str]], path: Path) -> None:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         'font-family="sans-serif" font-size="12">',
-        f'<text x="{left}" y="16">kvstream / peer (log scale; for "lo" rows smaller is '
-        "better)</text>",
+        f'<text x="{left}" y="16">kvstream / peer, median of rounds (log scale; for time, '
+        "bytes and memory smaller is better)</text>",
         f'<line x1="{x1}" y1="24" x2="{x1}" y2="{height - 4}" stroke="#333"/>',
     ]
     for i, (name, r, sense) in enumerate(data):
@@ -493,69 +592,122 @@ def svg(rows: list[tuple[str, float, float, str, str]], path: Path) -> None:
     path.write_text("\n".join(out) + "\n")
 
 
+def pure_table(native: list[Row], argv: list[str]) -> list[dict[str, Any]]:
+    """Run the same rows with KVSTREAM_NO_NATIVE=1 in a subprocess; per row, how many times
+    slower (or larger) the pure-Python fallback's median is than native's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pure.json"
+        env = dict(os.environ, KVSTREAM_NO_NATIVE="1")
+        cmd = [sys.executable, __file__, *argv, "--no-peer", f"--json={out}"]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        pure = {r["metric"]: r for r in json.loads(out.read_text())["rows"]}
+    print("\n# pure-Python fallback (KVSTREAM_NO_NATIVE=1) against native, same rows")
+    head = f"{'metric':42} {'native':>10} {'pure':>10} {'x slower':>9} {'goal':>6} {'met':>4}"
+    print(head)
+    print("-" * len(head))
+    table = []
+    for row in native:
+        p = pure.get(row.name)
+        if p is None:
+            continue
+        nat, pur = statistics.median(row.kv), statistics.median(p["kvstream_rounds"])
+        slower = nat / pur if row.sense == "hi" else pur / nat
+        met = "yes" if slower <= 5 else "NO"
+        print(f"{row.name:42} {fmt(nat)} {fmt(pur)} {slower:8.2f}x {'<= 5':>6} {met:>4}")
+        table.append({"metric": row.name, "native": nat, "pure": pur, "slower": slower})
+    return table
+
+
+def same_run(args: argparse.Namespace) -> list[str]:
+    """Options that repeat this run's rows and sizes (for the pure-Python subprocess)."""
+    keys = ("rounds", "seed", "workers", "tokens", "block_size", "pool", "requests", "capacity")
+    keys += ("chunk", "queries", "demo_requests", "replay_limit")
+    out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if getattr(args, k)]
+    return out + ([f"--skip={','.join(sorted(args.skip))}"] if args.skip else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_workload_args(ap, queries=300)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: codec,index,e2e")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--pool", type=int, default=256, help="distinct prompts")
+    ap.add_argument("--requests", type=int, default=62, help="requests served per worker")
+    ap.add_argument("--capacity", type=int, default=8192, help="cache blocks per worker")
+    ap.add_argument("--chunk", type=int, default=64, help="most blocks per stored event")
+    ap.add_argument("--queries", type=int, default=1200, help="distinct queries per round")
+    ap.add_argument("--demo-requests", type=int, default=None, help="file row: demo requests")
+    ap.add_argument("--replay-limit", type=int, default=None, help="replay row: first N rows")
+    ap.add_argument("--skip", default="", help=f"comma list of sections: {','.join(SECTIONS)}")
+    ap.add_argument("--tiny", action="store_true", help="a small run (smoke test)")
+    ap.add_argument("--pure", action="store_true", help="also run the pure-Python fallback")
+    ap.add_argument("--no-peer", action="store_true", help="kvstream's side only")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--svg", type=Path, help="write a bar chart of the ratios here")
+    ap.add_argument("--side", choices=[*KEY_MODES, "peer"], help=argparse.SUPPRESS)
+    ap.add_argument("--input", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    llm = dynamo()
-    skip = set(filter(None, args.skip.split(",")))
+    if args.side:
+        memory_side(args)
+        return
+    if args.tiny:
+        args.workers, args.tokens, args.pool, args.requests = 4, 1024, 12, 8
+        args.capacity, args.chunk, args.queries = 96, 16, 60
+        args.demo_requests, args.replay_limit = args.demo_requests or 12, args.replay_limit or 150
+    args.skip = set(filter(None, args.skip.split(",")))
+    if args.skip - set(SECTIONS):
+        ap.error(f"--skip: unknown sections {sorted(args.skip - set(SECTIONS))}")
+    llm = None if args.no_peer else dynamo()
     print(
-        f"# kvstream vs peers: python {sys.version.split()[0]}, {args.workers} workers, "
-        f"{args.tokens}-token requests, {args.block_size}-token blocks, best of {args.rounds} "
-        "(process CPU time)"
+        f"# kvstream vs peers: python {sys.version.split()[0]}, {args.rounds} rounds, fleet of "
+        f"{args.workers} workers x {args.requests} requests of {args.tokens} tokens "
+        f"({args.block_size}-token blocks, {args.chunk}-block chunks, {args.capacity}-block "
+        f"caches), load {os.getloadavg()[0]:.2f}"
     )
-    if llm is None:
+    if llm is None and not args.no_peer:
         print(
             "# Dynamo rows: ai-dynamo-runtime is not importable here (use .peers-venv/bin/python)"
         )
-    rows: list[tuple[str, float, float, str, str]] = []
-    extra: dict[str, Any] = {}
-    if "codec" not in skip:
-        rows += codec_rows(args.rounds)
-    if "index" not in skip:
-        r, extra = index_rows(args, llm)
-        rows += r
-    if "e2e" not in skip:
-        rows += e2e_rows(args)
-    header = f"{'metric':44} {'kvstream':>10} {'peer':>10} {'ratio':>7} {'goal':>12} {'met':>4}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        name, kv, peer, _, goal = row
-        r = ratio(row)
-        peer_s = "n/a" if math.isnan(peer) else f"{peer:10.2f}"
-        r_s = "" if math.isnan(r) else f"{r:6.2f}x"
-        print(f"{name:44} {kv:10.2f} {peer_s:>10} {r_s:>7} {goal:>12} {met(row):>4}")
-    print(
-        "# peer: msgspec (codec rows), Dynamo RadixTree 1.6.1 (index rows), the 2M blocks/s "
-        "goal (end-to-end rows); ratio = kvstream / peer (rates: higher is better; bytes "
-        "and latencies: lower is better)"
-    )
-    if extra:
-        print(f"# index workload: {extra}")
+    rows = Rows()
+    if "codec" not in args.skip:
+        codec_rows(args, rows)
+    if not {"ingest", "match", "memory"} <= args.skip:
+        index_rows(args, llm, rows, memory="memory" not in args.skip)
+    if "file" not in args.skip:
+        file_rows(args, rows)
+    if "replay" not in args.skip:
+        replay_rows(args, rows)
+    table = list(rows.rows.values())
+    print_table(table, llm)
+    pure = pure_table(table, same_run(args)) if args.pure else None
     if args.json:
-        args.json.write_text(
-            json.dumps(
+        doc = {
+            "rows": [
                 {
-                    "rows": [
-                        {"metric": r[0].strip(), "kvstream": r[1], "peer": r[2], "goal": r[4]}
-                        for r in rows
-                    ],
-                    "dynamo": llm is not None,
-                    "workload": vars(args) | {"json": None, "svg": None},
-                },
-                indent=1,
-                default=str,
-            )
-        )
+                    "metric": r.name,
+                    "kvstream": statistics.median(r.kv),
+                    "peer": statistics.median(r.peer) if r.peer else None,
+                    "ratio": None if math.isnan(r.ratio()) else r.ratio(),
+                    "ratio_spread": [min(r.ratios()), max(r.ratios())] if r.ratios() else None,
+                    "goal": r.goal,
+                    "met": r.met(),
+                    "kvstream_rounds": r.kv,
+                    "peer_rounds": r.peer,
+                }
+                for r in table
+            ],
+            "pure": pure,
+            "dynamo": llm is not None,
+            "load": os.getloadavg()[0],
+            "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
+        }
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
     if args.svg:
-        svg(rows, args.svg)
+        svg(table, args.svg)
 
 
 if __name__ == "__main__":
