@@ -34,10 +34,10 @@ Two more tables:
   gzip/snappy/lz4/zstd: bytes on the wire, producer CPU to build the batches, consumer CPU to
   read them back (skipped without aiokafka).
 
-And, with ``--e2e``, the end-to-end rows of ``bench_peers.py`` (its index workload with
-evictions, read from a container file by ``IndexConsumer(FileSource(...))`` and from Kafka
-message values decoded and applied) with the C column decoder and with the reference, in the
-same rounds (process CPU time).
+And, with ``--e2e``, bench_peers' fleet (``_fleet_workload.py``: stores and LRU evictions
+of 64 engines, seed 1) read from a container file by ``IndexConsumer(FileSource(...))`` and
+from Kafka message values decoded and applied, with the C column decoder and with the
+reference, in the same rounds (process CPU time).
 
 Usage: ``python benchmarks/bench_codec.py [--rounds 15] [--profile] [--kafka-events 4] [--e2e]``
 """
