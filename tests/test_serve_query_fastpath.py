@@ -22,7 +22,7 @@ from serve_support import Engine, eventually, expected_answer
 
 from kvstream.hashing import accel
 from kvstream.serve import Client, IndexService, ServeConfig
-from kvstream.serve.requests import QueryRequest, decode, decode_query_tokens
+from kvstream.serve.requests import QueryRequest, decode, read_query_tokens
 
 BS = 4
 native_only = pytest.mark.skipif(
@@ -116,6 +116,20 @@ def _bodies(rng: random.Random, prompts: list[list[int]]) -> list[bytes]:
         b'{"token_ids": [1e2], "model_name": "m"}',
         b'{"token_ids": [-0], "model_name": "m"}',
         b'{"token_ids": [1, 2], "model_name": "m"',
+        # the first "token_ids": [ in the text is not the top-level key, or not only once
+        b'{"x": {"token_ids": [1, 2, 3, 4, 5]}, "token_ids": [], "model_name": "m"}',
+        b'{"x": {"token_ids": [1, 2]}, "token_ids": %s, "model_name": "m"}' % str(p).encode(),
+        b'{"model_name": "m", "lora_name": "\\"token_ids\\": [1]", "token_ids": [1, 2, 3]}',
+        b'{"token_ids": [1, 2, 3, 4], "token_ids": %s, "model_name": "m"}' % str(p).encode(),
+        b'{"token_ids": %s, "model_name": "m", "token_ids": [1, 2, 3, 4]}' % str(p).encode(),
+        b'{"token_ids": %s, "model_name": "m", "lora_name": "\\u0000"}' % str(p).encode(),
+        b'{"token_ids": %s, "model_name": "m", "x": "\\u0000"}' % str(p).encode(),
+        b'{"token\\u005fids": %s, "model_name": "m"}' % str(p).encode(),
+        b'{"x": {"token_ids": %s}, "token_ids": "\\u0000", "model_name": "m"}' % str(p).encode(),
+        b'{"token_ids": [1, 2]]], "model_name": "m"}',
+        b'{"token_ids": [1, 2, "model_name": "m"}',
+        b'{"token_ids": [1, 2',
+        b'["token_ids": [1, 2]]',
         b"",
         b"not json",
     ]
@@ -157,9 +171,53 @@ async def test_query_body_answers_as_the_decoded_path(service: IndexService) -> 
         assert answered >= 10
         for p in prompts:
             body = json.dumps({"token_ids": p, "model_name": "m"}).encode()
-            fast = decode_query_tokens(body)  # the fast path takes the client's bodies
+            fast = read_query_tokens(body)  # the fast path takes the client's bodies
             assert fast is not None
-            assert accel.json_ids(fast.token_ids) == struct.pack(f"<{len(p)}I", *p)
+            assert fast[1] == struct.pack(f"<{len(p)}I", *p)
             assert service.query_body(body) == expected_answer(fleet, p, BS)
     finally:
         engine.close()
+
+
+_keys = st.sampled_from(["token_ids", "model_name", "lora_name", "x", "token_idsx"])
+_scalars = st.one_of(
+    st.integers(-2, 2**33),
+    st.text(alphabet='ab"\\\x00[]: ', max_size=6),
+    st.sampled_from(['"token_ids": [1]', "\x00", None, True, 1.5]),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@st.composite
+def query_like_bodies(draw: st.DrawFn) -> bytes:
+    """JSON objects around a ``token_ids`` key: nested copies of it, duplicates, strings
+    that spell it, the reader's marker, as text with random spacing (or cut short)."""
+    pairs = draw(st.lists(st.tuples(_keys, _values), max_size=4))
+    if draw(st.booleans()):
+        ids = draw(st.lists(st.integers(0, 2**32 - 1), max_size=8))
+        pairs.insert(draw(st.integers(0, len(pairs))), ("token_ids", ids))
+    sep = draw(st.sampled_from([(", ", ": "), (",", ":"), (" ,\n", " :  ")]))
+    text = "{" + sep[0].join(json.dumps(k) + sep[1] + json.dumps(v) for k, v in pairs) + "}"
+    if draw(st.booleans()):
+        text = text[: draw(st.integers(0, len(text)))]
+    return text.encode()
+
+
+@settings(max_examples=500, deadline=None)
+@given(query_like_bodies())
+def test_read_query_tokens_reads_only_what_json_says(body: bytes) -> None:
+    """Whenever the fast reader answers, the body is a JSON object whose top-level
+    ``token_ids`` (its last one, as msgspec keeps it) is that u32 array."""
+    got = read_query_tokens(body)
+    if got is None:
+        return
+    req, raw = got
+    obj = json.loads(body, object_pairs_hook=dict)
+    ids = obj["token_ids"]
+    assert raw == struct.pack(f"<{len(ids)}I", *ids)
+    assert req.model_name == obj.get("model_name", "default")
+    assert req.lora_name == obj.get("lora_name")

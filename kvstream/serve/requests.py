@@ -13,10 +13,12 @@ of the wrong shape :class:`~kvstream.serve.errors.InvalidRequestError` (422, Dyn
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 
+from kvstream.hashing.accel import json_ids
 from kvstream.serve.config import DEFAULT_MODEL
 from kvstream.serve.errors import BadRequestError, InvalidRequestError
 
@@ -28,7 +30,7 @@ __all__ = [
     "RegisterRequest",
     "UnregisterRequest",
     "decode",
-    "decode_query_tokens",
+    "read_query_tokens",
 ]
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
@@ -123,10 +125,40 @@ def decode(body: bytes, kind: type[_T]) -> _T:
 _query_tokens: Final = msgspec.json.Decoder(QueryTokensRequest)
 
 
-def decode_query_tokens(body: bytes) -> QueryTokensRequest | None:
-    """``body`` as a :class:`QueryTokensRequest`, or None when it is not one (the caller then
-    decodes it as a :class:`QueryRequest`, which reports the error)."""
+#: the ``token_ids`` key and the opening bracket of its array
+_IDS_KEY: Final = re.compile(rb'"token_ids"[ \t\r\n]*:[ \t\r\n]*\[')
+#: JSON that stands in for the ids while the rest of the body is decoded (the string "\0")
+_MARK: Final = b'"\\u0000"'
+
+
+def read_query_tokens(body: bytes) -> tuple[QueryTokensRequest, bytes] | None:
+    """``POST /query``'s body as a :class:`QueryTokensRequest` and its token ids as u32 LE
+    bytes, reading the ids array once (:func:`~kvstream.hashing.accel.json_ids`, C when
+    built) and the rest of the body with msgspec; None when the body is anything else than
+    a JSON object whose top-level ``token_ids`` is a plain array of u32 (the caller then
+    decodes it as a :class:`QueryRequest`, which answers or reports the error).
+
+    The first ``"token_ids": [`` in the text is taken for the ids, its array replaced by a
+    marker and the rest decoded: the answer stands only when the decoded ``token_ids`` is
+    that marker (so it was the top-level key, once) and the body held no marker of its own.
+    """
+    m = _IDS_KEY.search(body)
+    if m is None:
+        return None
+    start = m.end() - 1
+    end = body.find(b"]", start) + 1
+    if not end:
+        return None
+    ids = json_ids(memoryview(body)[start:end])
+    if ids is None:
+        return None
+    rest = b"%s%s%s" % (body[:start], _MARK, body[end:])
+    if rest.count(_MARK) != 1:  # the ids are digits: a marker of the body's own is in rest
+        return None
     try:
-        return _query_tokens.decode(body)
+        req = _query_tokens.decode(rest)
     except msgspec.MsgspecError:
         return None
+    if bytes(req.token_ids) != _MARK:
+        return None
+    return req, ids

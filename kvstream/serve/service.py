@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Final
 from kvstream._types import hash_width
 from kvstream.errors import ConfigError, HashingError, KVStreamError
 from kvstream.hashing import get_hasher, split_blocks
-from kvstream.hashing.accel import json_ids
 from kvstream.index import HashRequest
 from kvstream.index.errors import HashConfigMismatchError, SnapshotError
 from kvstream.index.keys import KeyMode, keys_from_i64
@@ -52,7 +51,7 @@ from kvstream.serve.requests import (
     RegisterRequest,
     UnregisterRequest,
     decode,
-    decode_query_tokens,
+    read_query_tokens,
 )
 from kvstream.serve.snapshot import (
     ModelState,
@@ -285,16 +284,16 @@ class IndexService:
     def query_body(self, body: bytes) -> dict[str, Any]:
         """``POST /query`` from its JSON body: :meth:`query`'s answer and errors. Token ids
         written as a plain JSON array of u32 (what clients send) go from the JSON text to
-        u32 bytes to keys without a Python int per id (in C when built); any other body is
-        decoded as a :class:`QueryRequest`."""
-        fast = decode_query_tokens(body)
-        if fast is not None and fast.hash_algo is None:
-            raw = json_ids(fast.token_ids)
-            if raw is not None:
-                self._limit(len(raw) >> 2, "token ids")
-                m = self.model(fast.model_name, fast.routing_group)
-                m.require_dynamo("/query")
-                return self._query_dynamo(m, fast, raw)
+        u32 bytes to keys without a Python int per id, read once (in C when built:
+        :func:`~kvstream.serve.requests.read_query_tokens`); any other body is decoded as a
+        :class:`QueryRequest`."""
+        fast = read_query_tokens(body)
+        if fast is not None and fast[0].hash_algo is None:
+            req, raw = fast
+            self._limit(len(raw) >> 2, "token ids")
+            m = self.model(req.model_name, req.routing_group)
+            m.require_dynamo("/query")
+            return self._query_dynamo(m, req, raw)
         return self.query(decode(body, QueryRequest))
 
     def _query_dynamo(
