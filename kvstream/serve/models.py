@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from kvstream.index import PrefixIndex, Router, WorkerKey
 from kvstream.index.keys import DYNAMO_ALGO, KeyMode, dynamo_request_keys
@@ -36,9 +36,9 @@ TIER_NAMES: Final = ("device", "host_pinned", "disk")
 _LEVEL_MASKS: Final = tuple(0xFFFF << (16 * t) for t in range(4))
 
 
-@dataclass(frozen=True, slots=True)
-class ModelKey:
-    """Which index: a model name and a routing group."""
+class ModelKey(NamedTuple):
+    """Which index: a model name and a routing group (a named tuple: looked up on every
+    query, it hashes and compares in C)."""
 
     model_name: str
     routing_group: str
@@ -118,27 +118,30 @@ class ModelIndex:
         bs = self.block_size
         scores: dict[str, dict[str, int]] = {}
         instances: dict[str, dict[str, Any]] = {}
-        for w, gpu, host, disk, depth in self.index.tier_match(
+        for (inst, dp_rank), g, h, d, n in self.index.tier_match(
             self.domain, keys, include_stale=include_stale
         ):
-            inst = w.instance_id
-            rank = "0" if w.dp_rank is None else str(w.dp_rank)
+            gpu, host, disk, depth = g * bs, h * bs, d * bs, n * bs
             entry = instances.get(inst)
             if entry is None:
                 entry = instances[inst] = {
-                    "longest_matched": 0,
-                    "gpu": 0,
+                    "longest_matched": depth,
+                    "gpu": gpu,
                     "dp": {},
-                    "cpu": 0,
-                    "disk": 0,
+                    "cpu": host,
+                    "disk": disk,
                 }
+            else:  # the instance's best rank, tier by tier
+                entry["longest_matched"] = max(entry["longest_matched"], depth)
+                entry["gpu"] = max(entry["gpu"], gpu)
+                entry["cpu"] = max(entry["cpu"], host)
+                entry["disk"] = max(entry["disk"], disk)
             if gpu:
-                scores.setdefault(inst, {})[rank] = gpu * bs
-                entry["dp"][rank] = gpu * bs
-            entry["longest_matched"] = max(entry["longest_matched"], depth * bs)
-            entry["gpu"] = max(entry["gpu"], gpu * bs)
-            entry["cpu"] = max(entry["cpu"], host * bs)
-            entry["disk"] = max(entry["disk"], disk * bs)
+                rank = "0" if dp_rank is None else str(dp_rank)
+                ranks = scores.get(inst)
+                if ranks is None:
+                    ranks = scores[inst] = {}
+                ranks[rank] = entry["dp"][rank] = gpu
         return {"scores": scores, "frequencies": [], "instances": instances}
 
     def keys_for_engine_hashes(self, hashes: Sequence[bytes]) -> list[bytes]:

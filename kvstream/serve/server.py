@@ -47,6 +47,7 @@ _MAX_QUEUED: Final = 32  # pipelined requests read ahead before reading pauses
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _STATUS: Final = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _CLOSE: Final = b"connection: close\r\n"
+_METHODS: Final = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS")}
 #: how long a closing connection drops what the client still sends before it is cut
 _LINGER_S: Final = 2.0
 
@@ -88,6 +89,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.routes = server.routes
+        self.paths = server.paths
         self.limit = server.max_body_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -123,9 +125,6 @@ class _Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.closing and self.req is None:
             return  # nothing more is read once the connection is closing
-        self._feed(data)
-
-    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -161,11 +160,15 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self._count_head(len(url))
+        self.head += len(url)
+        if self.head > _MAX_HEAD:
+            self._head_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
         n = len(name)
+        self.head += n + len(value)
+        if self.head > _MAX_HEAD:
+            self._head_too_large()
         if n == 13 and name.lower() == b"authorization":
             assert self.req is not None
             self.req.auth = value
@@ -181,21 +184,23 @@ class _Connection(asyncio.Protocol):
                     f"a {declared}-byte body is over the limit of {self.limit} bytes"
                 )
 
-    def _count_head(self, n: int) -> None:
-        self.head += n
-        if self.head > _MAX_HEAD:
-            raise _HeadTooLargeError(f"the request line and headers are over {_MAX_HEAD} bytes")
+    @staticmethod
+    def _head_too_large() -> None:
+        raise _HeadTooLargeError(f"the request line and headers are over {_MAX_HEAD} bytes")
 
     def on_headers_complete(self) -> None:
         req = self.req
         assert req is not None
-        req.method = self.parser.get_method().decode("ascii", "replace")
-        url = self.url.partition(b"?")[0]
-        if url[:1] != b"/":  # the absolute form (a proxy's)
-            url = httptools.parse_url(self.url).path or b"/"
-        path = url.decode("latin-1")
-        if "%" in path:
-            path = urllib.parse.unquote(path, "latin-1")
+        method = self.parser.get_method()
+        req.method = _METHODS.get(method) or method.decode("ascii", "replace")
+        path = self.paths.get(self.url)  # a route's own path, as clients send it
+        if path is None:
+            url = self.url.partition(b"?")[0]
+            if url[:1] != b"/":  # the absolute form (a proxy's)
+                url = httptools.parse_url(self.url).path or b"/"
+            path = url.decode("latin-1")
+            if "%" in path:
+                path = urllib.parse.unquote(path, "latin-1")
         req.path = path
         req.keep_alive = self.parser.should_keep_alive()
         if self.too_big is not None:
@@ -352,6 +357,8 @@ class HttpServer:
         keep_alive_s: float = 60.0,
     ) -> None:
         self.routes = routes
+        #: each route's path as request bytes -> the path (the common URL, decoded once)
+        self.paths: dict[bytes, str] = {p.encode("latin-1"): p for p in routes.routes}
         self.max_body_bytes = max_body_bytes
         self.ssl_context = ssl_context
         self.keep_alive_s = keep_alive_s
