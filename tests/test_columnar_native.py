@@ -78,6 +78,7 @@ def canon(cols: ColumnBatch) -> tuple[Any, ...]:
         typed(cols.window_sizes),
         typed(cols.payloads),
         cols.has_blocks,
+        typed(cols.token_layout),
     )
 
 

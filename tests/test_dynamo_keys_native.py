@@ -33,7 +33,7 @@ from kvstream.hashing import get_hasher, split_blocks
 from kvstream.hashing.dynamo import block_hash_seed, link_hash
 from kvstream.index import PrefixIndex
 from kvstream.index import keys as K
-from kvstream.index.token_table import TokenGroupTable
+from kvstream.index.token_table import TOKEN_TABLE_TYPES
 
 TPB = 4
 PEERS = json.loads(
@@ -259,14 +259,16 @@ def _assert_keys_follow_the_definition(index: PrefixIndex) -> int:
     returns how many keyed nodes there are."""
     keyed = 0
     for _w, _gid, table in index.tables():
-        assert isinstance(table, TokenGroupTable)
+        assert isinstance(table, TOKEN_TABLE_TYPES)
         table.check()
-        for n in table.ids.values():
-            key = table.ckeys[n]
+        entries = table.keys()  # the table's (hash, key, pending) list
+        key_of = {h: k for h, k, _ in entries}
+        for h, parent, _refs in table.nodes():
+            key = key_of[h]
             if not key:
                 continue
-            q = table.parent[n]
-            pkey = K.ROOT_KEY if q < 0 else table.ckeys[q]
+            pkey = key_of[parent] if isinstance(parent, bytes) else K.ROOT_KEY
+            assert parent is None or isinstance(parent, bytes)  # keyed: under a known parent
             assert key == link_hash(pkey, key[8:]) + key[8:]
             keyed += 1
     return keyed
@@ -321,9 +323,9 @@ def test_store_keys_blocks_by_the_definition() -> None:
         stored.append(blocks)
     assert _assert_keys_follow_the_definition(index) > 100
     for _w, _gid, table in index.tables():
-        assert isinstance(table, TokenGroupTable)
-        for h, n in table.ids.items():
-            key = table.ckeys[n]
+        assert isinstance(table, TOKEN_TABLE_TYPES)
+        entries = table.keys()  # the table's (hash, key, pending) list
+        for h, key, _pending in entries:
             if key:
                 assert key[8:] == locals_of[h]
 
@@ -341,7 +343,7 @@ def test_a_block_stored_again_under_another_parent_keys_what_follows_from_its_ke
     index.apply(p.batch(p._ev(Stored(parent_hash=None, blocks=second))))
     assert _assert_keys_follow_the_definition(index) == 4
     (_, _, table) = index.tables()[0]
-    assert isinstance(table, TokenGroupTable)
+    assert isinstance(table, TOKEN_TABLE_TYPES)
     want = K.py_dynamo_request_keys(a + b, TPB)[1]
     assert table.key_of((2).to_bytes(8, "big")) == want
     assert (

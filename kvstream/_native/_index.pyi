@@ -64,3 +64,40 @@ class MaskMap:
     ) -> list[tuple[int, int]]: ...
     def slot_depths(self, hashes: list[bytes], allowed: bytes | None) -> list[tuple[int, int]]: ...
     def nbytes(self) -> int: ...
+
+class TokenTable(GroupTable):
+    """kvstream.index.token_table.TokenGroupTable's interface, its state in C arrays."""
+
+    dynamo: bool
+    def __init__(self, bit: int, dynamo: bool = False) -> None: ...
+    def store_payloads(
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        payloads: Sequence[bytes],
+        scoped: Sequence[bool] | None,
+        st: SourceStats,
+        /,
+    ) -> None: ...
+    def store_tokens(
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        tokens: bytes | memoryview,
+        sizes: Sequence[int],
+        seed: int,
+        st: SourceStats,
+        /,
+    ) -> None: ...
+    def key_of(self, block_hash: bytes) -> bytes | None: ...
+    def keys(self) -> list[tuple[bytes, bytes, tuple[bytes, bool] | None]]: ...
+    def dump_keys(self) -> tuple[list[bytes], list[tuple[int, bytes, bool]]]: ...
+    def cached_blocks(self) -> list[tuple[bytes, bytes | None, bytes, int]]: ...
+    def load_keyed(
+        self,
+        nodes: Sequence[tuple[bytes, int, int]],
+        keys: Sequence[bytes],
+        pending: Sequence[tuple[int, bytes, bool]],
+    ) -> None: ...

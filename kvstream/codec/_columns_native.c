@@ -475,6 +475,7 @@ typedef struct {
     const uint8_t *parent, *hashes;
     Py_ssize_t parent_len, hashes_len;
     int64_t n, block_size, last_size, level, prio;
+    int plain; /* token ids only: no LoRA, salt, multimodal, extra ids or extra keys */
     int has_sizes, has_levels, has_prios;
     Vec sizes, levels, prios;
     /* removed */
@@ -507,6 +508,7 @@ read_sparse(Rd *r, Ev *e)
     left = 0;
     last = 0;
     while ((more = arr_more(r, &left)) == 1) {
+        e->plain = 0;
         if (rd_long(r, &idx) || !(last <= idx && idx < n))
             return BAIL;
         last = idx;
@@ -524,6 +526,7 @@ read_sparse(Rd *r, Ev *e)
     left = 0;
     last = -1;
     while ((more = arr_more(r, &left)) == 1) {
+        e->plain = 0;
         if (rd_long(r, &idx) || !(last < idx && idx < n))
             return BAIL;
         last = idx;
@@ -539,6 +542,7 @@ read_sparse(Rd *r, Ev *e)
     left = 0;
     last = -1;
     while ((more = arr_more(r, &left)) == 1) {
+        e->plain = 0;
         if (rd_long(r, &idx) || !(last < idx && idx < n))
             return BAIL;
         last = idx;
@@ -582,6 +586,7 @@ read_stored(Rd *r, Ev *e)
         return BAIL;
     if (e->n < 1)
         return BAIL;
+    e->plain = 1;
     if (rd_union(r, &e->has_sizes))
         return BAIL;
     if (e->has_sizes) {
@@ -604,6 +609,7 @@ read_stored(Rd *r, Ev *e)
             return BAIL;
         if (!b)
             continue;
+        e->plain = 0;
         if (k & 1) {
             if ((rc = count_nullable(r, k != 1, &cnt)))
                 return rc;
@@ -676,6 +682,7 @@ read_event(Rd *r, Ev *e, int kinds)
 
 typedef struct {
     PyObject *ids, *kinds, *algos, *gids, *windows, *payloads, *skipped;
+    PyObject *layout; /* per stored event: (token offset, block sizes) when plain, else None */
 } Cols;
 
 static int
@@ -693,6 +700,28 @@ skip_event(Cols *c, int64_t eid, const char *kind, const char *reason)
 {
     PyObject *t = Py_BuildValue("(Lss)", (long long)eid, kind, reason);
     return append_new(c->skipped, t);
+}
+
+/* A plain stored event's (token offset, block sizes), else None (ColumnBatch.token_layout). */
+static PyObject *
+stored_layout(Ev *e, int64_t pos)
+{
+    if (!e->plain)
+        Py_RETURN_NONE;
+    PyObject *sizes = PyList_New((Py_ssize_t)e->n);
+    if (sizes == NULL)
+        return NULL;
+    int64_t first = e->n > 1 ? e->block_size : e->last_size;
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)e->n; i++) {
+        int64_t v = e->has_sizes ? e->sizes.v[i] : (i == e->n - 1 ? e->last_size : first);
+        PyObject *o = PyLong_FromLongLong(v);
+        if (o == NULL) {
+            Py_DECREF(sizes);
+            return NULL;
+        }
+        PyList_SET_ITEM(sizes, i, o);
+    }
+    return Py_BuildValue("(LN)", (long long)pos, sizes);
 }
 
 /* the stored payload (parent, hashes, level, first); *pos advances by the blocks' tokens */
@@ -1016,7 +1045,8 @@ decode_record(Rd *r, int version, Ev *e, const uint8_t *base, int lazy)
     /* events */
     if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0)) || !(c.algos = PyList_New(0)) ||
         !(c.gids = PyList_New(0)) || !(c.windows = PyList_New(0)) ||
-        !(c.payloads = PyList_New(0)) || !(c.skipped = PyList_New(0)))
+        !(c.payloads = PyList_New(0)) || !(c.skipped = PyList_New(0)) ||
+        !(c.layout = PyList_New(0)))
         goto error;
     int kinds = version >= 4 ? 8 : 7;
     int64_t pos = 0, left = 0;
@@ -1044,6 +1074,7 @@ decode_record(Rd *r, int version, Ev *e, const uint8_t *base, int lazy)
         if (algo == NULL)
             goto bail;
         int skip = 0;
+        int64_t pos0 = pos;
         PyObject *payload = event_payload(&c, e, code, algo, &pos, n_tokens, &skip);
         if (payload == NULL) {
             Py_DECREF(algo);
@@ -1069,6 +1100,8 @@ decode_record(Rd *r, int version, Ev *e, const uint8_t *base, int lazy)
         }
         Py_DECREF(algo);
         Py_DECREF(payload);
+        if (code == 1 /* stored */ && append_new(c.layout, stored_layout(e, pos0)))
+            goto error;
         if (append_new(c.ids, PyLong_FromLongLong(e->eid)) ||
             append_new(c.kinds, PyLong_FromLong(code)) ||
             append_new(c.gids, PyLong_FromLongLong(e->gid)) ||
@@ -1079,9 +1112,9 @@ decode_record(Rd *r, int version, Ev *e, const uint8_t *base, int lazy)
         goto fail_more;
     if (pos != n_tokens)
         goto bail;
-    result = Py_BuildValue("(nNNLLNNNNNNNN)", (Py_ssize_t)(r->p - base), inst, rank,
+    result = Py_BuildValue("(nNNLLNNNNNNNNN)", (Py_ssize_t)(r->p - base), inst, rank,
                            (long long)inc, (long long)ts, tokens, c.ids, c.kinds, c.algos,
-                           c.gids, c.windows, c.payloads, c.skipped);
+                           c.gids, c.windows, c.payloads, c.skipped, c.layout);
     return result;
 
 fail_more:
@@ -1102,6 +1135,7 @@ bail:
     Py_XDECREF(c.windows);
     Py_XDECREF(c.payloads);
     Py_XDECREF(c.skipped);
+    Py_XDECREF(c.layout);
     Py_RETURN_NONE;
 error:
     Py_XDECREF(inst);
@@ -1114,6 +1148,7 @@ error:
     Py_XDECREF(c.windows);
     Py_XDECREF(c.payloads);
     Py_XDECREF(c.skipped);
+    Py_XDECREF(c.layout);
     return NULL;
 }
 

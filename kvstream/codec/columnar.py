@@ -274,6 +274,31 @@ def _stored(
     return (parent, hashes, level, first), end
 
 
+_SCOPE_FIELDS: Final = (
+    "lora_id",
+    "lora_ids",
+    "lora_name",
+    "lora_names",
+    "cache_salt",
+    "cache_salts",
+)
+_SPARSE_FIELDS: Final = ("mm_keys", "token_extra_ids", "extra_keys")
+
+
+def _plain_layout(rec: Mapping[str, Any], pos: int) -> tuple[int, list[int]] | None:
+    """A stored record's :attr:`ColumnBatch.token_layout` entry: its first token's offset
+    ``pos`` and its blocks' token counts when they carry token ids only, else None."""
+    get = rec.get
+    if any(get(f) is not None for f in _SCOPE_FIELDS) or any(get(f) for f in _SPARSE_FIELDS):
+        return None
+    n = rec["block_count"]
+    sizes = get("block_sizes")
+    if sizes is None:
+        last = rec["last_block_size"]
+        sizes = [rec["block_size"]] * (n - 1) + [last]
+    return pos, list(sizes)
+
+
 def _sparse_columns(
     rec: Mapping[str, Any], n: int, sizes: Sequence[int] | None, first: int, where: str
 ) -> None:
@@ -352,6 +377,8 @@ def _record_columns(
     )
     skipped: list[SkippedEvent] = []
     pos = 0
+    layout: list[tuple[int, list[int]] | None] = []
+    out.token_layout = layout
     ids = out.event_ids
     kinds = out.kinds
     algos = out.hash_algos
@@ -385,6 +412,7 @@ def _record_columns(
         where = f"events[{i}].{name}"
         algo = get("hash_algo", DEFAULT_HASH_ALGO)
         payload: Any
+        pos0 = pos
         if code == STORED:
             payload, pos = _stored(rec, algo, pos, n_tokens, i)  # type: ignore[arg-type]
         elif code == REMOVED:
@@ -454,6 +482,8 @@ def _record_columns(
                 raise _bad(f"events[{i}].hash_algo", f"must have 1..64 characters, got {len(algo)}")
             _int_range(gid, 0, _I32_MAX, f"events[{i}].layer_group_id")
             _int_range(window, 1, _I64_MAX, f"events[{i}].window_size")
+        if code == STORED:
+            layout.append(_plain_layout(rec, pos0))  # type: ignore[arg-type]
         ids.append(eid)
         kinds.append(code)
         algos.append(algo)
@@ -483,7 +513,22 @@ def _native_columns(
     got = _native.decode(buf, offset, writer.version)
     if got is None:
         return None
-    end, inst, rank, inc, ts, tokens, ids, kinds, algos, gids, windows, payloads, skipped = got
+    (
+        end,
+        inst,
+        rank,
+        inc,
+        ts,
+        tokens,
+        ids,
+        kinds,
+        algos,
+        gids,
+        windows,
+        payloads,
+        skipped,
+        layout,
+    ) = got
     planes = None
     if type(tokens) is tuple and len(tokens) == 4:  # valid bit planes, unpacked on demand
         planes = (_native.planes_ids, buf, *tokens)
@@ -521,6 +566,7 @@ def _native_columns(
     out.group_ids = gids
     out.window_sizes = windows
     out.payloads = payloads
+    out.token_layout = layout
     return out, tuple(SkippedEvent(*s) for s in skipped) if skipped else (), end
 
 

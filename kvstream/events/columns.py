@@ -151,6 +151,7 @@ class ColumnBatch:
         "payloads",
         "schema_version",
         "stored_extra",
+        "token_layout",
         "ts_ns",
         "window_sizes",
     )
@@ -188,6 +189,10 @@ class ColumnBatch:
         #: per stored event, what a publisher needs beyond the payload (see the class doc);
         #: None in columns built for consumers
         self.stored_extra: list[StoredExtra] | None = None
+        #: per stored event, in order: ``(index of its first token id in tokens (ids, not
+        #: bytes), each block's token count)`` when its blocks carry token ids only (no LoRA, salt,
+        #: multimodal, extra ids or extra keys), else None; None when the decoder did not say
+        self.token_layout: list[tuple[int, list[int]] | None] | None = None
         #: builds the validated model (from the record or frame the columns came from)
         self._build = build
         self._batch = batch
@@ -314,6 +319,7 @@ class ColumnBatch:
         out._source = None
         out.has_blocks = True
         out.stored_extra = None
+        out.token_layout = None
         native = _model_columns if _model_columns is not _UNSET else native_model_columns()
         if native is not None:
             cols = native(batch.events, Stored, Removed, STORED, REMOVED)

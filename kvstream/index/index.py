@@ -65,6 +65,7 @@ from kvstream.events.columns import (
     ColumnBatch,
 )
 from kvstream.events.model import EventBatch
+from kvstream.hashing.dynamo import LOCAL_HASH_SEED
 from kvstream.index.domain import HashDomain
 from kvstream.index.errors import HashConfigMismatchError
 from kvstream.index.keys import (
@@ -86,7 +87,7 @@ from kvstream.index.matching import (
 )
 from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.table import GroupTable, native_table_type
-from kvstream.index.token_table import TokenGroupTable
+from kvstream.index.token_table import TokenGroupTable, is_token_table, token_table_type
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
@@ -99,6 +100,83 @@ else:
 
 #: engine-keyed tables: the native type when built (chosen once, at import), else the twin
 _ENGINE_TABLE: Callable[[int], GroupTable] = native_table_type() or GroupTable
+_TOKEN_TABLE: Callable[[int, bool], TokenGroupTable] = token_table_type()
+
+
+class _TokenFeed:
+    """How a token-keyed index stores one batch's stored events: straight from the columns'
+    token ids when the decoder gave each block's size and the blocks are plain (no LoRA,
+    salt, multimodal or extra keys: the table hashes the tokens itself, in C when native),
+    else from the model's blocks (built once per batch, only when an event needs them)."""
+
+    __slots__ = ("cols", "layout", "models", "view")
+
+    def __init__(self, cols: ColumnBatch) -> None:
+        self.cols = cols
+        self.layout: dict[int, tuple[int, int, list[int]]] | None = None
+        self.models: list[Any] | None = None
+        self.view = memoryview(b"")
+
+    def store(self, table: GroupTable, i: int, data: Any, st: SourceStats) -> None:
+        """Apply the stored event in column ``i`` (its payload ``data``) to the token-keyed
+        ``table``."""
+        assert is_token_table(table)
+        if self.cols.has_blocks:
+            table.store(data[0], data[4], st)
+            return
+        layout = self.layout
+        if layout is None:
+            layout = self.layout = self._layout()
+        entry = layout.get(i)
+        if entry is not None:
+            off, end, sizes = entry
+            view = self.view[off:end]
+            table.store_tokens(data[0], data[1], data[2], view, sizes, LOCAL_HASH_SEED, st)
+            return
+        if self.models is None:
+            self.models = self._models()
+        table.store(data[0], self.models[i].data.blocks, st)
+
+    def _models(self) -> list[Any]:
+        """The model event of each column: the columns are the model's events in order,
+        less the ones the decoder skipped (ids may repeat: matched in order)."""
+        events = self.cols.to_batch().events
+        out: list[Any] = []
+        j = 0
+        for eid in self.cols.event_ids:
+            while events[j].event_id != eid:
+                j += 1
+            out.append(events[j])
+            j += 1
+        return out
+
+    def _layout(self) -> dict[int, tuple[int, int, list[int]]]:
+        """Column -> (token offset, end, block sizes) of every plain stored event."""
+        cols = self.cols
+        extra = cols.stored_extra
+        given = cols.token_layout
+        out: dict[int, tuple[int, int, list[int]]] = {}
+        if extra is None and given is None:
+            return out
+        self.view = memoryview(cols.tokens)
+        off = j = 0
+        for i, kind in enumerate(cols.kinds):
+            if kind != STORED:
+                continue
+            if given is not None:  # a consumer decoder's layout
+                entry = given[j]
+                if entry is not None:
+                    first, sizes = entry  # in token ids
+                    out[i] = (4 * first, 4 * (first + sum(sizes)), sizes)
+            else:  # a publisher's columns: the tokens of its stored events, in order
+                assert extra is not None
+                sizes, attrs = extra[j]
+                end = off + 4 * sum(sizes)
+                if attrs is None:
+                    out[i] = (off, end, sizes)
+                off = end
+            j += 1
+        return out
 
 
 class _Group:
@@ -127,7 +205,7 @@ class _Group:
         #: blocks the group can hold (all tiers); more cached blocks mean missed removals
         self.limit = 1 << 62
         self.max_block_tokens = 0
-        self.table = TokenGroupTable(bit, dynamo) if tokens else _ENGINE_TABLE(bit)
+        self.table = _TOKEN_TABLE(bit, dynamo) if tokens else _ENGINE_TABLE(bit)
         self.domain: HashDomain | None = None
 
 
@@ -246,12 +324,7 @@ class PrefixIndex:
         (:class:`~kvstream.events.columns.ColumnBatch`, the fast path). ``skipped_ids``: ids
         of events the decoder left out of this batch (kinds it cannot represent); they are
         accounted for, not treated as a gap."""
-        if isinstance(batch, ColumnBatch):
-            cols = batch
-            if self._tokens and not cols.has_blocks:
-                cols = ColumnBatch.from_batch(cols.to_batch())  # token keys need the blocks
-        else:
-            cols = ColumnBatch.from_batch(batch)
+        cols = batch if isinstance(batch, ColumnBatch) else ColumnBatch.from_batch(batch)
         key = (cols.instance_id, cols.attention_dp_rank)
         s = self._sources.get(key)
         if s is None:
@@ -266,15 +339,17 @@ class PrefixIndex:
             self._new_incarnation(s, inc)
         skipped = set(skipped_ids) if skipped_ids else None
         groups = s.groups
-        tokens = self._tokens
-        for eid, code, algo, gid, window, data in zip(
-            cols.event_ids,
-            cols.kinds,
-            cols.hash_algos,
-            cols.group_ids,
-            cols.window_sizes,
-            cols.payloads,
-            strict=True,
+        tokens = _TokenFeed(cols) if self._tokens else None
+        for i, (eid, code, algo, gid, window, data) in enumerate(
+            zip(
+                cols.event_ids,
+                cols.kinds,
+                cols.hash_algos,
+                cols.group_ids,
+                cols.window_sizes,
+                cols.payloads,
+                strict=True,
+            )
         ):
             if code == LOST:
                 self._on_lost(s, eid, gid, data)
@@ -298,8 +373,8 @@ class PrefixIndex:
                     if g.tokens_per_block is None:
                         self._bind(s, g)  # the inferred block size grew
                     self._check_block_size(s, g)
-                if tokens:
-                    g.table.store(data[0], data[4], st)
+                if tokens is not None:
+                    tokens.store(g.table, i, data, st)
                 else:
                     g.table.store_hashes(data[0], hashes, data[2], st)
                 if g.table.present > g.limit:
@@ -663,7 +738,7 @@ class PrefixIndex:
         t = self.table(worker, layer_group_id)
         if t is None:
             return None
-        if isinstance(t, TokenGroupTable):
+        if is_token_table(t):
             return t.key_of(block_hash)
         return block_hash if t.knows(block_hash) else None
 
@@ -962,7 +1037,7 @@ class PrefixIndex:
                     "domain": None if g.domain is None else tuple(g.domain.key),
                     "nodes": g.table.nodes(),
                 }
-                if isinstance(g.table, TokenGroupTable):
+                if is_token_table(g.table):
                     groups[gid]["keys"] = g.table.keys()
             out[str(s.key)] = {
                 "incarnation": s.incarnation,
@@ -1088,7 +1163,7 @@ class PrefixIndex:
                             f"{5 if idx._tokens else 3} parts, got {len(dump)}"
                         )
                     nodes = list(zip(dump[0], dump[1], dump[2], strict=True))
-                    if isinstance(g.table, TokenGroupTable):
+                    if is_token_table(g.table):
                         g.table.load_keyed(nodes, dump[3], dump[4])
                     else:
                         g.table.load_nodes(nodes)

@@ -57,7 +57,7 @@ from kvstream.index.errors import SnapshotError
 from kvstream.index.index import PrefixIndex
 from kvstream.index.keys import KeyMode
 from kvstream.index.stats import SourceStats
-from kvstream.index.token_table import TokenGroupTable
+from kvstream.index.token_table import is_token_table
 from kvstream.index.types import WorkerKey
 
 __all__ = [
@@ -132,7 +132,7 @@ def encode_snapshot(
         lengths = bytes(len(h) for h in hashes)
         chunks += [lengths, b"".join(hashes), _le(parents, "q"), _le(refs, "Q")]
         if keyed:
-            if not isinstance(table, TokenGroupTable):  # pragma: no cover - by construction
+            if not is_token_table(table):  # pragma: no cover - by construction
                 raise SnapshotError(f"table of {worker} group {gid} is not token-keyed")
             keys, pending = table.dump_keys()
             meta_t["pending"] = len(pending)

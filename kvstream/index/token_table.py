@@ -29,47 +29,102 @@ holds the key (:attr:`kdup` lists the extra nodes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeGuard
 
 from blake3 import blake3
 
+from kvstream._native import load as load_native
 from kvstream.events.model import StoredBlock
-from kvstream.hashing.dynamo import block_hash_seed, link_hash
+from kvstream.hashing.dynamo import link_hash, local_hash
 from kvstream.index.keys import (
     KEY_SIZE,
     ROOT_KEY,
     block_payload,
     chain_key,
-    dynamo_event_keys,
     dynamo_key,
     dynamo_payload,
 )
 from kvstream.index.stats import SourceStats
 from kvstream.index.table import _FIELD, _INC, _LAST, _NIL, ROOT, UNKNOWN, GroupTable, best_tier
 
-__all__ = ["TokenGroupTable"]
+__all__ = [
+    "TOKEN_TABLE_TYPES",
+    "TokenGroupTable",
+    "event_payloads",
+    "is_token_table",
+    "token_payloads",
+    "token_table_type",
+]
 
 _DEFERRED: Final = -3  # the parent is a skipped placeholder: resolve it by hash when needed
+_LOCAL: Final = 8  # bytes of a Dynamo local hash
 
 
-def _dynamo_event(
-    blocks: Sequence[StoredBlock], parent_key: bytes
-) -> tuple[list[bytes], list[bytes]] | None:
-    """The local hashes of a stored event's blocks and their keys chained from
-    ``parent_key`` (none when it is b""), in one call (C when built), for an event whose
-    blocks all carry token ids under one LoRA name and no multimodal keys; None otherwise
-    (the store loop then hashes block by block)."""
-    raws: list[bytes] = []
-    append = raws.append
-    name = blocks[0].__dict__["lora_name"] if blocks else None
-    for b in blocks:
+def event_payloads(
+    blocks: Sequence[StoredBlock], parent_hash: bytes | None, dynamo: bool
+) -> tuple[list[bytes], list[int], list[bytes], list[bool] | None]:
+    """A stored event's ``(hashes, levels, payloads, scoped)`` from its model blocks, as
+    :meth:`TokenGroupTable.store_payloads` takes them: each block's payload is its raw u32 LE
+    tokens (plain), its CBOR scope (scoped: :func:`~kvstream.index.keys.block_payload`), its
+    Dynamo local hash (``dynamo``), or b"" when it has no tokens; ``scoped`` is None when no
+    block is scoped. The cache salt counts on the first block of a chain (``parent_hash``
+    None) only."""
+    hashes: list[bytes] = []
+    levels: list[int] = []
+    payloads: list[bytes] = []
+    scoped: list[bool] | None = None
+    first = parent_hash is None
+    for i, b in enumerate(blocks):
+        # the model's fields, read from its __dict__ (pydantic keeps them there): a third
+        # cheaper than attribute access, which matters at ~10 reads per block
         d = b.__dict__
+        hashes.append(d["block_hash"])
+        levels.append(d["cache_level"])
         raw = d["token_ids"].raw
-        if not raw or d["mm_keys"] or d["lora_name"] != name:
-            return None
-        append(raw)
-    return dynamo_event_keys(raws, block_hash_seed(name), parent_key)
+        sc = False
+        if not raw:
+            payload = b""
+        elif dynamo:
+            payload = dynamo_payload(d, raw)
+        elif (  # the common case, checked inline: token ids and nothing else
+            d["extra_keys"] is None
+            and d["lora_name"] is None
+            and d["lora_id"] is None
+            and d["token_extra_ids"] is None
+            and not d["mm_keys"]
+            and (d["cache_salt"] is None or not first)
+        ):
+            payload = raw
+        else:
+            payload, sc = block_payload(b, first)
+        first = False
+        payloads.append(payload)
+        if sc:
+            if scoped is None:
+                scoped = [False] * i
+            scoped.append(True)
+        elif scoped is not None:
+            scoped.append(False)
+    return hashes, levels, payloads, scoped
+
+
+def token_payloads(
+    tokens: bytes | memoryview, sizes: Sequence[int], seed: int, dynamo: bool
+) -> list[bytes]:
+    """The payloads of plain blocks from their u32 LE ``tokens`` and token counts ``sizes``
+    (b"" for a block of 0 tokens): the raw tokens, or their Dynamo local hash under
+    ``seed``. ValueError when the sizes do not cover ``tokens`` exactly."""
+    view = memoryview(tokens)
+    if 4 * sum(sizes) != len(view) or min(sizes, default=0) < 0:
+        raise ValueError(f"store_tokens: the sizes need {4 * sum(sizes)} bytes of tokens")
+    out: list[bytes] = []
+    off = 0
+    for size in sizes:
+        raw = bytes(view[off : off + 4 * size])
+        off += 4 * size
+        out.append(local_hash(raw, seed) if dynamo and raw else raw)
+    return out
 
 
 class TokenGroupTable(GroupTable):
@@ -188,9 +243,42 @@ class TokenGroupTable(GroupTable):
     ) -> None:
         """Apply a ``stored`` event (see :meth:`GroupTable.store`), keying each block by its
         tokens and its parent's key; placeholders are resolved or skipped (module doc)."""
+        self.store_payloads(parent_hash, *event_payloads(blocks, parent_hash, self.dynamo), st)
+
+    def store_tokens(  # noqa: PLR0917  (positional: the native twin's call)
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        tokens: bytes | memoryview,
+        sizes: Sequence[int],
+        seed: int,
+        st: SourceStats,
+    ) -> None:
+        """Apply a ``stored`` event of plain blocks (token ids only: no LoRA, salt,
+        multimodal or extra keys) from columns: ``tokens`` every block's u32 LE token ids in
+        order, ``sizes`` each block's token count (0: a placeholder without tokens), ``seed``
+        the Dynamo local-hash seed (``dynamo`` tables). ValueError when the sizes do not
+        cover ``tokens``."""
+        self.store_payloads(
+            parent_hash, hashes, level, token_payloads(tokens, sizes, seed, self.dynamo), None, st
+        )
+
+    def store_payloads(  # noqa: PLR0917  (positional: the native twin's call)
+        self,
+        parent_hash: bytes | None,
+        hashes: Sequence[bytes],
+        level: int | Sequence[int],
+        payloads: Sequence[bytes],
+        scoped: Sequence[bool] | None,
+        st: SourceStats,
+    ) -> None:
+        """Apply a ``stored`` event given each block's payload (:func:`event_payloads`): b""
+        for a placeholder without tokens; ``scoped`` None when no block is scoped. The rules
+        of the module docstring; ValueError for a Dynamo payload that is not 8 bytes."""
         ids = self.ids
         get = ids.get
-        hashes = self.hashes
+        hashes_ = self.hashes
         parent = self.parent
         refs = self.refs
         kid = self.kid
@@ -202,80 +290,51 @@ class TokenGroupTable(GroupTable):
         slot = self.slot
         b3 = blake3
         dyn = self.dynamo
-        first = parent_hash is None
+        one = level if isinstance(level, int) else None
         p, ok, pkey = self._parent(parent_hash, st)
-        # Dynamo keys of the whole event in one call: block i's local hash is locs[i], and
-        # chain[i] its key while its parent's key is the one the chain assumed
-        locs: list[bytes] | None = None
-        chain: list[bytes] = []
-        top = pkey
-        if dyn:
-            pre = _dynamo_event(blocks, pkey)
-            if pre is not None:
-                locs, chain = pre
         skipped = b""
-        level = -1
-        inc = 0
-        off_gpu = False
         added = lowered = 0
-        for i, b in enumerate(blocks):
-            # the model's fields, read from its __dict__ (pydantic keeps them there): a
-            # third cheaper than attribute access, which matters at ~10 reads per block
-            d = b.__dict__
-            h = d["block_hash"]
-            if locs is None:  # (with locs, every block has tokens: read above)
-                raw = d["token_ids"].raw
-                if not raw:
-                    n = get(h)
-                    if n is None or not (refs[n] or self._known(n)):
-                        st.tokenless_skipped += 1
-                        p, ok, pkey, skipped = _DEFERRED, 0, b"", h
-                    else:
-                        st.tokenless_resolved += 1
-                        self._store_known(n, b.cache_level, st)
-                        p, ok, pkey = n, rooted[n], ckeys[n]
-                    first = False
-                    continue
-                if p == _DEFERRED:
-                    p, ok, pkey = self._parent(skipped, st)
-            if locs is not None:
-                payload, scoped = locs[i], False
-            elif dyn:
-                payload, scoped = dynamo_payload(d, raw), False
-            elif (  # the common case, checked inline: token ids and nothing else
-                d["extra_keys"] is None
-                and d["lora_name"] is None
-                and d["lora_id"] is None
-                and d["token_extra_ids"] is None
-                and not d["mm_keys"]
-                and (d["cache_salt"] is None or not first)
-            ):
-                payload, scoped = raw, False
-            else:
-                payload, scoped = block_payload(b, first)
-            first = False
+        for i, h in enumerate(hashes):
+            c = one if one is not None else level[i]  # type: ignore[index]
+            payload = payloads[i]
+            if not payload:
+                n = get(h)
+                if n is None or not (refs[n] or self._known(n)):
+                    st.tokenless_skipped += 1
+                    p, ok, pkey, skipped = _DEFERRED, 0, b"", h
+                else:
+                    st.tokenless_resolved += 1
+                    self._store_known(n, c, st)
+                    p, ok, pkey = n, rooted[n], ckeys[n]
+                continue
+            if dyn and len(payload) != _LOCAL:
+                raise ValueError(
+                    f"a Dynamo-keyed payload is an {_LOCAL}-byte local hash, got {len(payload)}"
+                )
+            sc = bool(scoped[i]) if scoped is not None else False
+            deferred = p == _DEFERRED
+            if deferred:
+                p, ok, pkey = self._parent(skipped, st)
             n = get(h)
             if n is not None:
-                self._store_existing_keyed(n, p, b.cache_level, (payload, scoped), st)
+                self._store_existing_keyed(n, p, c, (payload, sc), st)
                 p, ok, pkey = n, rooted[n], ckeys[n]
+                if deferred:  # the skipped parent's ghost, if nothing hangs off it
+                    self._drop_bare_ghost(skipped)
                 continue
             # a new node, allocated inline (as GroupTable.store does: ~a microsecond a block)
-            c = d["cache_level"]
-            if c != level:
-                level = c
-                inc = _INC[c if c < _LAST else _LAST]
-                off_gpu = c != 0
+            inc = _INC[c if c < _LAST else _LAST]
             if free:
                 n = free.pop()
-                hashes[n] = h
+                hashes_[n] = h
                 parent[n] = p
                 refs[n] = inc
                 kid[n] = _NIL
                 rooted[n] = ok
                 ckeys[n] = b""
             else:
-                n = len(hashes)
-                hashes.append(h)
+                n = len(hashes_)
+                hashes_.append(h)
                 parent.append(p)
                 refs.append(inc)
                 kid.append(_NIL)
@@ -289,11 +348,8 @@ class TokenGroupTable(GroupTable):
                     self._add_more(p, n)
             if pkey:
                 if dyn:
-                    if chain and pkey == (chain[i - 1] if i else top):
-                        pkey = chain[i]
-                    else:
-                        pkey = link_hash(pkey, payload) + payload
-                elif scoped:
+                    pkey = link_hash(pkey, payload) + payload
+                elif sc:
                     pkey = chain_key(pkey, payload, True)
                 else:
                     pkey = b3(pkey + payload).digest(KEY_SIZE)
@@ -303,9 +359,9 @@ class TokenGroupTable(GroupTable):
                 if ok and masks is not None:
                     masks.add(pkey, slot)
             else:
-                self.pending[n] = (payload, scoped)
+                self.pending[n] = (payload, sc)
             added += 1
-            if off_gpu:
+            if c:
                 lowered += 1
             p = n
         self.present += added
@@ -536,3 +592,46 @@ class TokenGroupTable(GroupTable):
             f"<TokenGroupTable nodes={len(self.ids)} present={self.present} "
             f"pending={len(self.pending)}>"
         )
+
+
+def _native_token_table() -> type | None:
+    """``kvstream._native._index.TokenTable`` (this interface and these semantics, its state
+    in C) with :meth:`TokenGroupTable.store` for model blocks; None when not built or
+    switched off by ``KVSTREAM_NO_NATIVE=1``."""
+    base: Any = getattr(load_native("kvstream._native._index"), "TokenTable", None)
+    if base is None:
+        return None
+
+    class NativeTokenTable(base):  # type: ignore[misc]
+        """The native token-keyed table (see :class:`TokenGroupTable`)."""
+
+        __slots__ = ()
+
+        def store(
+            self, parent_hash: bytes | None, blocks: Sequence[StoredBlock], st: SourceStats
+        ) -> None:
+            """:meth:`TokenGroupTable.store`."""
+            payloads = event_payloads(blocks, parent_hash, self.dynamo)
+            self.store_payloads(parent_hash, *payloads, st)
+
+    NativeTokenTable.__qualname__ = "NativeTokenTable"
+    return NativeTokenTable
+
+
+_NATIVE_TABLE: Final = _native_token_table()
+#: Every token-keyed table type (for isinstance): the Python twin and the native one.
+TOKEN_TABLE_TYPES: Final[tuple[type, ...]] = (TokenGroupTable,) + (
+    () if _NATIVE_TABLE is None else (_NATIVE_TABLE,)
+)
+
+
+def token_table_type() -> Callable[[int, bool], TokenGroupTable]:
+    """The token-keyed table a new index uses: the native one when built (and not switched
+    off), else :class:`TokenGroupTable` (same interface and semantics)."""
+    native: Any = _NATIVE_TABLE
+    return native or TokenGroupTable
+
+
+def is_token_table(table: object) -> TypeGuard[TokenGroupTable]:
+    """True for a token-keyed table, the Python twin or the native one (same interface)."""
+    return isinstance(table, TOKEN_TABLE_TYPES)

@@ -24,7 +24,7 @@ from typing import Any, Final, NamedTuple
 
 from kvstream.index import PrefixIndex, Router, WorkerKey
 from kvstream.index.keys import DYNAMO_ALGO, KeyMode, dynamo_request_keys
-from kvstream.index.token_table import TokenGroupTable
+from kvstream.index.token_table import is_token_table
 from kvstream.index.types import DomainKey
 from kvstream.serve.config import WorkerSpec
 from kvstream.serve.errors import ConflictError
@@ -147,9 +147,7 @@ class ModelIndex:
     def keys_for_engine_hashes(self, hashes: Sequence[bytes]) -> list[bytes]:
         """Keys of a request given as an engine's block hashes (from its first block): each
         hash resolved through any worker holding it, up to the first nobody knows."""
-        tables = [
-            t for _, gid, t in self.index.tables() if gid == 0 and isinstance(t, TokenGroupTable)
-        ]
+        tables = [t for _, gid, t in self.index.tables() if gid == 0 and is_token_table(t)]
         out: list[bytes] = []
         for h in hashes:
             for t in tables:
@@ -178,7 +176,7 @@ class ModelIndex:
         other (engine hashes as u64 ints, ``tokens_hash`` the local hash)."""
         events: list[dict[str, Any]] = []
         for w, gid, table in self.index.tables():
-            if gid != 0 or not isinstance(table, TokenGroupTable):
+            if gid != 0 or not is_token_table(table):
                 continue
             inst: Any = int(w.instance_id) if w.instance_id.isdigit() else w.instance_id
             rank = 0 if w.dp_rank is None else w.dp_rank

@@ -26,6 +26,9 @@
 #define FIELD 0xFFFFull
 #define F_LIVE 2
 #define F_ROOTED 1
+#define F_KEYED 4   /* token-keyed tables: the node has its canonical key */
+#define F_PENDING 8 /* token-keyed tables: its payload waits for the parent's key */
+#define CKEY_BYTES 16
 #define MAP_EMPTY (-1)
 #define MAX_KEY 255
 
@@ -40,11 +43,14 @@ enum {
     C_TIER_MISMATCH,
     C_REFCOUNTED_REMOVE,
     C_UNKNOWN_UPDATE,
+    C_TOKENLESS_RESOLVED,
+    C_TOKENLESS_SKIPPED,
     C_N
 };
 static const char *counter_names[C_N] = {
     "unknown_parent_stores", "parent_mismatches", "duplicate_stores", "refcount_saturated",
     "unknown_removes",       "tier_mismatches",   "refcounted_removes", "unknown_updates",
+    "tokenless_resolved",    "tokenless_skipped",
 };
 static PyObject *counter_str[C_N];
 
@@ -54,9 +60,10 @@ typedef struct {
     PyObject *slot_obj;  /* slot as an int */
     Py_ssize_t slot;
     PyObject *masks;     /* the domain's masks (NULL: detached) */
-    uint8_t *nodes;      /* cap records of ``stride`` bytes: a Node, then kw bytes of key */
+    uint8_t *nodes;      /* cap records of ``stride`` bytes: a Node, [ck bytes of canonical
+                          * key,] then kw bytes of block hash */
     Py_ssize_t kw;       /* bytes per key slot */
-    Py_ssize_t stride;   /* NODE_HDR + kw, rounded up to 2 */
+    Py_ssize_t stride;   /* NODE_HDR + ck + kw, rounded up to 2 */
     Py_ssize_t hw, cap;  /* node ids used so far (high water), allocated */
     int32_t *freel;
     Py_ssize_t nfree, freecap;
@@ -64,6 +71,14 @@ typedef struct {
     Py_ssize_t mcap, mfill; /* slots; used slots */
     Py_ssize_t live, present, lower, rooted;
     Py_ssize_t counters[C_N];
+    /* token-keyed tables only (index_tokens.h; ck == 0 in an engine-keyed one): each record
+     * holds the node's canonical key (ck bytes) before its hash, a multimap key -> nodes
+     * lists every keyed node, and payloads waiting for a parent's key live in ``pending`` */
+    Py_ssize_t ck;
+    int dynamo;
+    int32_t *kmap;
+    Py_ssize_t kcap, kfill, keyed;
+    PyObject *pending; /* dict: node id -> (payload bytes, scoped bool) */
 } Tab;
 
 static PyTypeObject TabType;
@@ -111,7 +126,8 @@ key_hash(const uint8_t *k, Py_ssize_t n)
     return mix(h);
 }
 
-#define KEY(t, n) ((t)->nodes + (size_t)(n) * (size_t)(t)->stride + NODE_HDR)
+#define KEY(t, n) ((t)->nodes + (size_t)(n) * (size_t)(t)->stride + NODE_HDR + (t)->ck)
+#define CKEY(t, n) ((t)->nodes + (size_t)(n) * (size_t)(t)->stride + NODE_HDR)
 
 static inline int
 key_eq(Tab *t, int32_t n, const uint8_t *k, Py_ssize_t len)
@@ -135,54 +151,158 @@ find(Tab *t, const uint8_t *k, Py_ssize_t len)
     }
 }
 
-static int
-map_rebuild(Tab *t, Py_ssize_t cap)
+/* Open-addressing maps of node ids (int32 slots, linear probing, at most 3/4 full, deletion
+ * by backward shift): the hash -> node map, and in token-keyed tables the key -> nodes
+ * multimap. ``hf`` says what a slot's node is filed under. */
+typedef uint64_t (*node_hash_fn)(Tab *t, int32_t n);
+typedef struct {
+    int32_t **v;
+    Py_ssize_t *cap, *fill;
+    node_hash_fn hf;
+    uint8_t flag; /* the nodes filed: F_LIVE (every node) or F_KEYED */
+} OMap;
+
+static inline uint64_t
+hash_of_id(Tab *t, int32_t n)
 {
-    int32_t *m = PyMem_Malloc((size_t)cap * sizeof(int32_t));
-    if (m == NULL) {
+    return key_hash(KEY(t, n), ND(t, n)->klen);
+}
+
+static inline uint64_t
+ckey_hash(const uint8_t *k)
+{
+    uint64_t a, b;
+    memcpy(&a, k, 8);
+    memcpy(&b, k + 8, 8);
+    return mix(a ^ (b * 0x9e3779b97f4a7c15ull));
+}
+
+static inline uint64_t
+hash_of_ckey(Tab *t, int32_t n)
+{
+    return ckey_hash(CKEY(t, n));
+}
+
+#define IDMAP(t) ((OMap){&(t)->map, &(t)->mcap, &(t)->mfill, hash_of_id, F_LIVE})
+#define KEYMAP(t) ((OMap){&(t)->kmap, &(t)->kcap, &(t)->kfill, hash_of_ckey, F_KEYED})
+
+static int
+om_rebuild(Tab *t, OMap m, Py_ssize_t cap)
+{
+    int32_t *v = PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    if (v == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    memset(m, 0xFF, (size_t)cap * sizeof(int32_t)); /* MAP_EMPTY */
+    memset(v, 0xFF, (size_t)cap * sizeof(int32_t)); /* MAP_EMPTY */
     size_t mask = (size_t)cap - 1;
+    Py_ssize_t fill = 0;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
-        if (!(ND(t, n)->flags & F_LIVE))
+        if (!(ND(t, n)->flags & m.flag))
             continue;
-        size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
-        while (m[i] != MAP_EMPTY)
+        size_t i = (size_t)m.hf(t, (int32_t)n) & mask;
+        while (v[i] != MAP_EMPTY)
             i = (i + 1) & mask;
-        m[i] = (int32_t)n;
+        v[i] = (int32_t)n;
+        fill++;
     }
-    PyMem_Free(t->map);
-    t->map = m;
-    t->mcap = cap;
-    t->mfill = t->live;
+    PyMem_Free(*m.v);
+    *m.v = v;
+    *m.cap = cap;
+    *m.fill = fill;
     return 0;
 }
 
-/* Room for one more key in the map (at most 3/4 full). */
+/* Room for one more node in the map (``count`` filed now); rebuilt at most half full. */
 static int
-map_room(Tab *t)
+om_room(Tab *t, OMap m, Py_ssize_t count)
 {
-    if ((t->mfill + 1) * 4 <= t->mcap * 3)
+    if ((*m.fill + 1) * 4 <= *m.cap * 3)
         return 0;
     Py_ssize_t cap = 16;
-    while ((t->live + 1) * 2 > cap) /* at most half full after the rebuild */
+    while ((count + 1) * 2 > cap)
         cap *= 2;
-    return map_rebuild(t, cap);
+    return om_rebuild(t, m, cap);
 }
 
 static void
-map_insert(Tab *t, int32_t n)
+om_insert(Tab *t, OMap m, int32_t n)
 {
-    size_t mask = (size_t)t->mcap - 1;
-    size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
-    while (t->map[i] >= 0)
+    int32_t *v = *m.v;
+    size_t mask = (size_t)*m.cap - 1;
+    size_t i = (size_t)m.hf(t, n) & mask;
+    while (v[i] >= 0)
         i = (i + 1) & mask;
-    if (t->map[i] == MAP_EMPTY)
-        t->mfill++;
-    t->map[i] = n;
+    if (v[i] == MAP_EMPTY)
+        (*m.fill)++;
+    v[i] = n;
 }
+
+/* Take node n out of the map by backward shift (no tombstones: probe runs stay short however
+ * many keys come and go). */
+static void
+om_delete(Tab *t, OMap m, int32_t n)
+{
+    int32_t *v = *m.v;
+    size_t mask = (size_t)*m.cap - 1;
+    size_t i = (size_t)m.hf(t, n) & mask;
+    while (v[i] != n)
+        i = (i + 1) & mask;
+    for (size_t j = (i + 1) & mask; v[j] >= 0; j = (j + 1) & mask) {
+        int32_t w = v[j];
+        size_t home = (size_t)m.hf(t, w) & mask;
+        if (i <= j ? (home > i && home <= j) : (home > i || home <= j))
+            continue; /* its probe run starts after the hole: it stays */
+        v[i] = w;
+        i = j;
+    }
+    v[i] = MAP_EMPTY;
+    (*m.fill)--;
+}
+
+/* Iterate the nodes filed under canonical key k in a token-keyed table: for (KEYS_OF(t, k, i,
+ * v)) { if (v >= 0 && ckey_eq(t, v, k)) ... } visits every slot of k's probe run. */
+#define KEYS_OF(t, k, i, v)                                                                  \
+    size_t i = (t)->kcap ? (size_t)ckey_hash(k) & ((size_t)(t)->kcap - 1) : 0;               \
+    (t)->kcap && ((v) = (t)->kmap[i]) != MAP_EMPTY;                                          \
+    i = (i + 1) & ((size_t)(t)->kcap - 1)
+
+static inline int
+ckey_eq(Tab *t, int32_t n, const uint8_t *k)
+{
+    return !memcmp(CKEY(t, n), k, CKEY_BYTES);
+}
+
+/* The packed refs of the rooted nodes holding key k, or-ed (*any: one is rooted). */
+static inline uint64_t
+key_refs(Tab *t, const uint8_t *k, int *any)
+{
+    uint64_t r = 0;
+    int32_t v;
+    *any = 0;
+    for (KEYS_OF(t, k, i, v))
+        if (v >= 0 && ckey_eq(t, v, k) && (ND(t, v)->flags & F_ROOTED)) {
+            r |= ND(t, v)->refs;
+            *any = 1;
+        }
+    return r;
+}
+
+/* True when a rooted node other than n holds n's key (its mask bit must stay). */
+static inline int
+shared_rooted(Tab *t, int32_t n)
+{
+    const uint8_t *k = CKEY(t, n);
+    int32_t v;
+    for (KEYS_OF(t, k, i, v))
+        if (v >= 0 && v != n && ckey_eq(t, v, k) && (ND(t, v)->flags & F_ROOTED))
+            return 1;
+    return 0;
+}
+
+#define map_room(t) om_room((t), IDMAP(t), (t)->live)
+#define map_insert(t, n) om_insert((t), IDMAP(t), (n))
+#define map_delete(t, n) om_delete((t), IDMAP(t), (n))
 
 #define AHEAD 8
 
@@ -204,27 +324,6 @@ prefetch_key(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end, PyTypeObject *
     }
 }
 
-/* Take node n out of the map by backward shift (no tombstones: probe runs stay short however
- * many keys come and go). */
-static void
-map_delete(Tab *t, int32_t n)
-{
-    size_t mask = (size_t)t->mcap - 1;
-    size_t i = (size_t)key_hash(KEY(t, n), ND(t, n)->klen) & mask;
-    while (t->map[i] != n)
-        i = (i + 1) & mask;
-    for (size_t j = (i + 1) & mask; t->map[j] >= 0; j = (j + 1) & mask) {
-        int32_t v = t->map[j];
-        size_t home = (size_t)key_hash(KEY(t, v), ND(t, v)->klen) & mask;
-        if (i <= j ? (home > i && home <= j) : (home > i || home <= j))
-            continue; /* its probe run starts after the hole: it stays */
-        t->map[i] = v;
-        i = j;
-    }
-    t->map[i] = MAP_EMPTY;
-    t->mfill--;
-}
-
 /* ------------------------------------------------------------------ node storage */
 
 static void
@@ -233,12 +332,16 @@ nodes_free(Tab *t)
     PyMem_Free(t->nodes);
     PyMem_Free(t->freel);
     PyMem_Free(t->map);
+    PyMem_Free(t->kmap);
     t->nodes = NULL;
-    t->freel = t->map = NULL;
+    t->freel = t->map = t->kmap = NULL;
     t->hw = t->cap = t->nfree = t->freecap = t->mcap = t->mfill = 0;
+    t->kcap = t->kfill = t->keyed = 0;
     t->live = t->present = t->lower = t->rooted = 0;
     t->kw = 8;
-    t->stride = NODE_HDR + 8;
+    t->stride = NODE_HDR + t->ck + 8;
+    if (t->pending != NULL)
+        PyDict_Clear(t->pending);
 }
 
 #define GROW(ptr, type, n)                                                   \
@@ -275,14 +378,14 @@ nodes_grow(Tab *t, Py_ssize_t want)
 static int
 keys_widen(Tab *t, Py_ssize_t kw)
 {
-    Py_ssize_t stride = (NODE_HDR + kw + 1) & ~(Py_ssize_t)1;
+    Py_ssize_t stride = (NODE_HDR + t->ck + kw + 1) & ~(Py_ssize_t)1;
     uint8_t *k = PyMem_Calloc((size_t)(t->cap ? t->cap : 1), (size_t)stride);
     if (k == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t n = 0; n < t->hw; n++)
-        memcpy(k + (size_t)n * (size_t)stride, ND(t, n), (size_t)(NODE_HDR + t->kw));
+        memcpy(k + (size_t)n * (size_t)stride, ND(t, n), (size_t)(NODE_HDR + t->ck + t->kw));
     PyMem_Free(t->nodes);
     t->nodes = k;
     t->kw = kw;
@@ -397,6 +500,22 @@ mask_node(Tab *t, PyObject *name, int32_t n, PyObject *key)
 {
     if (t->masks == NULL)
         return 0;
+    if (t->ck) { /* token-keyed: the canonical key, kept while another rooted node holds it */
+        if (name == s_discard && shared_rooted(t, n))
+            return 0;
+        if (Py_TYPE(t->masks) == &MMType) {
+            if (name == s_add)
+                return mm_add((MM *)t->masks, CKEY(t, n), CKEY_BYTES, t->slot);
+            mm_discard((MM *)t->masks, CKEY(t, n), CKEY_BYTES, t->slot);
+            return 0;
+        }
+        PyObject *k = PyBytes_FromStringAndSize((const char *)CKEY(t, n), CKEY_BYTES);
+        if (k == NULL)
+            return -1;
+        int rc = mask_call(t, name, k);
+        Py_DECREF(k);
+        return rc;
+    }
     if (Py_TYPE(t->masks) == &MMType) { /* the native map: keys straight from the arena */
         if (name == s_add)
             return mm_add((MM *)t->masks, KEY(t, n), ND(t, n)->klen, t->slot);
@@ -559,6 +678,24 @@ push_free(Tab *t, int32_t n)
     t->freel[t->nfree++] = n;
 }
 
+/* Forget node n's canonical key or pending payload (token-keyed tables). */
+static void
+drop_key(Tab *t, int32_t n)
+{
+    uint8_t f = ND(t, n)->flags;
+    if (f & F_KEYED) {
+        om_delete(t, KEYMAP(t), n);
+        t->keyed--;
+    }
+    if (f & F_PENDING) {
+        PyObject *k = PyLong_FromLong(n);
+        if (k == NULL || PyDict_DelItem(t->pending, k) < 0)
+            PyErr_Clear(); /* only on a failed allocation: the entry is ignored once unflagged */
+        Py_XDECREF(k);
+    }
+    ND(t, n)->flags = f & (uint8_t) ~(F_KEYED | F_PENDING);
+}
+
 /* Delete childless non-present n, then any ghost ancestors it leaves childless. */
 static void
 delete_up(Tab *t, int32_t n)
@@ -567,6 +704,8 @@ delete_up(Tab *t, int32_t n)
         int32_t p = ND(t, n)->parent;
         unlink_child(t, n);
         map_delete(t, n);
+        if (t->ck)
+            drop_key(t, n);
         ND(t, n)->flags = 0;
         ND(t, n)->klen = 0;
         ND(t, n)->parent = UNKNOWN;
@@ -758,6 +897,11 @@ tab_store_hashes(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "store_hashes(parent_hash, hashes, level, st)");
         return NULL;
     }
+    if (t->ck) {
+        PyErr_SetString(PyExc_TypeError,
+                        "a token-keyed table needs the stored blocks' tokens: call store()");
+        return NULL;
+    }
     PyObject *hashes = PySequence_Fast(args[1], "store_hashes: hashes must be a sequence");
     if (hashes == NULL)
         return NULL;
@@ -921,7 +1065,8 @@ tab_update(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* Every rooted node's key, in node-id order. */
+/* Every rooted node's mirror key (its canonical key in a token-keyed table), in node-id
+ * order. */
 static PyObject *
 tab_mirrored(Tab *t, PyObject *Py_UNUSED(ignored))
 {
@@ -931,7 +1076,8 @@ tab_mirrored(Tab *t, PyObject *Py_UNUSED(ignored))
     for (Py_ssize_t n = 0; n < t->hw; n++) {
         if ((ND(t, n)->flags & (F_LIVE | F_ROOTED)) != (F_LIVE | F_ROOTED))
             continue;
-        PyObject *k = key_bytes(t, (int32_t)n);
+        PyObject *k = t->ck ? PyBytes_FromStringAndSize((const char *)CKEY(t, n), CKEY_BYTES)
+                            : key_bytes(t, (int32_t)n);
         if (k == NULL || PyList_Append(out, k) < 0) {
             Py_XDECREF(k);
             Py_DECREF(out);
@@ -1052,6 +1198,29 @@ tab_knows(Tab *t, PyObject *h)
     return PyBool_FromLong(n >= 0);
 }
 
+/* What matching sees of one block of a request: its packed refs and whether it is rooted. An
+ * engine-keyed table looks the block hash up (refs whether rooted or not); a token-keyed one
+ * the canonical key (the rooted nodes holding it, or-ed). -1 on error. */
+static int
+lookup(Tab *t, PyObject *h, uint64_t *refs, int *rooted)
+{
+    if (t->ck) {
+        if (!PyBytes_Check(h) || PyBytes_GET_SIZE(h) != CKEY_BYTES) {
+            *refs = 0;
+            *rooted = 0;
+            return 0;
+        }
+        *refs = key_refs(t, (const uint8_t *)PyBytes_AS_STRING(h), rooted);
+        return 0;
+    }
+    int32_t n = node_of(t, h);
+    if (n == -2)
+        return -1;
+    *refs = n < 0 ? 0 : ND(t, n)->refs;
+    *rooted = n >= 0 && ROOTED(t, n);
+    return 0;
+}
+
 static int
 depth_arg(PyObject *seq, PyObject *o, Py_ssize_t *depth)
 {
@@ -1098,10 +1267,10 @@ tab_weighted(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     double total = 0.0;
     for (Py_ssize_t i = 0; i < depth; i++) {
-        int32_t n = node_of(t, PySequence_Fast_GET_ITEM(hs, i));
-        if (n == -2)
+        uint64_t r;
+        int on;
+        if (lookup(t, PySequence_Fast_GET_ITEM(hs, i), &r, &on) < 0)
             goto done;
-        uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
         if (r & FIELD)
             total += w[0];
         else if (r) {
@@ -1136,12 +1305,12 @@ tab_tier_depths(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t gpu = d0, host = d0, disk = d0;
     for (Py_ssize_t i = 0; i < depth; i++) {
-        int32_t n = node_of(t, PySequence_Fast_GET_ITEM(hs, i));
-        if (n == -2) {
+        uint64_t r;
+        int on;
+        if (lookup(t, PySequence_Fast_GET_ITEM(hs, i), &r, &on) < 0) {
             Py_DECREF(hs);
             return NULL;
         }
-        uint64_t r = n < 0 ? 0 : ND(t, n)->refs;
         if (gpu == d0 && !(r & 0xFFFFull))
             gpu = i;
         if (host == d0 && !(r & 0xFFFFFFFFull))
@@ -1163,12 +1332,13 @@ tab_walk(Tab *t, PyObject *hashes)
         return NULL;
     Py_ssize_t d = 0, end = PySequence_Fast_GET_SIZE(hs);
     for (; d < end; d++) {
-        int32_t n = node_of(t, PySequence_Fast_GET_ITEM(hs, d));
-        if (n == -2) {
+        uint64_t r;
+        int on;
+        if (lookup(t, PySequence_Fast_GET_ITEM(hs, d), &r, &on) < 0) {
             Py_DECREF(hs);
             return NULL;
         }
-        if (n < 0 || !ROOTED(t, n))
+        if (!on)
             break;
     }
     Py_DECREF(hs);
@@ -1250,61 +1420,84 @@ fail:
     return NULL;
 }
 
-static PyObject *
-tab_load_nodes(Tab *t, PyObject *arg)
+/* Replace the contents with nodes ((hash, parent index, refs) items), unrooted and detached;
+ * the masks the table was attached to go to *masks (a new reference, or NULL). The number of
+ * nodes, or -1 on error. */
+static Py_ssize_t
+load_structure(Tab *t, PyObject *nodes, PyObject **masks)
 {
-    PyObject *nodes = PySequence_Fast(arg, "load_nodes: nodes must be a sequence");
-    if (nodes == NULL)
-        return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(nodes);
-    PyObject *masks = t->masks ? Py_NewRef(t->masks) : NULL;
+    *masks = t->masks ? Py_NewRef(t->masks) : NULL;
     if (count > INT32_MAX || detach(t) < 0) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_OverflowError, "a GroupTable holds at most 2**31-1 nodes");
-        goto fail;
+        return -1;
     }
     nodes_free(t);
     if (nodes_grow(t, count) < 0)
-        goto fail;
+        return -1;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *h, *pv, *rv;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(nodes, i), "OOO:load_nodes", &h, &pv, &rv))
-            goto fail;
+            return -1;
         const uint8_t *k;
         Py_ssize_t len;
         if (key_arg(h, &k, &len) < 0)
-            goto fail;
+            return -1;
         long p = PyLong_AsLong(pv);
         uint64_t r = PyLong_AsUnsignedLongLong(rv);
         if (PyErr_Occurred())
-            goto fail;
+            return -1;
         if (p >= count || p < UNKNOWN) {
             PyErr_Format(PyExc_ValueError, "node %zd has parent index %ld outside the table", i, p);
-            goto fail;
+            return -1;
         }
         if (find(t, k, len) >= 0) {
             PyErr_SetString(PyExc_ValueError, "duplicate block hashes in a table");
-            goto fail;
+            return -1;
         }
         int32_t n = alloc_node(t, k, len, (int32_t)p);
         if (n < 0)
-            goto fail;
+            return -1;
         set_refs(t, n, 0, r);
     }
     for (int32_t n = (int32_t)count - 1; n >= 0; n--) /* children keep their order */
         if (ND(t, n)->parent >= 0)
             link_child(t, n, ND(t, n)->parent);
+    return count;
+}
+
+/* Attach to masks (a reference taken over) and root every chain from the root. */
+static int
+root_all(Tab *t, PyObject *masks)
+{
     t->masks = masks;
-    masks = NULL;
-    for (int32_t n = 0; n < (int32_t)count; n++)
-        if (ND(t, n)->parent == ROOT && ND(t, n)->refs && root_subtree(t, n) < 0)
-            goto fail;
+    for (int32_t n = 0; n < (int32_t)t->hw; n++)
+        if ((ND(t, n)->flags & F_LIVE) && ND(t, n)->parent == ROOT && ND(t, n)->refs
+            && root_subtree(t, n) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *
+tab_load_nodes(Tab *t, PyObject *arg)
+{
+    if (t->ck) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a token-keyed table is loaded with its keys: use load_keyed()");
+        return NULL;
+    }
+    PyObject *nodes = PySequence_Fast(arg, "load_nodes: nodes must be a sequence");
+    if (nodes == NULL)
+        return NULL;
+    PyObject *masks;
+    int rc = load_structure(t, nodes, &masks) < 0 ? -1 : root_all(t, masks);
+    if (rc < 0 && t->masks != masks)
+        Py_XDECREF(masks);
     Py_DECREF(nodes);
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_XDECREF(masks);
-    Py_DECREF(nodes);
-    return NULL;
 }
 
 static void
@@ -1312,6 +1505,13 @@ assert_fail(const char *what, Py_ssize_t n)
 {
     PyErr_Format(PyExc_AssertionError, "%s (node %zd)", what, n);
 }
+
+static Tab *tab_make(PyTypeObject *type, PyObject *bit, Py_ssize_t ck);
+static int tab_traverse(Tab *t, visitproc visit, void *arg);
+static int tab_clear_refs(Tab *t);
+static void tab_dealloc(Tab *t);
+
+#include "index_tokens.h"
 
 static PyObject *
 tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
@@ -1342,8 +1542,11 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
             return NULL;
         }
         rooted += !!ROOTED(t, n);
-        if (t->masks != NULL) {
-            PyObject *k = key_bytes(t, n);
+        if (t->ck && check_keys(t, n) < 0)
+            return NULL;
+        if (t->masks != NULL && (!t->ck || (ND(t, n)->flags & F_KEYED))) {
+            PyObject *k = t->ck ? PyBytes_FromStringAndSize((const char *)CKEY(t, n), CKEY_BYTES)
+                                : key_bytes(t, n);
             PyObject *m = k == NULL ? NULL : PyObject_CallMethodObjArgs(t->masks, s_get, k, NULL);
             Py_XDECREF(k);
             if (m == NULL)
@@ -1354,7 +1557,8 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
                 return NULL;
             int on = PyObject_IsTrue(a);
             Py_DECREF(a);
-            if (on != !!ROOTED(t, n)) {
+            int want_on = !!ROOTED(t, n) || (t->ck && shared_rooted(t, n));
+            if (on != want_on) {
                 assert_fail("mask bit", n);
                 return NULL;
             }
@@ -1377,6 +1581,8 @@ tab_check(Tab *t, PyObject *Py_UNUSED(ignored))
             }
         }
     }
+    if (t->ck && check_key_counts(t) < 0)
+        return NULL;
     if (present != t->present || lower != t->lower || live != t->live || rooted != t->rooted) {
         PyErr_Format(PyExc_AssertionError,
                      "gauges: present %zd/%zd, lower %zd/%zd, nodes %zd/%zd, rooted %zd/%zd",
@@ -1392,18 +1598,16 @@ tab_nbytes(Tab *t, PyObject *Py_UNUSED(ignored))
     size_t per = (size_t)t->stride;
     return PyLong_FromSize_t(sizeof(Tab) + (size_t)t->cap * per
                              + (size_t)t->freecap * sizeof(int32_t)
-                             + (size_t)t->mcap * sizeof(int32_t));
+                             + (size_t)(t->mcap + t->kcap) * sizeof(int32_t));
 }
 
 /* ------------------------------------------------------------------ type */
 
-static PyObject *
-tab_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+/* A new empty table of ``type`` for the worker bit ``bit``, with ck bytes of canonical key per
+ * node (0: engine-keyed). */
+static Tab *
+tab_make(PyTypeObject *type, PyObject *bit, Py_ssize_t ck)
 {
-    static char *kwlist[] = {"bit", NULL};
-    PyObject *bit;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!:GroupTable", kwlist, &PyLong_Type, &bit))
-        return NULL;
     PyObject *bl = PyObject_CallMethod(bit, "bit_length", NULL);
     Py_ssize_t nbits = bl == NULL ? -1 : PyLong_AsSsize_t(bl);
     Py_XDECREF(bl);
@@ -1419,19 +1623,31 @@ tab_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     t->bit = Py_NewRef(bit);
     t->slot = nbits - 1;
     t->slot_obj = PyLong_FromSsize_t(t->slot);
+    t->ck = ck;
     t->kw = 8;
-    t->stride = NODE_HDR + 8;
+    t->stride = NODE_HDR + ck + 8;
     if (t->slot_obj == NULL) {
         Py_DECREF(t);
         return NULL;
     }
-    return (PyObject *)t;
+    return t;
+}
+
+static PyObject *
+tab_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"bit", NULL};
+    PyObject *bit;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!:GroupTable", kwlist, &PyLong_Type, &bit))
+        return NULL;
+    return (PyObject *)tab_make(type, bit, 0);
 }
 
 static int
 tab_traverse(Tab *t, visitproc visit, void *arg)
 {
     Py_VISIT(t->masks);
+    Py_VISIT(t->pending);
     return 0;
 }
 
@@ -1447,6 +1663,7 @@ tab_dealloc(Tab *t)
 {
     PyObject_GC_UnTrack(t);
     Py_CLEAR(t->masks);
+    Py_CLEAR(t->pending);
     Py_CLEAR(t->bit);
     Py_CLEAR(t->slot_obj);
     nodes_free(t);
@@ -1542,7 +1759,7 @@ static PyTypeObject TabType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstream._native._index.GroupTable",
     .tp_doc = "The blocks of one (worker, layer group), native (see kvstream.index.table).",
     .tp_basicsize = sizeof(Tab),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
     .tp_new = tab_new,
     .tp_dealloc = (destructor)tab_dealloc,
     .tp_traverse = (traverseproc)tab_traverse,
@@ -1560,7 +1777,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__index(void)
 {
-    if (PyType_Ready(&TabType) < 0 || PyType_Ready(&MMType) < 0)
+    if (PyType_Ready(&TabType) < 0 || PyType_Ready(&MMType) < 0 || tokens_ready() < 0)
         return NULL;
 #define INTERN(var, s)                                 \
     if ((var = PyUnicode_InternFromString(s)) == NULL) \
@@ -1577,7 +1794,8 @@ PyInit__index(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "GroupTable", (PyObject *)&TabType) < 0
-        || PyModule_AddObjectRef(m, "MaskMap", (PyObject *)&MMType) < 0) {
+        || PyModule_AddObjectRef(m, "MaskMap", (PyObject *)&MMType) < 0
+        || PyModule_AddObjectRef(m, "TokenTable", (PyObject *)&TokTableType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
