@@ -40,7 +40,9 @@ Rows:
 * **ingest, engine-keyed / token-keyed / Dynamo-keyed** (M blocks/s, stored + removed): the
   fleet's bytes into ``PrefixIndex()`` / ``PrefixIndex(key_mode="tokens")`` /
   ``PrefixIndex(key_mode="dynamo")`` against ``RadixTree`` (which keys by token hashes
-  itself), each from an empty index.
+  itself), each from an empty index. The wall-clock reference row: Dynamo's binding hands
+  every call to the tree's own thread and waits for it (futex hand-offs), so its wall time
+  exceeds its CPU time, by about 2x on a loaded machine; the goal rows count CPU time.
 * **match p50 / p99** (us) over ``--queries`` distinct queries per round: prefixes of pool
   prompts at random depths (one to all blocks), a tenth misses (random tokens), against the
   engine-keyed index and the tree after that round's ingest. kvstream ``match_hashes`` of
@@ -49,8 +51,8 @@ Rows:
   per call, the sides taking turns query by query, with the long-lived heap frozen
   (``gc.freeze``) so a collection of the round's data does not land on one side's call;
   the "CPU time (ref.)" rows give the process CPU time of the same calls, which leaves out
-  time spent off the CPU (on a loaded machine some ``find_matches`` calls wait milliseconds
-  off-CPU while using ~70 us of CPU).
+  time spent off the CPU (``find_matches`` too waits for the tree's thread: on a loaded
+  machine some calls wait milliseconds off-CPU while using ~70 us of CPU).
 * **hash + match p50 / p99** (us), the same queries from token ids: kvstream
   ``PrefixIndex.match`` (it hashes with the workers' ``vllm_sha256_cbor_64``), and the same on
   the Dynamo-keyed index (XXH3 local hashes, like Dynamo); Dynamo
@@ -162,16 +164,20 @@ class Rows:
             row.peer.append(peer)
 
 
-def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(process CPU seconds, result) of ``fn()``, after a full collection."""
+def cpu(fn: Callable[[], Any]) -> tuple[float, Any, float]:
+    """(process CPU seconds, result, wall seconds) of ``fn()``, after a full collection."""
     gc.collect()
+    w0 = time.perf_counter()
     t0 = time.process_time()
     out = fn()
-    return time.process_time() - t0, out
+    t1 = time.process_time()
+    return t1 - t0, out, time.perf_counter() - w0
 
 
-def in_turn(r: int, fns: list[tuple[str, Callable[[], Any]]]) -> dict[str, tuple[float, Any]]:
-    """Run ``fns`` in order (reversed on odd rounds); name -> (CPU seconds, result)."""
+def in_turn(
+    r: int, fns: list[tuple[str, Callable[[], Any]]]
+) -> dict[str, tuple[float, Any, float]]:
+    """Run ``fns`` in order (reversed on odd rounds); name -> (CPU s, result, wall s)."""
     order = fns if r % 2 == 0 else fns[::-1]
     return {name: cpu(fn) for name, fn in order}
 
@@ -359,6 +365,13 @@ def index_rows(args: argparse.Namespace, llm: Any, rows: Rows, memory: bool) -> 
                 rows.add(
                     f"ingest, {MODE_LABEL[m]} (M blocks/s)", "hi", goal, blocks / t[m][0], peer
                 )
+            rows.add(
+                "ingest, engine-keyed, wall clock (M blocks/s, ref.)",
+                "hi",
+                "",
+                blocks / t["engine"][2],
+                blocks / t["peer"][2] if "peer" in t else None,
+            )
         if "match" not in args.skip:
             qs = queries(args, enc, llm, seed + 1)
             match_rows(args, llm, rows, qs, (idx["engine"], idx["dynamo"], tree))
@@ -529,7 +542,7 @@ def replay_rows(args: argparse.Namespace, rows: Rows) -> None:
     trace = load_rows(base)
     for r in range(args.rounds):
         opts = replace(base, seed=round_seed(args, r))
-        t, _ = cpu(lambda opts=opts: asyncio.run(run_replay(opts, rows=trace)))
+        t = cpu(lambda opts=opts: asyncio.run(run_replay(opts, rows=trace)))[0]
         rows.add("replay, conversation trace (s CPU)", "lo", "<= 5 abs", t, None)
 
 
