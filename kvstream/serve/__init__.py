@@ -17,9 +17,11 @@ positions, and adds ``/ready``, ``/route``, per-tier counts and engine-hash quer
     Client("http://127.0.0.1:8090").query(token_ids)
 
 Modules: :mod:`.config` (settings), :mod:`.service` (state, queries, lifecycle),
-:mod:`.http` (the ASGI app), :mod:`.requests` (request bodies), :mod:`.models` (one index
-per model and routing group), :mod:`.feeds` (engines and streams into the indexes),
-:mod:`.snapshot`, :mod:`.metrics`, :mod:`.client`, :mod:`.errors`. See ``docs/serve.md``.
+:mod:`.server` (HTTP/1.1 over httptools' parser), :mod:`.http` (the route table),
+:mod:`.requests` (request bodies), :mod:`.models` (one index per model and routing group),
+:mod:`.feeds` (engines and streams into the indexes), :mod:`.snapshot`, :mod:`.metrics`
+(request counters) and :mod:`.exposition` (``/metrics``, prometheus-client loaded at the first
+scrape), :mod:`.client`, :mod:`.errors`. See ``docs/serve.md``.
 """
 
 from kvstream.serve.client import Client
