@@ -188,7 +188,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def round_seed(args: argparse.Namespace, r: int) -> int:
-    return args.seed + 1_000_003 * (r + 1)
+    """Round ``r``'s seed: a new one every round."""
+    return int(args.seed) + 1_000_003 * (r + 1)
 
 
 # ------------------------------------------------------------------------------ codec
@@ -634,8 +635,8 @@ def pure_table(native: list[Row], argv: list[str]) -> list[dict[str, Any]]:
 
 def same_run(args: argparse.Namespace) -> list[str]:
     """Options that repeat this run's rows and sizes (for the pure-Python subprocess)."""
-    keys = ("rounds", "seed", "workers", "tokens", "block_size", "pool", "requests", "capacity")
-    keys += ("chunk", "queries", "demo_requests", "replay_limit")
+    keys = ["rounds", "seed", "workers", "tokens", "block_size", "pool", "requests", "capacity"]
+    keys += ["chunk", "queries", "demo_requests", "replay_limit"]
     out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if getattr(args, k)]
     return out + ([f"--skip={','.join(sorted(args.skip))}"] if args.skip else [])
 
