@@ -317,7 +317,7 @@ prefetch_key(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end, PyTypeObject *
     uint64_t h = key_hash((const uint8_t *)PyBytes_AS_STRING(hs[i]), len);
     if (t->mcap)
         __builtin_prefetch(&t->map[h & ((uint64_t)t->mcap - 1)]);
-    if (t->masks != NULL && Py_TYPE(t->masks) == mmtype) {
+    if (mmtype != NULL && t->masks != NULL && Py_TYPE(t->masks) == mmtype) {
         MM *m = (MM *)t->masks;
         if (m->cap)
             __builtin_prefetch(MM_SLOT(m, h & ((uint64_t)m->cap - 1)));

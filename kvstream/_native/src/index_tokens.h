@@ -442,7 +442,11 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     if (rc == 0)
         rc = cursor_parent(t, &c, args[0]);
     off = 0;
+    PyObject **hs = PySequence_Fast_ITEMS(hashes);
+    for (Py_ssize_t i = 0; i < AHEAD && i < nb; i++)
+        prefetch_key(t, hs, i, nb, NULL);
     for (Py_ssize_t i = 0; rc == 0 && i < nb; i++) {
+        prefetch_key(t, hs, i + AHEAD, nb, NULL);
         Py_ssize_t len = 4 * PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
         const uint8_t *tok = (const uint8_t *)buf.buf + off;
         uint8_t local[DYN_LOCAL];
