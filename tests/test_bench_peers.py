@@ -38,6 +38,7 @@ OTHER_ROWS = [
     "decode to columns, zipf (M blocks/s)",
     "bytes, uniform tokens (KiB/batch)",
     "file -> index, demo stream (M blocks/s)",
+    "file -> index, demo uncompressed (M blocks/s)",
     "replay, conversation trace (s CPU)",
 ]
 
