@@ -300,225 +300,37 @@ sha256_padded(unsigned char *msg, size_t len, unsigned char out[32])
 
 /* ================================================================================ BLAKE3 */
 
-#define B3_CHUNK_START 1u
-#define B3_CHUNK_END 2u
-#define B3_PARENT 4u
-#define B3_ROOT 8u
-#define B3_CHUNK_LEN 1024
+/* The compression (portable and SSE4.1), its rounds' macros and the one-state hash of any
+ * length are shared with the index's token keys (kvstream/_native/src/blake3_portable.h);
+ * this file adds the chains and the SIMD lanes. */
+#include "../_native/src/blake3_portable.h"
 
-#define B3_G(a, b, c, d, x, y)                 \
-    do {                                       \
-        v[a] = v[a] + v[b] + (x);              \
-        v[d] = rotr32(v[d] ^ v[a], 16);        \
-        v[c] = v[c] + v[d];                    \
-        v[b] = rotr32(v[b] ^ v[c], 12);        \
-        v[a] = v[a] + v[b] + (y);              \
-        v[d] = rotr32(v[d] ^ v[a], 8);         \
-        v[c] = v[c] + v[d];                    \
-        v[b] = rotr32(v[b] ^ v[c], 7);         \
-    } while (0)
+#define B3_CHUNK_START B3P_CHUNK_START
+#define B3_CHUNK_END B3P_CHUNK_END
+#define B3_PARENT B3P_PARENT
+#define B3_ROOT B3P_ROOT
+#define B3_CHUNK_LEN B3P_CHUNK_LEN
+#define b3_compress b3p_compress
+#define b3_compress_sse41 b3p_compress_sse41
+#define b3_compress_impl b3p_compress_impl
+typedef b3p_output b3_output;
 
-/* One round with the message words in the order of that round's schedule row (the
- * permutation 2,6,3,10,7,0,4,13,1,11,12,5,9,14,15,8 applied r times), as constants so
- * that the unrolled rounds keep the message in registers; G is B3_G for one state, or a
- * lane-sliced G (v[i]: word i of every lane) for the SIMD kernels. */
-#define B3_LROUND(G, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
-    do {                                                                                 \
-        G(0, 4, 8, 12, m[s0], m[s1]);                                                    \
-        G(1, 5, 9, 13, m[s2], m[s3]);                                                    \
-        G(2, 6, 10, 14, m[s4], m[s5]);                                                   \
-        G(3, 7, 11, 15, m[s6], m[s7]);                                                   \
-        G(0, 5, 10, 15, m[s8], m[s9]);                                                   \
-        G(1, 6, 11, 12, m[s10], m[s11]);                                                 \
-        G(2, 7, 8, 13, m[s12], m[s13]);                                                  \
-        G(3, 4, 9, 14, m[s14], m[s15]);                                                  \
-    } while (0)
-#define B3_LROUNDS(G)                                                         \
-    do {                                                                      \
-        B3_LROUND(G, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
-        B3_LROUND(G, 2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);   \
-        B3_LROUND(G, 3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);   \
-        B3_LROUND(G, 10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);   \
-        B3_LROUND(G, 12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);   \
-        B3_LROUND(G, 9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);   \
-        B3_LROUND(G, 11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);   \
-    } while (0)
-
-/* The first 8 output words of BLAKE3's compression (all a chaining value or a 32-byte root
- * output needs). */
-static void
-b3_compress(const uint32_t cv[8], const unsigned char block[64], uint8_t block_len,
-            uint64_t counter, uint32_t flags, uint32_t out[8])
-{
-    uint32_t m[16], v[16];
-    int i;
-    for (i = 0; i < 16; i++)
-        m[i] = load_le32(block + 4 * i);
-    for (i = 0; i < 8; i++)
-        v[i] = cv[i];
-    v[8] = SHA_IV[0]; /* BLAKE3's IV is SHA-256's */
-    v[9] = SHA_IV[1];
-    v[10] = SHA_IV[2];
-    v[11] = SHA_IV[3];
-    v[12] = (uint32_t)counter;
-    v[13] = (uint32_t)(counter >> 32);
-    v[14] = block_len;
-    v[15] = flags;
-    B3_LROUNDS(B3_G);
-    for (i = 0; i < 8; i++)
-        out[i] = v[i] ^ v[i + 8];
-}
-
-#ifdef HAVE_X86_SHA
-/* The same compression on SSE4.1 registers: the four columns (then, rotated, the four
- * diagonals) of the state as four row vectors, so each G step runs on four lanes at once. */
-#define B3_ROT16(x) _mm_shuffle_epi8((x), rot16)
-#define B3_ROT8(x) _mm_shuffle_epi8((x), rot8)
-#define B3_ROTR(x, n) _mm_or_si128(_mm_srli_epi32((x), (n)), _mm_slli_epi32((x), 32 - (n)))
-/* a + m first: a is ready before b, so only one add waits on b (the chain of one block's
- * compressions is latency-bound) */
-#define B3_HALF(mx, my)                                  \
-    do {                                                 \
-        r0 = _mm_add_epi32(_mm_add_epi32(r0, (mx)), r1); \
-        r3 = B3_ROT16(_mm_xor_si128(r3, r0));            \
-        r2 = _mm_add_epi32(r2, r3);                      \
-        r1 = B3_ROTR(_mm_xor_si128(r1, r2), 12);         \
-        r0 = _mm_add_epi32(_mm_add_epi32(r0, (my)), r1); \
-        r3 = B3_ROT8(_mm_xor_si128(r3, r0));             \
-        r2 = _mm_add_epi32(r2, r3);                      \
-        r1 = B3_ROTR(_mm_xor_si128(r1, r2), 7);          \
-    } while (0)
-#define B3_SROUND(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
-    do {                                                                              \
-        B3_HALF(_mm_set_epi32(m[s6], m[s4], m[s2], m[s0]),                            \
-                _mm_set_epi32(m[s7], m[s5], m[s3], m[s1]));                           \
-        r1 = _mm_shuffle_epi32(r1, 0x39); /* lanes 1,2,3,0: the diagonals */         \
-        r2 = _mm_shuffle_epi32(r2, 0x4E);                                             \
-        r3 = _mm_shuffle_epi32(r3, 0x93);                                             \
-        B3_HALF(_mm_set_epi32(m[s14], m[s12], m[s10], m[s8]),                         \
-                _mm_set_epi32(m[s15], m[s13], m[s11], m[s9]));                        \
-        r1 = _mm_shuffle_epi32(r1, 0x93);                                             \
-        r2 = _mm_shuffle_epi32(r2, 0x4E);                                             \
-        r3 = _mm_shuffle_epi32(r3, 0x39);                                             \
-    } while (0)
-
-__attribute__((target("sse4.1,ssse3"))) static void
-b3_compress_sse41(const uint32_t cv[8], const unsigned char block[64], uint8_t block_len,
-                  uint64_t counter, uint32_t flags, uint32_t out[8])
-{
-    const __m128i rot16 = _mm_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    const __m128i rot8 = _mm_setr_epi8(1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12);
-    uint32_t m[16];
-    __m128i r0, r1, r2, r3;
-    int i;
-    for (i = 0; i < 16; i++)
-        m[i] = load_le32(block + 4 * i);
-    r0 = _mm_loadu_si128((const __m128i *)&cv[0]);
-    r1 = _mm_loadu_si128((const __m128i *)&cv[4]);
-    r2 = _mm_loadu_si128((const __m128i *)&SHA_IV[0]);
-    r3 = _mm_setr_epi32((int)(uint32_t)counter, (int)(uint32_t)(counter >> 32), block_len,
-                        (int)flags);
-    B3_SROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    B3_SROUND(2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8);
-    B3_SROUND(3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1);
-    B3_SROUND(10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6);
-    B3_SROUND(12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4);
-    B3_SROUND(9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7);
-    B3_SROUND(11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13);
-    _mm_storeu_si128((__m128i *)&out[0], _mm_xor_si128(r0, r2));
-    _mm_storeu_si128((__m128i *)&out[4], _mm_xor_si128(r1, r3));
-}
-#endif
-
-typedef void (*b3_compress_fn)(const uint32_t cv[8], const unsigned char block[64],
-                               uint8_t block_len, uint64_t counter, uint32_t flags,
-                               uint32_t out[8]);
-static b3_compress_fn b3_compress_impl = b3_compress;
-
-/* A compression whose flags are not final yet (the ROOT flag goes on the last one only). */
-typedef struct {
-    uint32_t cv[8];
-    unsigned char block[64];
-    uint8_t block_len;
-    uint64_t counter;
-    uint32_t flags;
-} b3_output;
-
-/* Hash one chunk (1..1024 bytes, or 0 bytes for the empty input) up to its last block. */
-static void
+static inline void
 b3_chunk(const unsigned char *p, size_t len, uint64_t counter, b3_output *o)
 {
-    uint32_t cv[8];
-    uint32_t flags = B3_CHUNK_START;
-    memcpy(cv, SHA_IV, sizeof cv);
-    while (len > 64) {
-        b3_compress_impl(cv, p, 64, counter, flags, cv);
-        flags = 0;
-        p += 64;
-        len -= 64;
-    }
-    memcpy(o->cv, cv, sizeof cv);
-    memset(o->block, 0, 64);
-    if (len)
-        memcpy(o->block, p, len);
-    o->block_len = (uint8_t)len;
-    o->counter = counter;
-    o->flags = flags | B3_CHUNK_END;
+    b3p_chunk(B3P_IV, 0, p, len, counter, o);
 }
 
-static void
+static inline void
 b3_parent(const uint32_t left[8], const uint32_t right[8], b3_output *o)
 {
-    int i;
-    memcpy(o->cv, SHA_IV, sizeof o->cv);
-    for (i = 0; i < 8; i++) {
-        store_le32(o->block + 4 * i, left[i]);
-        store_le32(o->block + 32 + 4 * i, right[i]);
-    }
-    o->block_len = 64;
-    o->counter = 0;
-    o->flags = B3_PARENT;
+    b3p_parent(B3P_IV, 0, left, right, o);
 }
 
-static void
+static inline void
 b3_hash(const unsigned char *p, size_t len, unsigned char out[32])
 {
-    b3_output o;
-    uint32_t words[8];
-    int i;
-
-    if (len <= B3_CHUNK_LEN) {
-        b3_chunk(p, len, 0, &o);
-    }
-    else {
-        uint32_t stack[64][8];
-        int depth = 0;
-        uint64_t chunk = 0;
-        while (len > B3_CHUNK_LEN) {
-            uint32_t cv[8];
-            uint64_t total;
-            b3_chunk(p, B3_CHUNK_LEN, chunk, &o);
-            b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
-            chunk++;
-            /* merge completed subtrees: one per trailing zero bit of the chunk count */
-            for (total = chunk; (total & 1) == 0; total >>= 1) {
-                b3_parent(stack[--depth], cv, &o);
-                b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
-            }
-            memcpy(stack[depth++], cv, sizeof cv);
-            p += B3_CHUNK_LEN;
-            len -= B3_CHUNK_LEN;
-        }
-        b3_chunk(p, len, chunk, &o);
-        while (depth > 0) {
-            uint32_t cv[8];
-            b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags, cv);
-            b3_parent(stack[--depth], cv, &o);
-        }
-    }
-    b3_compress_impl(o.cv, o.block, o.block_len, o.counter, o.flags | B3_ROOT, words);
-    for (i = 0; i < 8; i++)
-        store_le32(out + 4 * i, words[i]);
+    b3p_hash(B3P_IV, 0, p, len, out, 32);
 }
 
 /* One block of a chain: n u32 LE token ids at tok. */

@@ -171,29 +171,14 @@ cursor_at(Tab *t, Cursor *c, int32_t n)
 static int
 cursor_parent(Tab *t, Cursor *c, PyObject *parent_hash)
 {
-    if (parent_hash == Py_None) {
-        c->p = ROOT;
-        c->ok = c->haspk = 1;
-        memset(c->pk, 0, CKEY_BYTES);
-        return 0;
-    }
-    const uint8_t *k;
-    Py_ssize_t len;
-    if (key_arg(parent_hash, &k, &len) < 0)
+    if (store_parent(t, parent_hash, &c->p, &c->ok) < 0)
         return -1;
-    int32_t q = find(t, k, len);
-    if (q < 0) {
-        t->counters[C_UNKNOWN_PARENT]++;
-        q = alloc_node(t, k, len, UNKNOWN);
-        if (q < 0)
-            return -1;
-        c->p = q;
-        c->ok = c->haspk = 0;
-        return 0;
+    if (c->p == ROOT) {
+        c->haspk = 1;
+        memset(c->pk, 0, CKEY_BYTES);
     }
-    if (!ND(t, q)->refs)
-        t->counters[C_UNKNOWN_PARENT]++; /* the parent is a ghost: not cached */
-    cursor_at(t, c, q);
+    else
+        cursor_at(t, c, c->p);
     return 0;
 }
 
@@ -817,6 +802,7 @@ tokens_ready(void)
     TokTableType.tp_traverse = (traverseproc)tab_traverse;
     TokTableType.tp_clear = (inquiry)tab_clear_refs;
     TokTableType.tp_dealloc = (destructor)tab_dealloc;
+    b3p_use_simd(1);
     b3p_context_key(KEY_CONTEXT, scoped_key_words);
     return PyType_Ready(&TokTableType);
 }
