@@ -568,7 +568,7 @@ def fmt(x: float) -> str:
 
 
 def print_table(rows: list[Row], llm: Any) -> None:
-    head = f"{'metric':42} {'kvstream':>10} {'peer':>10} {'ratio':>7} {'spread':>13} "
+    head = f"{'metric':46} {'kvstream':>10} {'peer':>10} {'ratio':>7} {'spread':>13} "
     head += f"{'goal':>11} {'met':>4}"
     print(head)
     print("-" * len(head))
@@ -579,7 +579,7 @@ def print_table(rows: list[Row], llm: Any) -> None:
         r = f"{row.ratio():6.2f}x" if rs else ""
         spread = f"{min(rs):.2f}-{max(rs):.2f}" if rs else f"{min(row.kv):.2f}-{max(row.kv):.2f}"
         goal = row.goal.replace(" abs", " s") if row.goal.endswith("abs") else row.goal
-        print(f"{row.name:42} {fmt(kv)} {peer:>10} {r:>7} {spread:>13} {goal:>11} {row.met():>4}")
+        print(f"{row.name:46} {fmt(kv)} {peer:>10} {r:>7} {spread:>13} {goal:>11} {row.met():>4}")
     print(
         "# peers: msgspec (codec rows), Dynamo RadixTree / compute_block_hash_for_seq "
         f"({'ai-dynamo-runtime' if llm else 'not importable here: n/a'}; ingest, match, "
@@ -630,7 +630,7 @@ def pure_table(native: list[Row], argv: list[str]) -> list[dict[str, Any]]:
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         pure = {r["metric"]: r for r in json.loads(out.read_text())["rows"]}
     print("\n# pure-Python fallback (KVSTREAM_NO_NATIVE=1) against native, same rows")
-    head = f"{'metric':42} {'native':>10} {'pure':>10} {'x slower':>9} {'goal':>6} {'met':>4}"
+    head = f"{'metric':46} {'native':>10} {'pure':>10} {'x slower':>9} {'goal':>6} {'met':>4}"
     print(head)
     print("-" * len(head))
     table = []
@@ -641,7 +641,7 @@ def pure_table(native: list[Row], argv: list[str]) -> list[dict[str, Any]]:
         nat, pur = statistics.median(row.kv), statistics.median(p["kvstream_rounds"])
         slower = nat / pur if row.sense == "hi" else pur / nat
         met = "yes" if slower <= 5 else "NO"
-        print(f"{row.name:42} {fmt(nat)} {fmt(pur)} {slower:8.2f}x {'<= 5':>6} {met:>4}")
+        print(f"{row.name:46} {fmt(nat)} {fmt(pur)} {slower:8.2f}x {'<= 5':>6} {met:>4}")
         table.append({"metric": row.name, "native": nat, "pure": pur, "slower": slower})
     return table
 
