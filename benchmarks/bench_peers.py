@@ -651,6 +651,7 @@ def same_run(args: argparse.Namespace) -> list[str]:
     keys = ["rounds", "seed", "workers", "tokens", "block_size", "pool", "requests", "capacity"]
     keys += ["chunk", "queries", "demo_requests", "replay_limit"]
     out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if getattr(args, k)]
+    out += ["--tiny"] if args.tiny else []
     return out + ([f"--skip={','.join(sorted(args.skip))}"] if args.skip else [])
 
 
