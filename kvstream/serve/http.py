@@ -102,7 +102,7 @@ class Routes:
             "/register": ("POST", self._register, None),
             "/unregister": ("POST", None, self._unregister),
             "/workers": ("GET", lambda _: ok(svc.workers_json()), None),
-            "/query": ("POST", lambda body: ok(svc.query_body(body)), None),
+            "/query": ("POST", self._query, None),
             "/query_by_hash": (
                 "POST",
                 lambda body: ok(svc.query_by_hash(decode(body, QueryByHashRequest))),
@@ -122,6 +122,9 @@ class Routes:
     @staticmethod
     def _ok(body: Any, status: int = 200) -> Response:
         return status, _encode(body), _JSON
+
+    def _query(self, body: bytes) -> Response:
+        return 200, _encode(self.svc.query_body(body)), _JSON
 
     def _register(self, body: bytes) -> Response:
         self.svc.register(decode(body, RegisterRequest))

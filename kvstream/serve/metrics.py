@@ -87,7 +87,8 @@ class ServiceMetrics:
         h = self.latency.get(endpoint)
         if h is None:
             h = self.latency[endpoint] = RequestLatency()
-        h.observe(seconds)
+        h.sum += seconds  # RequestLatency.observe, inline: one call less on every request
+        h.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format)."""

@@ -290,10 +290,17 @@ class IndexService:
         fast = read_query_tokens(body)
         if fast is not None and fast[0].hash_algo is None:
             req, raw = fast
-            self._limit(len(raw) >> 2, "token ids")
-            m = self.model(req.model_name, req.routing_group)
-            m.require_dynamo("/query")
-            return self._query_dynamo(m, req, raw)
+            if len(raw) >> 2 > self.config.max_tokens:
+                self._limit(len(raw) >> 2, "token ids")
+            key = ModelKey(req.model_name, req.routing_group or self.config.routing_group)
+            m = self._models.get(key)
+            if m is None or m.index.key_mode is not KeyMode.DYNAMO or req.cache_salt is not None:
+                m = self.model(req.model_name, req.routing_group)  # their errors
+                m.require_dynamo("/query")
+                return self._query_dynamo(m, req, raw)
+            return m.query_keys(
+                m.token_keys(raw, req.lora_name), include_stale=self.config.include_stale
+            )
         return self.query(decode(body, QueryRequest))
 
     def _query_dynamo(
