@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -24,6 +25,7 @@ from kvstream.cache import (  # noqa: E402 - after the sys.path line
     KVCacheManager,
     LayerGroupSpec,
 )
+from kvstream.events.deferred import DeferredBatch  # noqa: E402
 from kvstream.events.model import EventBatch, SourceId  # noqa: E402
 from kvstream.workloads import ChatWorkload, multi_turn_chats  # noqa: E402
 
@@ -74,6 +76,85 @@ def cache_batches(
     for i in range(max(len(s) for s in streams)):
         merged.extend(s[i] for s in streams if i < len(s))
     return merged
+
+
+def fleet_batches(
+    *,
+    workers: int = 64,
+    batches_per_worker: int = 40,
+    seed: int = 0,
+    tokens_per_block: int = 16,
+    prompt_tokens: int = 8192,
+    system_tokens: int = 2048,
+    prefill_chunk: int = 768,
+    running: int = 8,
+    output_tokens: int = 64,
+    num_blocks: int = 4096,
+) -> list[DeferredBatch]:
+    """A fleet's event stream, as its engines hand it over: ``workers`` metadata-only cache
+    managers (one full-attention group, ``v2_sha256_64``), each serving ``running`` requests
+    at a time, 8k-token prompts (one of 8 shared system prompts + a unique rest, token ids
+    uniform below 128k) prefilled in chunks of ``prefill_chunk`` tokens, then
+    ``output_tokens`` decoded 16 at a time, under memory pressure (LRU evictions). One
+    ``flush_events_deferred()`` per engine iteration; the workers' batches interleaved. With
+    the defaults (seed 0): 2,560 batches, ~31.6k events (stored and batched removals),
+    ~1.1M blocks, ~32 MiB of Avro. Materialise each batch for models with :func:`fresh_models`
+    (every call builds new ones)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, 128_000, system_tokens).tolist() for _ in range(8)]
+    cfg = CacheConfig(
+        tokens_per_block=tokens_per_block,
+        groups=[LayerGroupSpec(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=num_blocks)],
+        hash_algo="v2_sha256_64",
+        metadata_only=True,
+    )
+    streams: list[list[DeferredBatch]] = []
+    for w in range(workers):
+        src = SourceId(instance_id=f"worker-{w:03d}", attention_dp_rank=None, incarnation=seed + 1)
+        mgr = KVCacheManager(cfg, source=src)
+        out: list[DeferredBatch] = []
+        live: dict[str, list[Any]] = {}  # request -> [prompt, prefilled, decoded]
+        n = 0
+        while len(out) < batches_per_worker:
+            while len(live) < running:
+                rid, n = f"r{n}", n + 1
+                rest = rng.integers(0, 128_000, prompt_tokens - system_tokens).tolist()
+                prompt = systems[int(rng.integers(8))] + rest
+                try:
+                    mgr.add_request(rid, prompt[:prefill_chunk])
+                except CacheFullError:
+                    break
+                live[rid] = [prompt, prefill_chunk, 0]
+            for rid, state in list(live.items()):
+                prompt, pos, decoded = state
+                try:
+                    if pos < len(prompt):
+                        mgr.append_tokens(rid, prompt[pos : pos + prefill_chunk])
+                        state[1] = pos + prefill_chunk
+                    else:
+                        mgr.append_tokens(rid, rng.integers(0, 128_000, 16).tolist())
+                        state[2] = decoded + 16
+                except CacheFullError:
+                    state[2] = output_tokens
+                if state[2] >= output_tokens:
+                    mgr.free_request(rid)
+                    del live[rid]
+            b = mgr.flush_events_deferred()
+            if b is not None:
+                out.append(b)
+        streams.append(out)
+    merged: list[DeferredBatch] = []
+    for i in range(max(len(s) for s in streams)):
+        merged.extend(s[i] for s in streams if i < len(s))
+    return merged
+
+
+def fresh_models(batches: list[DeferredBatch]) -> list[EventBatch]:
+    """New model batches of ``batches`` (nothing shared with earlier calls but the records)."""
+    # the records are immutable once handed over, so a second wrapper builds a second model
+    return [DeferredBatch(b.source, b.ts_ns, b._records).materialize() for b in batches]
 
 
 def count_events(batches: list[EventBatch]) -> int:
