@@ -11,27 +11,48 @@ Variants: one ``stored``/``removed`` call per block, or one ``stored_chain`` per
 in the loop), ``flush_deferred`` (the engine thread's cost: the records are handed over as a
 DeferredBatch) and the ``materialize()`` of those batches measured apart (the pipeline's cost).
 
+The cache manager's step (issue 23 §4, ``--step``, the default section first): one
+metadata-only :class:`KVCacheManager` step with the real recorder (an ``EventEmitter``) whose
+iteration's events are handed over with ``flush_events_deferred()`` and ``submit()``-ted to
+a running asyncio :class:`Pipeline` (its own loop thread, a memory sink that materialises
+every batch there, as a sink task does), against the same step on a manager with the null
+recorder (events off, nothing handed over). Two steps: *prefill* (admit one 8k-token prompt:
+hash, match, allocate, commit its blocks; then free it, so later prompts evict) and *decode*
+(append one token to each of 64 running requests; a block fills every 16 steps). Fresh
+prompts every round, the four runs interleaved in a rotated order, wall time per step on the
+engine thread (the pipeline thread's GIL use included); median ratio and spread over the
+rounds. Metadata-only is the worst case for the ratio (no tensor work). Goal: <= 1.05x.
+
 Also measured: a NullRecorder call (events off) against an empty method call with the same
 signature and a bare empty method call, and the per-block cost against appending a tuple to a
 list (the cheapest conceivable "recording").
 
     python benchmarks/bench_emitter.py [--iterations N] [--chain 16] [--profile]
+        [--step-rounds 7] [--step-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import pstats
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+from kvstream.sinks.memory import MemorySink
+
 from kvstream._types import TokenIds
+from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec
 from kvstream.events.deferred import DeferredBatch
 from kvstream.events.emitter import EventEmitter, NullRecorder
 from kvstream.events.model import AttentionKind, SourceId
+from kvstream.events.recorder import NULL_RECORDER
+from kvstream.pipeline import Pipeline, PipelineConfig
 
 
 def best_ns(fn: Callable[[], int], repeats: int) -> tuple[float, float]:
@@ -247,6 +268,140 @@ def null_costs(n: int, repeats: int) -> dict[str, tuple[float, float]]:
     }
 
 
+class PipelineThread:
+    """A Pipeline with a memory sink running on its own event-loop thread (the engine's
+    pipeline); ``submit`` from the engine thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.sink = MemorySink(max_batches=256)
+        self.pipe = Pipeline([self.sink], PipelineConfig.load(defaults={"linger_s": 0.0}))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.pipe.start(), self.loop).result()
+
+    def drain(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.pipe.flush(60), self.loop).result()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.pipe.aclose(30), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+STEP_TPB = 16
+STEP_PROMPT = 8192
+
+
+def _step_manager(events: bool) -> KVCacheManager:
+    cfg = CacheConfig(
+        tokens_per_block=STEP_TPB,
+        groups=[LayerGroupSpec(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=8192)],
+        hash_algo="vllm_sha256_cbor_64",
+        metadata_only=True,
+    )
+    if events:
+        return KVCacheManager(cfg, source=SourceId(instance_id="bench-step"))
+    return KVCacheManager(cfg, recorder=NULL_RECORDER)
+
+
+def prefill_steps(
+    events: bool, prompts: list[list[int]], pipe: PipelineThread
+) -> tuple[float, float]:
+    """(wall, engine-thread CPU) seconds per prefill step (admit one prompt, hand the
+    events over, free it)."""
+    mgr = _step_manager(events)
+    submit = pipe.pipe.submit
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        rid = f"p{i}"
+        mgr.add_request(rid, prompt)
+        if events:
+            batch = mgr.flush_events_deferred()
+            if batch is not None:
+                submit(batch)
+        mgr.free_request(rid)
+    dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    pipe.drain()
+    return dt / len(prompts), cpu / len(prompts)
+
+
+def decode_steps(
+    events: bool, prompts: list[list[int]], steps: int, pipe: PipelineThread
+) -> tuple[float, float]:
+    """(wall, engine-thread CPU) seconds per decode step (one token appended to each
+    running request)."""
+    mgr = _step_manager(events)
+    for i, prompt in enumerate(prompts):
+        mgr.add_request(f"d{i}", prompt)
+    if events:
+        mgr.flush_events_deferred()
+    rids = [f"d{i}" for i in range(len(prompts))]
+    rng = np.random.default_rng(len(prompts))
+    tokens = rng.integers(0, 128_000, (steps, len(rids))).tolist()
+    submit = pipe.pipe.submit
+    append = mgr.append_tokens
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for row in tokens:
+        for rid, tok in zip(rids, row, strict=True):
+            append(rid, (tok,))
+        if events:
+            batch = mgr.flush_events_deferred()
+            if batch is not None:
+                submit(batch)
+    dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    pipe.drain()
+    return dt / steps, cpu / steps
+
+
+def step_costs(rounds: int, prefills: int, running: int, decodes: int) -> None:
+    pipe = PipelineThread()
+    results: dict[str, list[tuple[float, float]]] = {}
+    try:
+        runs = ["prefill off", "prefill on", "decode off", "decode on"]
+        for r in range(rounds):
+            rng = np.random.default_rng(1000 + r)
+            system = rng.integers(0, 128_000, 2048).tolist()
+            prompts = [
+                system + rng.integers(0, 128_000, STEP_PROMPT - 2048).tolist()
+                for _ in range(prefills)
+            ]
+            dprompts = [system + rng.integers(0, 128_000, 1000).tolist() for _ in range(running)]
+            for name in runs[r % 4 :] + runs[: r % 4]:
+                on = name.endswith(" on")
+                if name.startswith("prefill"):
+                    got = prefill_steps(on, prompts, pipe)
+                else:
+                    got = decode_steps(on, dprompts, decodes, pipe)
+                results.setdefault(name, []).append(got)
+        delivered = pipe.sink.stats().batches if hasattr(pipe.sink, "stats") else None
+    finally:
+        pipe.close()
+    print(
+        f"\ncache-manager step, events on (EventEmitter + flush_events_deferred + submit to a "
+        f"running pipeline) / off (null recorder); {rounds} rounds, median (spread)"
+    )
+    for kind in ("prefill", "decode"):
+        what = (
+            f"{STEP_PROMPT}-token prompt, {STEP_PROMPT // STEP_TPB} blocks"
+            if kind == "prefill"
+            else f"{running} requests, 1 token each"
+        )
+        print(f"  {kind} ({what})")
+        for col, label in ((0, "wall, engine thread"), (1, "CPU of the engine thread")):
+            off = [x[col] for x in results[f"{kind} off"]]
+            on = [x[col] for x in results[f"{kind} on"]]
+            ratios = [a / b for a, b in zip(on, off, strict=True)]
+            print(
+                f"    {label:<26} off {statistics.median(off) * 1e6:8.1f} us, on "
+                f"{statistics.median(on) * 1e6:8.1f} us, on/off {statistics.median(ratios):.3f}x "
+                f"({min(ratios):.3f}-{max(ratios):.3f}; goal <= 1.05x)"
+            )
+    if delivered is not None:
+        print(f"  (the memory sink received {delivered} batches)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=200)
@@ -256,7 +411,15 @@ def main() -> None:
     ap.add_argument("--tokens-per-block", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="cProfile one run and print the top")
+    ap.add_argument("--step-rounds", type=int, default=7, help="rounds of the step section")
+    ap.add_argument("--step-prefills", type=int, default=40, help="8k prompts per round")
+    ap.add_argument("--step-decodes", type=int, default=160, help="decode steps per round")
+    ap.add_argument("--step-only", action="store_true", help="only the cache-manager step")
     args = ap.parse_args()
+    if args.step_rounds:
+        step_costs(args.step_rounds, args.step_prefills, 64, args.step_decodes)
+    if args.step_only:
+        return
 
     wl = Workload(args.iterations, args.requests, args.chain, args.groups, args.tokens_per_block)
     capacity = 1 << 20
