@@ -16,9 +16,10 @@ source keeps going.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final
 
@@ -175,6 +176,15 @@ class EventSource(abc.ABC):
         log.warning("%s: skipping malformed input at %s: %s", self.name, where, text)
 
 
+@functools.cache
+def _columns_decoder() -> Callable[..., ColumnarResult]:
+    """``decode_columns_message``, imported on first use (the codec loads fastavro) and kept:
+    a function-level import costs microseconds on every message."""
+    from kvstream.codec.columnar import decode_columns_message
+
+    return decode_columns_message
+
+
 def decode_message(
     codec: AvroCodec,
     value: bytes,
@@ -186,9 +196,7 @@ def decode_message(
     the model): Avro single-object (``C3 01``) or Confluent (``00`` + schema id; the id maps
     to a version through ``schema_ids``, else the version the message's headers state), read
     with ``codec``'s schemas. Raises DecodeError (or UnknownSchemaError)."""
-    from kvstream.codec.columnar import decode_columns_message
-
-    return decode_columns_message(
+    return _columns_decoder()(
         value,
         codec.registry,
         reader_version=(
