@@ -227,7 +227,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def add_workload_args(ap: argparse.ArgumentParser, *, queries: int) -> None:
-    """The index workload's options (bench_peers drives the same workload)."""
+    """The index workload's options."""
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--block-size", type=int, default=32)

@@ -320,8 +320,9 @@ def queries(args: argparse.Namespace, enc: Encoded, llm: Any, seed: int) -> list
     rng = random.Random(seed)
     n_blocks = args.tokens // args.block_size
     pairs = {(rng.randrange(args.pool), rng.randint(1, n_blocks)) for _ in range(args.queries * 2)}
-    hits = sorted(pairs)[: args.queries - args.queries // 10]
+    hits = sorted(pairs)
     rng.shuffle(hits)
+    hits = hits[: args.queries - args.queries // 10]
     out = []
     for p, d in hits:
         local = enc.local[p][:d] if enc.local is not None else []
@@ -362,8 +363,9 @@ def index_rows(args: argparse.Namespace, llm: Any, rows: Rows, memory: bool) -> 
             for m in KEY_MODES:
                 idx[m] = t[m][1]
                 check_index(idx[m], enc, m)
-            peer = blocks / t["peer"][0] if "peer" in t else None
             tree = t["peer"][1] if "peer" in t else None
+        if "ingest" not in args.skip:
+            peer = blocks / t["peer"][0] if "peer" in t else None
             for m, goal in zip(KEY_MODES, (">= 1.2", ">= 1", ">= 1"), strict=True):
                 rows.add(
                     f"ingest, {MODE_LABEL[m]} (M blocks/s)", "hi", goal, blocks / t[m][0], peer
