@@ -58,7 +58,7 @@ class FleetSpec:
     block_size: int = 32
     systems: int = 8
     pool: int = 256
-    requests: int = 58
+    requests: int = 62
     capacity: int = 8192
     chunk: int = 64
 
