@@ -90,13 +90,16 @@ def fleet_batches(
     running: int = 8,
     output_tokens: int = 64,
     num_blocks: int = 4096,
-) -> list[DeferredBatch]:
+    deferred: bool = True,
+) -> list[Any]:
     """A fleet's event stream, as its engines hand it over: ``workers`` metadata-only cache
     managers (one full-attention group, ``v2_sha256_64``), each serving ``running`` requests
     at a time, 8k-token prompts (one of 8 shared system prompts + a unique rest, token ids
     uniform below 128k) prefilled in chunks of ``prefill_chunk`` tokens, then
     ``output_tokens`` decoded 16 at a time, under memory pressure (LRU evictions). One
-    ``flush_events_deferred()`` per engine iteration; the workers' batches interleaved. With
+    ``flush_events_deferred()`` per engine iteration (``flush_events()``, model batches, with
+    ``deferred=False``: the same stream, deterministic but for the timestamps); the workers'
+    batches interleaved. With
     the defaults (seed 0): 2,560 batches, ~31.6k events (stored and batched removals),
     ~1.1M blocks, ~32 MiB of Avro. Materialise each batch for models with :func:`fresh_models`
     (every call builds new ones)."""
@@ -110,11 +113,12 @@ def fleet_batches(
         hash_algo="v2_sha256_64",
         metadata_only=True,
     )
-    streams: list[list[DeferredBatch]] = []
+    streams: list[list[Any]] = []
     for w in range(workers):
         src = SourceId(instance_id=f"worker-{w:03d}", attention_dp_rank=None, incarnation=seed + 1)
         mgr = KVCacheManager(cfg, source=src)
-        out: list[DeferredBatch] = []
+        out: list[Any] = []
+        flush = mgr.flush_events_deferred if deferred else mgr.flush_events
         live: dict[str, list[Any]] = {}  # request -> [prompt, prefilled, decoded]
         n = 0
         while len(out) < batches_per_worker:
@@ -141,11 +145,11 @@ def fleet_batches(
                 if state[2] >= output_tokens:
                     mgr.free_request(rid)
                     del live[rid]
-            b = mgr.flush_events_deferred()
+            b = flush()
             if b is not None:
                 out.append(b)
         streams.append(out)
-    merged: list[DeferredBatch] = []
+    merged: list[Any] = []
     for i in range(max(len(s) for s in streams)):
         merged.extend(s[i] for s in streams if i < len(s))
     return merged

@@ -9,8 +9,10 @@ stopped by PID), same partitions, ``acks=all``:
 * ``pipeline``: what a user writes: ``Pipeline([KafkaSink(bootstrap, topic)])`` with the
   default policy (queue sized to hold the stream: nothing may be dropped), the model
   batches ``submit()``-ted from an engine thread; timed from the first submit until
-  ``flush()`` returns (every ack in). Encoding is part of it: its batches are fresh models
-  (built from the round's records, never encoded before).
+  ``flush()`` returns (every ack in). Encoding is part of it: its batches are fresh models,
+  never encoded before: ``--models flush`` (default) what the managers' ``flush_events()``
+  returns (a second run of the same fleet; blocks are views of their chain's bytes),
+  ``--models deferred`` what their ``flush_events_deferred()`` batches materialise into.
 * ``aiokafka send()``, ``aiokafka send_batch``: the sink's messages (key, value, headers,
   partition), encoded before the timer, through ``AIOKafkaProducer.send`` per message and
   through ``create_batch``/``send_batch`` per partition (builders of ``max_batch_bytes``);
@@ -27,6 +29,7 @@ Goal (issue 23): pipeline >= 0.8x the better raw aiokafka row.
 
 Usage: python benchmarks/bench_pipeline_kafka.py [--rounds 5] [--workers 64]
        [--batches-per-worker 40] [--partitions 4] [--compression none|gzip|lz4|zstd]
+       [--models flush|deferred]
        [--bootstrap HOST:PORT (an existing broker instead of tansu)]
 """
 
@@ -263,11 +266,15 @@ async def run(args: argparse.Namespace, bootstrap: str) -> int:
     times: dict[str, list[float]] = defaultdict(list)
     shape = ""
     for r in range(args.rounds):
-        deferred = fleet_batches(
-            workers=args.workers, batches_per_worker=args.batches_per_worker, seed=r
-        )
-        for_raw = fresh_models(deferred)
-        for_pipe = fresh_models(deferred)  # never encoded before the pipeline row
+        size = {"workers": args.workers, "batches_per_worker": args.batches_per_worker, "seed": r}
+        if args.models == "flush":  # two runs of the same fleet: two sets of new models
+            for_raw = fleet_batches(**size, deferred=False)
+            for_pipe = fleet_batches(**size, deferred=False)
+        else:
+            deferred = fleet_batches(**size)
+            for_raw = fresh_models(deferred)
+            for_pipe = fresh_models(deferred)  # never encoded before the pipeline row
+            del deferred
         msgs = messages(for_raw, args.partitions)
         want = expected_ids(for_raw)
         n_ev = count_events(for_raw)
@@ -284,10 +291,11 @@ async def run(args: argparse.Namespace, bootstrap: str) -> int:
             await read_back(bootstrap, topic, args.partitions, want)
             times[name].append(n_ev / dt)
             print(f"round {r}: {name:<20} {n_ev / dt / 1e3:7.1f}k events/s", flush=True)
-        del deferred, for_raw, for_pipe, msgs
+        del for_raw, for_pipe, msgs
     print(
         f"\n{shape}; {args.workers} workers, {args.partitions} partitions, acks=all, "
-        f"compression {args.compression}, {args.rounds} rounds; every id read back"
+        f"compression {args.compression}, {args.models} models, {args.rounds} rounds; "
+        "every id read back"
     )
     pipe = times["pipeline"]
     best_raw = [
@@ -321,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches-per-worker", type=int, default=40)
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--compression", default="none", choices=["none", "gzip", "lz4", "zstd"])
+    ap.add_argument(
+        "--models",
+        default="flush",
+        choices=["flush", "deferred"],
+        help="the pipeline's batches: flush_events() models (default) or the models "
+        "flush_events_deferred() batches materialise into",
+    )
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting tansu")
     args = ap.parse_args(argv)
     if args.bootstrap:
