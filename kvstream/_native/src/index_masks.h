@@ -29,6 +29,28 @@ static PyTypeObject MMType;
 
 static inline uint64_t key_hash(const uint8_t *k, Py_ssize_t n);
 
+/* a[0:n] == b[0:n]; block hashes and keys are mostly 8 or 16 bytes: compared in registers,
+ * not through a library call */
+static inline int
+bytes_eq(const uint8_t *a, const uint8_t *b, Py_ssize_t n)
+{
+    uint64_t x, y;
+    if (n == 8) {
+        memcpy(&x, a, 8);
+        memcpy(&y, b, 8);
+        return x == y;
+    }
+    if (n == 16) {
+        uint64_t x2, y2;
+        memcpy(&x, a, 8);
+        memcpy(&y, b, 8);
+        memcpy(&x2, a + 8, 8);
+        memcpy(&y2, b + 8, 8);
+        return ((x ^ y) | (x2 ^ y2)) == 0;
+    }
+    return !memcmp(a, b, (size_t)n);
+}
+
 static Py_ssize_t
 mm_find(MM *m, const uint8_t *k, Py_ssize_t len, uint64_t h)
 {
@@ -39,8 +61,7 @@ mm_find(MM *m, const uint8_t *k, Py_ssize_t len, uint64_t h)
         uint8_t s = MM_STATE(m, i);
         if (s == MM_EMPTY)
             return -1;
-        if (s == MM_LIVE && MM_LEN(m, i) == len
-            && !memcmp(MM_KEY(m, i), k, (size_t)len))
+        if (s == MM_LIVE && MM_LEN(m, i) == len && bytes_eq(MM_KEY(m, i), k, len))
             return (Py_ssize_t)i;
     }
 }

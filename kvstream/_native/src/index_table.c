@@ -132,7 +132,7 @@ key_hash(const uint8_t *k, Py_ssize_t n)
 static inline int
 key_eq(Tab *t, int32_t n, const uint8_t *k, Py_ssize_t len)
 {
-    return ND(t, n)->klen == len && !memcmp(KEY(t, n), k, (size_t)len);
+    return ND(t, n)->klen == len && bytes_eq(KEY(t, n), k, len);
 }
 
 /* Node id of key k (-1 when absent). */
