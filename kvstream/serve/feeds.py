@@ -177,6 +177,7 @@ class EngineFeed(Feed):
             resume_from=resume_from,
             base_rank=self.reg.spec.dp_rank,
             rank_from_events=True,
+            columns=True,  # no event model per batch: the token table reads the columns
         )
 
     def rank_stats(self) -> Any:
