@@ -155,6 +155,8 @@ typedef struct {
     int ok, haspk;
     uint8_t pk[CKEY_BYTES];
     PyObject *skipped; /* borrowed: the last skipped placeholder's hash (NULL: none) */
+    /* the next block's key computed ahead (store_tokens), valid while pk is pre_parent */
+    const uint8_t *pre_parent, *pre_key;
 } Cursor;
 
 static void
@@ -288,7 +290,11 @@ store_block(Tab *t, Cursor *c, PyObject *h, long level, const uint8_t *payload, 
         set_rooted(t, n, 1);
     if (c->haspk) {
         uint8_t key[CKEY_BYTES];
-        if (compute_key(t, c->pk, payload, plen, scoped, key) < 0 || set_key(t, n, key) < 0)
+        if (c->pre_key != NULL && bytes_eq(c->pk, c->pre_parent, CKEY_BYTES))
+            memcpy(key, c->pre_key, CKEY_BYTES);
+        else if (compute_key(t, c->pk, payload, plen, scoped, key) < 0)
+            return -1;
+        if (set_key(t, n, key) < 0)
             return -1;
         memcpy(c->pk, key, CKEY_BYTES);
         if (c->ok && mask_node(t, s_add, n, NULL) < 0)
@@ -327,6 +333,19 @@ hashes_levels(PyObject *hs_arg, PyObject *lv_arg, PyObject **hashes, PyObject **
         return -1;
     }
     return 0;
+}
+
+/* Start loading the key map slot and the (native) mask slot where key's probes begin. */
+static inline void
+prefetch_ckey(Tab *t, const uint8_t *key)
+{
+    if (t->kcap)
+        __builtin_prefetch(&t->kmap[ckey_hash(key) & ((uint64_t)t->kcap - 1)]);
+    if (t->masks != NULL && Py_TYPE(t->masks) == &MMType) {
+        MM *m = (MM *)t->masks;
+        if (m->cap)
+            __builtin_prefetch(MM_SLOT(m, key_hash(key, CKEY_BYTES) & ((uint64_t)m->cap - 1)));
+    }
 }
 
 static PyObject *
@@ -426,9 +445,47 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     Cursor c = {0};
     if (rc == 0)
         rc = cursor_parent(t, &c, args[0]);
+    /* The keys the blocks get if each is new and hangs off the one before (a chunked store's
+     * usual case), computed first so that the key map and mask slots they land in load while
+     * the blocks before them are stored; a block that breaks the chain computes its own. */
+    uint8_t small_keys[64][CKEY_BYTES], small_locals[64][DYN_LOCAL];
+    uint8_t(*keys)[CKEY_BYTES] = small_keys;
+    uint8_t(*locals)[DYN_LOCAL] = small_locals;
+    Py_ssize_t ahead = 0; /* blocks with a key computed ahead */
+    if (rc == 0 && nb > 64) {
+        keys = PyMem_Malloc((size_t)nb * CKEY_BYTES);
+        locals = PyMem_Malloc((size_t)nb * DYN_LOCAL);
+        if (keys == NULL || locals == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        }
+    }
     off = 0;
-    PyObject **hs = PySequence_Fast_ITEMS(hashes);
-    for (Py_ssize_t i = 0; i < AHEAD && i < nb; i++)
+    for (Py_ssize_t i = 0; rc == 0 && i < nb; i++) {
+        Py_ssize_t len = 4 * PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
+        const uint8_t *tok = (const uint8_t *)buf.buf + off;
+        off += len;
+        if (!len)
+            break; /* a placeholder: the rest is keyed as it comes */
+        if (t->dynamo) {
+            put_be64(locals[i], XXH3_64bits_withSeed(tok, (size_t)len, seed));
+            tok = locals[i];
+            len = DYN_LOCAL;
+        }
+        if (c.haspk) {
+            if (compute_key(t, i ? keys[i - 1] : c.pk, tok, len, 0, keys[i]) < 0) {
+                rc = -1;
+                break;
+            }
+            prefetch_ckey(t, keys[i]);
+        }
+        ahead = i + 1;
+    }
+    uint8_t first_parent[CKEY_BYTES];
+    memcpy(first_parent, c.pk, CKEY_BYTES);
+    off = 0;
+    PyObject **hs = rc == 0 ? PySequence_Fast_ITEMS(hashes) : NULL;
+    for (Py_ssize_t i = 0; rc == 0 && i < AHEAD && i < nb; i++)
         prefetch_key(t, hs, i, nb, NULL);
     for (Py_ssize_t i = 0; rc == 0 && i < nb; i++) {
         prefetch_key(t, hs, i + AHEAD, nb, NULL);
@@ -442,12 +499,21 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         if (t->dynamo && len) {
-            put_be64(local, XXH3_64bits_withSeed(tok, (size_t)len, seed));
+            if (i < ahead)
+                memcpy(local, locals[i], DYN_LOCAL);
+            else
+                put_be64(local, XXH3_64bits_withSeed(tok, (size_t)len, seed));
             tok = local;
             len = DYN_LOCAL;
         }
+        c.pre_key = i < ahead && c.haspk ? keys[i] : NULL;
+        c.pre_parent = i ? keys[i - 1] : first_parent;
         rc = store_block(t, &c, PySequence_Fast_GET_ITEM(hashes, i), level, tok, len, 0, NULL);
     }
+    if (keys != small_keys)
+        PyMem_Free(keys);
+    if (locals != small_locals)
+        PyMem_Free(locals);
     if (rc == 0 && (drop_bare_ghost(t, args[0]) < 0 || drop_bare_ghost(t, c.skipped) < 0))
         rc = -1;
     if (buf.obj != NULL)
