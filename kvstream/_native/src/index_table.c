@@ -29,7 +29,13 @@
 #define F_KEYED 4   /* token-keyed tables: the node has its canonical key */
 #define F_PENDING 8 /* token-keyed tables: its payload waits for the parent's key */
 #define CKEY_BYTES 16
-#define MAP_EMPTY (-1)
+/* Map slots: the node id in the low 32 bits, the high 32 bits of its key's hash above them (the
+ * probe start and a filter: a probe reads a node's record only when those bits agree). */
+#define MAP_EMPTY UINT64_MAX
+#define SLOT(frag, id) (((uint64_t)(frag) << 32) | (uint32_t)(id))
+#define SLOT_ID(v) ((int32_t)(uint32_t)(v))
+#define SLOT_FRAG(v) ((uint32_t)((v) >> 32))
+#define FRAG(h) ((uint32_t)((h) >> 32))
 #define MAX_KEY 255
 
 static PyObject *s_add, *s_discard, *s_reserve, *s_get, *s_block_hash, *s_cache_level;
@@ -67,7 +73,7 @@ typedef struct {
     Py_ssize_t hw, cap;  /* node ids used so far (high water), allocated */
     int32_t *freel;
     Py_ssize_t nfree, freecap;
-    int32_t *map;
+    uint64_t *map;
     Py_ssize_t mcap, mfill; /* slots; used slots */
     Py_ssize_t live, present, lower, rooted;
     Py_ssize_t counters[C_N];
@@ -76,7 +82,7 @@ typedef struct {
      * lists every keyed node, and payloads waiting for a parent's key live in ``pending`` */
     Py_ssize_t ck;
     int dynamo;
-    int32_t *kmap;
+    uint64_t *kmap;
     Py_ssize_t kcap, kfill, keyed;
     PyObject *pending; /* dict: node id -> (payload bytes, scoped bool) */
 } Tab;
@@ -142,21 +148,22 @@ find(Tab *t, const uint8_t *k, Py_ssize_t len)
     if (!t->mcap || len > t->kw)
         return -1;
     size_t mask = (size_t)t->mcap - 1;
-    for (size_t i = (size_t)key_hash(k, len) & mask;; i = (i + 1) & mask) {
-        int32_t v = t->map[i];
+    uint32_t frag = FRAG(key_hash(k, len));
+    for (size_t i = frag & mask;; i = (i + 1) & mask) {
+        uint64_t v = t->map[i];
         if (v == MAP_EMPTY)
             return -1;
-        if (v >= 0 && key_eq(t, v, k, len))
-            return v;
+        if (SLOT_FRAG(v) == frag && key_eq(t, SLOT_ID(v), k, len))
+            return SLOT_ID(v);
     }
 }
 
-/* Open-addressing maps of node ids (int32 slots, linear probing, at most 3/4 full, deletion
- * by backward shift): the hash -> node map, and in token-keyed tables the key -> nodes
- * multimap. ``hf`` says what a slot's node is filed under. */
+/* Open-addressing maps of node ids (SLOT()s, linear probing, at most 3/4 full, deletion by
+ * backward shift): the hash -> node map, and in token-keyed tables the key -> nodes multimap.
+ * ``hf`` says what a slot's node is filed under. */
 typedef uint64_t (*node_hash_fn)(Tab *t, int32_t n);
 typedef struct {
-    int32_t **v;
+    uint64_t **v;
     Py_ssize_t *cap, *fill;
     node_hash_fn hf;
     uint8_t flag; /* the nodes filed: F_LIVE (every node) or F_KEYED */
@@ -189,21 +196,22 @@ hash_of_ckey(Tab *t, int32_t n)
 static int
 om_rebuild(Tab *t, OMap m, Py_ssize_t cap)
 {
-    int32_t *v = PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    uint64_t *v = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
     if (v == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    memset(v, 0xFF, (size_t)cap * sizeof(int32_t)); /* MAP_EMPTY */
+    memset(v, 0xFF, (size_t)cap * sizeof(uint64_t)); /* MAP_EMPTY */
     size_t mask = (size_t)cap - 1;
     Py_ssize_t fill = 0;
     for (Py_ssize_t n = 0; n < t->hw; n++) {
         if (!(ND(t, n)->flags & m.flag))
             continue;
-        size_t i = (size_t)m.hf(t, (int32_t)n) & mask;
+        uint32_t frag = FRAG(m.hf(t, (int32_t)n));
+        size_t i = frag & mask;
         while (v[i] != MAP_EMPTY)
             i = (i + 1) & mask;
-        v[i] = (int32_t)n;
+        v[i] = SLOT(frag, n);
         fill++;
     }
     PyMem_Free(*m.v);
@@ -228,29 +236,29 @@ om_room(Tab *t, OMap m, Py_ssize_t count)
 static void
 om_insert(Tab *t, OMap m, int32_t n)
 {
-    int32_t *v = *m.v;
+    uint64_t *v = *m.v;
     size_t mask = (size_t)*m.cap - 1;
-    size_t i = (size_t)m.hf(t, n) & mask;
-    while (v[i] >= 0)
+    uint32_t frag = FRAG(m.hf(t, n));
+    size_t i = frag & mask;
+    while (v[i] != MAP_EMPTY)
         i = (i + 1) & mask;
-    if (v[i] == MAP_EMPTY)
-        (*m.fill)++;
-    v[i] = n;
+    (*m.fill)++;
+    v[i] = SLOT(frag, n);
 }
 
 /* Take node n out of the map by backward shift (no tombstones: probe runs stay short however
- * many keys come and go). */
+ * many keys come and go; a slot's home comes from its own bits, no node is read). */
 static void
 om_delete(Tab *t, OMap m, int32_t n)
 {
-    int32_t *v = *m.v;
+    uint64_t *v = *m.v;
     size_t mask = (size_t)*m.cap - 1;
-    size_t i = (size_t)m.hf(t, n) & mask;
-    while (v[i] != n)
+    size_t i = FRAG(m.hf(t, n)) & mask;
+    while (SLOT_ID(v[i]) != n || v[i] == MAP_EMPTY)
         i = (i + 1) & mask;
-    for (size_t j = (i + 1) & mask; v[j] >= 0; j = (j + 1) & mask) {
-        int32_t w = v[j];
-        size_t home = (size_t)m.hf(t, w) & mask;
+    for (size_t j = (i + 1) & mask; v[j] != MAP_EMPTY; j = (j + 1) & mask) {
+        uint64_t w = v[j];
+        size_t home = SLOT_FRAG(w) & mask;
         if (i <= j ? (home > i && home <= j) : (home > i || home <= j))
             continue; /* its probe run starts after the hole: it stays */
         v[i] = w;
@@ -260,31 +268,34 @@ om_delete(Tab *t, OMap m, int32_t n)
     (*m.fill)--;
 }
 
-/* Iterate the nodes filed under canonical key k in a token-keyed table: for (KEYS_OF(t, k, i,
- * v)) { if (v >= 0 && ckey_eq(t, v, k)) ... } visits every slot of k's probe run. */
-#define KEYS_OF(t, k, i, v)                                                                  \
-    size_t i = (t)->kcap ? (size_t)ckey_hash(k) & ((size_t)(t)->kcap - 1) : 0;               \
+/* Iterate the slots of canonical key k's probe run in a token-keyed table (frag: FRAG of its
+ * hash): for (KEYS_OF(t, frag, i, v)) if (key_at(t, v, frag, k) >= 0) ... */
+#define KEYS_OF(t, frag, i, v)                                                               \
+    size_t i = (t)->kcap ? (size_t)(frag) & ((size_t)(t)->kcap - 1) : 0;                     \
     (t)->kcap && ((v) = (t)->kmap[i]) != MAP_EMPTY;                                          \
     i = (i + 1) & ((size_t)(t)->kcap - 1)
 
-static inline int
-ckey_eq(Tab *t, int32_t n, const uint8_t *k)
+/* The node of slot v when it holds key k (frag: its hash bits), else -1. */
+static inline int32_t
+key_at(Tab *t, uint64_t v, uint32_t frag, const uint8_t *k)
 {
-    return !memcmp(CKEY(t, n), k, CKEY_BYTES);
+    return SLOT_FRAG(v) == frag && bytes_eq(CKEY(t, SLOT_ID(v)), k, CKEY_BYTES) ? SLOT_ID(v) : -1;
 }
 
 /* The packed refs of the rooted nodes holding key k, or-ed (*any: one is rooted). */
 static inline uint64_t
 key_refs(Tab *t, const uint8_t *k, int *any)
 {
-    uint64_t r = 0;
-    int32_t v;
+    uint64_t r = 0, v;
+    uint32_t frag = FRAG(ckey_hash(k));
     *any = 0;
-    for (KEYS_OF(t, k, i, v))
-        if (v >= 0 && ckey_eq(t, v, k) && (ND(t, v)->flags & F_ROOTED)) {
-            r |= ND(t, v)->refs;
+    for (KEYS_OF(t, frag, i, v)) {
+        int32_t n = key_at(t, v, frag, k);
+        if (n >= 0 && (ND(t, n)->flags & F_ROOTED)) {
+            r |= ND(t, n)->refs;
             *any = 1;
         }
+    }
     return r;
 }
 
@@ -293,10 +304,13 @@ static inline int
 shared_rooted(Tab *t, int32_t n)
 {
     const uint8_t *k = CKEY(t, n);
-    int32_t v;
-    for (KEYS_OF(t, k, i, v))
-        if (v >= 0 && v != n && ckey_eq(t, v, k) && (ND(t, v)->flags & F_ROOTED))
+    uint32_t frag = FRAG(ckey_hash(k));
+    uint64_t v;
+    for (KEYS_OF(t, frag, i, v)) {
+        int32_t x = key_at(t, v, frag, k);
+        if (x >= 0 && x != n && (ND(t, x)->flags & F_ROOTED))
             return 1;
+    }
     return 0;
 }
 
@@ -316,7 +330,7 @@ prefetch_key(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end, PyTypeObject *
     Py_ssize_t len = PyBytes_GET_SIZE(hs[i]);
     uint64_t h = key_hash((const uint8_t *)PyBytes_AS_STRING(hs[i]), len);
     if (t->mcap)
-        __builtin_prefetch(&t->map[h & ((uint64_t)t->mcap - 1)]);
+        __builtin_prefetch(&t->map[FRAG(h) & ((uint64_t)t->mcap - 1)]);
     if (mmtype != NULL && t->masks != NULL && Py_TYPE(t->masks) == mmtype) {
         MM *m = (MM *)t->masks;
         if (m->cap)
@@ -334,7 +348,8 @@ nodes_free(Tab *t)
     PyMem_Free(t->map);
     PyMem_Free(t->kmap);
     t->nodes = NULL;
-    t->freel = t->map = t->kmap = NULL;
+    t->freel = NULL;
+    t->map = t->kmap = NULL;
     t->hw = t->cap = t->nfree = t->freecap = t->mcap = t->mfill = 0;
     t->kcap = t->kfill = t->keyed = 0;
     t->live = t->present = t->lower = t->rooted = 0;
@@ -1598,7 +1613,7 @@ tab_nbytes(Tab *t, PyObject *Py_UNUSED(ignored))
     size_t per = (size_t)t->stride;
     return PyLong_FromSize_t(sizeof(Tab) + (size_t)t->cap * per
                              + (size_t)t->freecap * sizeof(int32_t)
-                             + (size_t)(t->mcap + t->kcap) * sizeof(int32_t));
+                             + (size_t)(t->mcap + t->kcap) * sizeof(uint64_t));
 }
 
 /* ------------------------------------------------------------------ type */

@@ -340,7 +340,7 @@ static inline void
 prefetch_ckey(Tab *t, const uint8_t *key)
 {
     if (t->kcap)
-        __builtin_prefetch(&t->kmap[ckey_hash(key) & ((uint64_t)t->kcap - 1)]);
+        __builtin_prefetch(&t->kmap[FRAG(ckey_hash(key)) & ((uint64_t)t->kcap - 1)]);
     if (t->masks != NULL && Py_TYPE(t->masks) == &MMType) {
         MM *m = (MM *)t->masks;
         if (m->cap)
@@ -759,10 +759,11 @@ check_keys(Tab *t, int32_t n)
         return -1;
     }
     if (f & F_KEYED) {
-        int32_t v;
+        uint64_t v;
+        uint32_t frag = FRAG(ckey_hash(CKEY(t, n)));
         int listed = 0;
-        for (KEYS_OF(t, CKEY(t, n), i, v))
-            listed |= v == n;
+        for (KEYS_OF(t, frag, i, v))
+            listed |= key_at(t, v, frag, CKEY(t, n)) == n;
         if ((f & F_PENDING) || !(q == ROOT || (q >= 0 && (ND(t, q)->flags & F_KEYED))) || !listed) {
             assert_fail("a key out of place (pending too, under no key, or not in the map)", n);
             return -1;
