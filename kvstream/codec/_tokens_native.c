@@ -372,7 +372,7 @@ planes_encode(PyObject *self, PyObject *arg)
 
 /* ------------------------------------------------------------------------------ gathering */
 
-static PyObject *s_block_hash, *s_token_ids, *s_raw, *s_fields_set, *s_run, *s_i;
+static PyObject *s_block_hash, *s_token_ids, *s_raw, *s_fields_set;
 
 /* Where gather_blocks reads a type's attributes: per block type, whether block_hash and
  * token_ids come from the instance __dict__ (no class attribute can shadow them: pydantic
@@ -383,9 +383,6 @@ typedef struct {
     PyTypeObject *blk_type, *tok_type;
     int dict_fields;
     Py_ssize_t fields_set_off, raw_off;
-    /* a TokenIdsView (its _raw a property over the base's slot): the offsets of the base's
-     * _raw slot and of its own _run and _i slots, or -1 */
-    Py_ssize_t view_raw_off, run_off, i_off;
 } Layout;
 
 /* The offset of the object slot (a __slots__ member) `name` of `type`, or -1. */
@@ -445,55 +442,6 @@ layout_block(Layout *lay, PyTypeObject *type)
     lay->fields_set_off = slot_offset(type, s_fields_set);
 }
 
-static void
-layout_tokens(Layout *lay, PyTypeObject *type)
-{
-    lay->tok_type = type;
-    lay->raw_off = slot_offset(type, s_raw);
-    lay->view_raw_off = lay->run_off = lay->i_off = -1;
-    if (lay->raw_off < 0 && type->tp_base != NULL) {
-        lay->view_raw_off = slot_offset(type->tp_base, s_raw);
-        lay->run_off = slot_offset(type, s_run);
-        lay->i_off = slot_offset(type, s_i);
-    }
-}
-
-/* A TokenIdsView's ids without calling its _raw property (which would cut a bytes object
- * per block): its _raw slot when already cut, else its chain's packed bytes (a new
- * reference) with *at and *len set to the block's span in them. NULL without an error when
- * `tok` is not such a view or its slots are not as expected (then read _raw generically). */
-static PyObject *
-view_bytes(PyObject *tok, const Layout *lay, Py_ssize_t *at, Py_ssize_t *len)
-{
-    if (lay->view_raw_off < 0 || lay->run_off < 0 || lay->i_off < 0)
-        return NULL;
-    PyObject *raw = *(PyObject **)((char *)tok + lay->view_raw_off);
-    if (raw != NULL) {
-        Py_INCREF(raw);
-        return raw;
-    }
-    PyObject *run = *(PyObject **)((char *)tok + lay->run_off);
-    PyObject *idx = *(PyObject **)((char *)tok + lay->i_off);
-    if (run == NULL || idx == NULL || !PyTuple_CheckExact(run) || PyTuple_GET_SIZE(run) != 2 ||
-        !PyLong_CheckExact(idx))
-        return NULL;
-    PyObject *packed = PyTuple_GET_ITEM(run, 0), *step_obj = PyTuple_GET_ITEM(run, 1);
-    if (!PyBytes_CheckExact(packed) || !PyLong_CheckExact(step_obj))
-        return NULL;
-    Py_ssize_t i = PyLong_AsSsize_t(idx), step = PyLong_AsSsize_t(step_obj);
-    if ((i == -1 || step == -1) && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NULL;
-    }
-    if (i < 0 || step < 0 || step > PyBytes_GET_SIZE(packed) ||
-        i > (PyBytes_GET_SIZE(packed) - step) / (step ? step : 1))
-        return NULL;
-    *at = i * step;
-    *len = step;
-    Py_INCREF(packed);
-    return packed;
-}
-
 /* Append the Avro long `v` (>= 0: zig-zag 2v) at o; returns the new end. */
 static inline char *
 put_long(char *o, Py_ssize_t v)
@@ -531,18 +479,17 @@ gather_blocks(PyObject *self, PyObject *arg)
         total += PyTuple_GET_SIZE(t);
     }
     PyObject **refs = PyMem_Calloc((size_t)(2 * total) + 1, sizeof(PyObject *));
-    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * (2 * (size_t)total + 1));
+    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * ((size_t)total + 1));
     if (refs == NULL || counts == NULL) {
         PyMem_Free(refs);
         PyMem_Free(counts);
         return PyErr_NoMemory();
     }
-    Py_ssize_t *starts = counts + total; /* per block: where its ids start in raws_of[b] */
     PyObject **hashes_of = refs, **raws_of = refs + total;
     PyObject *res = NULL, *raw = NULL, *heads = NULL, *plain = NULL;
     Py_ssize_t raw_len = 0, b = 0;
     int ok = 1;
-    Layout lay = {NULL, NULL, 0, -1, -1, -1, -1, -1};
+    Layout lay = {NULL, NULL, 0, -1, -1};
     if ((heads = PyList_New(events)) == NULL || (plain = PyList_New(events)) == NULL)
         goto done;
     for (Py_ssize_t e = 0; e < events && ok; e++) {
@@ -566,29 +513,20 @@ gather_blocks(PyObject *self, PyObject *arg)
             hashes_of[b] = h;
             hash_len += PyBytes_GET_SIZE(h);
             PyObject *tok = field(blk, s_token_ids, lay.dict_fields);
-            if (tok != NULL && Py_TYPE(tok) != lay.tok_type)
-                layout_tokens(&lay, Py_TYPE(tok));
-            Py_ssize_t at = 0, len = -1;
-            PyObject *r = tok == NULL ? NULL : view_bytes(tok, &lay, &at, &len);
-            if (r == NULL && tok != NULL && !PyErr_Occurred())
-                r = slot(tok, lay.raw_off, s_raw);
+            if (tok != NULL && Py_TYPE(tok) != lay.tok_type) {
+                lay.tok_type = Py_TYPE(tok);
+                lay.raw_off = slot_offset(lay.tok_type, s_raw);
+            }
+            PyObject *r = tok == NULL ? NULL : slot(tok, lay.raw_off, s_raw);
             Py_XDECREF(tok);
-            if (r == NULL || !PyBytes_CheckExact(r)) {
+            if (r == NULL || !PyBytes_CheckExact(r) || PyBytes_GET_SIZE(r) % 4) {
                 Py_XDECREF(r);
                 ok = 0;
                 break;
             }
-            if (len < 0)
-                len = PyBytes_GET_SIZE(r);
-            if (len % 4) {
-                Py_DECREF(r);
-                ok = 0;
-                break;
-            }
             raws_of[b] = r;
-            starts[b] = at;
-            counts[b] = len / 4;
-            raw_len += len;
+            counts[b] = PyBytes_GET_SIZE(r) / 4;
+            raw_len += PyBytes_GET_SIZE(r);
             if (is_plain) {
                 PyObject *fs = slot(blk, lay.fields_set_off, s_fields_set);
                 if (fs == NULL || !PyAnySet_Check(fs)) {
@@ -653,8 +591,8 @@ gather_blocks(PyObject *self, PyObject *arg)
         goto done;
     char *o = PyBytes_AS_STRING(raw);
     for (Py_ssize_t i = 0; i < total; i++) {
-        memcpy(o, PyBytes_AS_STRING(raws_of[i]) + starts[i], (size_t)(4 * counts[i]));
-        o += 4 * counts[i];
+        memcpy(o, PyBytes_AS_STRING(raws_of[i]), PyBytes_GET_SIZE(raws_of[i]));
+        o += PyBytes_GET_SIZE(raws_of[i]);
     }
     res = PyTuple_Pack(3, raw, heads, plain);
 done:
@@ -703,9 +641,7 @@ PyInit__tokens_native(void)
     if ((s_block_hash = PyUnicode_InternFromString("block_hash")) == NULL ||
         (s_token_ids = PyUnicode_InternFromString("token_ids")) == NULL ||
         (s_raw = PyUnicode_InternFromString("_raw")) == NULL ||
-        (s_fields_set = PyUnicode_InternFromString("__pydantic_fields_set__")) == NULL ||
-        (s_run = PyUnicode_InternFromString("_run")) == NULL ||
-        (s_i = PyUnicode_InternFromString("_i")) == NULL)
+        (s_fields_set = PyUnicode_InternFromString("__pydantic_fields_set__")) == NULL)
         return NULL;
     return PyModule_Create(&moduledef);
 }
