@@ -17,6 +17,7 @@ LAYERS = {
     "_types": 0,
     "errors": 0,
     "clock": 0,
+    "latency": 0,  # the histogram buckets the pipeline and the service share
     "config": 0,
     "kafka_security": 0,  # TLS/SASL settings of every Kafka client (stdlib ssl only)
     "events": 1,

@@ -46,31 +46,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvstream.latency import LATENCY_BUCKETS
+
 from .queue import SinkQueue
 
 __all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "MetricsSource", "PipelineMetrics"]
-
-#: Export latency buckets (seconds): 100 us .. 30 s.
-LATENCY_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
-
 
 #: The buckets' ``le`` labels, as prometheus-client writes them.
 _LE: tuple[str, ...] = tuple(

@@ -9,38 +9,15 @@ service's state into the exposition text): a service nobody scrapes does not car
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+
+from kvstream.latency import LATENCY_BUCKETS, LE_LABELS
 
 if TYPE_CHECKING:
     from kvstream.serve.exposition import Exposition
     from kvstream.serve.service import IndexService
 
 __all__ = ["LATENCY_BUCKETS", "RequestLatency", "ServiceMetrics"]
-
-#: Request latency buckets (seconds): 100 us .. 30 s (upper bounds, inclusive).
-LATENCY_BUCKETS: Final = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
-
-#: The buckets' ``le`` labels as Prometheus writes them (``repr`` equals prometheus-client's
-#: ``floatToGoString`` for these values; a test holds them equal).
-LE_LABELS: Final = (*(repr(b) for b in LATENCY_BUCKETS), "+Inf")
 
 
 class RequestLatency:
