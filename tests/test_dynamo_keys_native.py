@@ -1,8 +1,8 @@
-"""The Dynamo-keyed index's keys in C (``kvstream.hashing._chainnative``'s ``dynamo_keys``,
-``dynamo_link`` and ``dynamo_blocks``) against their pure-Python twins in
-:mod:`kvstream.index.keys` (``py_*``, which hash with the ``xxhash`` package), against
-Dynamo's own local hashes (the engines' vectors), and ``TokenGroupTable.store(dynamo=True)``,
-which keys a stored event's blocks in one call, against the key definition node by node.
+"""The Dynamo-keyed index's keys in C (``kvstream.hashing._chainnative``'s ``dynamo_keys``
+and ``dynamo_link``) against their pure-Python twins in :mod:`kvstream.index.keys` (``py_*``,
+which hash with the ``xxhash`` package), the token table's stored keys against Dynamo's own
+local hashes (the engines' vectors), and a Dynamo-keyed index against the key definition
+node by node.
 
 Property tests run the public functions (C when built) and the twins on the same inputs:
 equal keys, or the same error (type and message). The C-path tests are skipped when the
@@ -33,7 +33,8 @@ from kvstream.hashing import get_hasher, split_blocks
 from kvstream.hashing.dynamo import block_hash_seed, link_hash
 from kvstream.index import PrefixIndex
 from kvstream.index import keys as K
-from kvstream.index.token_table import TOKEN_TABLE_TYPES
+from kvstream.index.stats import SourceStats
+from kvstream.index.token_table import TOKEN_TABLE_TYPES, token_table_type
 
 TPB = 4
 PEERS = json.loads(
@@ -156,9 +157,12 @@ def test_native_local_hashes_equal_dynamo_vectors(case: dict[str, Any]) -> None:
     scope = case.get("scope", {})
     seed = block_hash_seed(scope.get("lora_name"), scope.get("cache_salt"))
     raws = [struct.pack(f"<{len(b)}I", *b) for b in blocks]
-    locs, keys = K.dynamo_event_keys(raws, seed, K.ROOT_KEY)
+    table: Any = token_table_type()(1, True)  # the index's C path: keys from stored tokens
+    hashes = [i.to_bytes(8, "big") for i in range(1, len(raws) + 1)]
+    sizes = [len(b) for b in blocks]
+    table.store_tokens(None, hashes, 0, b"".join(raws), sizes, seed, SourceStats())
+    locs = [table.key_of(h)[8:] for h in hashes]
     assert [int.from_bytes(x, "big") for x in locs] == case["expect"]
-    assert [k[8:] for k in keys] == locs
     if len({len(b) for b in blocks}) == 1 and not scope.get("cache_salt"):
         flat = [t for b in blocks for t in b]
         lora = scope.get("lora_name") or None
@@ -219,35 +223,6 @@ def test_i64_bounds(value: int) -> None:
 
 
 # ------------------------------------------------------------------ stored events (ingest)
-
-
-@native_only
-@settings(max_examples=200, deadline=None)
-@given(
-    raws=st.lists(
-        st.integers(1, 80).flatmap(lambda n: st.binary(min_size=4 * n, max_size=4 * n)),
-        max_size=40,
-    ),
-    seed=st.integers(0, 2**64 - 1),
-    parent=st.one_of(st.just(b""), st.just(K.ROOT_KEY), st.binary(min_size=16, max_size=16)),
-)
-def test_event_keys_equal_the_python_twin(raws: list[bytes], seed: int, parent: bytes) -> None:
-    got = K.dynamo_event_keys(raws, seed, parent)
-    assert got == K.py_dynamo_event_keys(raws, seed, parent)
-    locs, keys = got
-    assert len(locs) == len(raws)
-    assert len(keys) == (len(raws) if parent else 0)
-
-
-@native_only
-@pytest.mark.parametrize(
-    ("raws", "parent"),
-    [([b"\x01\x00\x00\x00", b""], K.ROOT_KEY), ([bytearray(4)], b""), ([b"abcd"], b"\x00" * 8)],
-)
-def test_event_keys_refuse_the_same_inputs(raws: list[Any], parent: bytes) -> None:
-    got = outcome(K.dynamo_event_keys, raws, 1337, parent)
-    assert got == outcome(K.py_dynamo_event_keys, raws, 1337, parent)
-    assert got[:2] == ("err", HashingError)
 
 
 def _block(h: int, tokens: list[int], **kw: Any) -> StoredBlock:

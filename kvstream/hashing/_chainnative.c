@@ -70,9 +70,6 @@
  *       raises) or u32 LE bytes.
  *   dynamo_link(local_hashes, parent, signed) -> list[bytes] | None
  *       the keys of a chain of local hashes (8-byte items, or i64 ints when signed).
- *   dynamo_blocks(raws, seed, parent) -> (locals, keys)
- *       a stored event's blocks: each one's local hash, and their keys chained from parent
- *       (none when parent is b"").
  *   XXH3 is xxHash's own code (xxhash.h, vendored, BSD-2-Clause; see NOTICE).
  *   sha256(data) -> bytes, blake3(data) -> bytes, has_sha_ni() -> bool,
  *   set_simd(on) -> bool      (primitives; set_simd(False) selects the portable code).
@@ -2323,68 +2320,6 @@ bad:
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(dynamo_blocks_doc,
-             "dynamo_blocks(raws, seed, parent, /) -> (locals: list[bytes], keys: list[bytes])"
-             "\n\n"
-             "A stored event's blocks: locals[i] = XXH3-64(raws[i], seed) (8 bytes big-endian) "
-             "for every block; keys the chain of their Dynamo keys from the 16-byte parent key "
-             "(empty when parent is b\"\": not known). raws: a list of non-empty bytes objects "
-             "(HashingError otherwise).");
-
-static PyObject *
-cn_dynamo_blocks(PyObject *self, PyObject *args)
-{
-    PyObject *raws, *parent_obj, *locs = NULL, *keys = NULL, **items, *res;
-    unsigned long long seed;
-    Py_ssize_t n, i;
-    int chained;
-    unsigned char key[2][DYN_KEY], local[DYN_LOCAL], parent[DYN_KEY];
-    const unsigned char *prev = parent;
-
-    if (!PyArg_ParseTuple(args, "O!KO", &PyList_Type, &raws, &seed, &parent_obj))
-        return NULL;
-    chained = !(PyBytes_Check(parent_obj) && PyBytes_GET_SIZE(parent_obj) == 0);
-    if (chained && dyn_parent(parent_obj, parent) < 0)
-        return NULL;
-    n = PyList_GET_SIZE(raws);
-    items = PySequence_Fast_ITEMS(raws);
-    locs = PyList_New(n);
-    keys = PyList_New(chained ? n : 0);
-    if (locs == NULL || keys == NULL)
-        goto fail;
-    for (i = 0; i < n; i++) {
-        PyObject *raw = items[i], *o;
-        unsigned char *k = key[i & 1];
-        if (!PyBytes_CheckExact(raw) || PyBytes_GET_SIZE(raw) == 0) {
-            PyErr_Format(HashingError, "raws[%zd] must be non-empty bytes, got %.100s", i,
-                         Py_TYPE(raw)->tp_name);
-            goto fail;
-        }
-        put_be64(local, XXH3_64bits_withSeed(PyBytes_AS_STRING(raw),
-                                             (size_t)PyBytes_GET_SIZE(raw), (uint64_t)seed));
-        o = PyBytes_FromStringAndSize((const char *)local, DYN_LOCAL);
-        if (o == NULL)
-            goto fail;
-        PyList_SET_ITEM(locs, i, o);
-        if (chained) {
-            dyn_link(prev, local, k);
-            o = PyBytes_FromStringAndSize((const char *)k, DYN_KEY);
-            if (o == NULL)
-                goto fail;
-            PyList_SET_ITEM(keys, i, o);
-            prev = k;
-        }
-    }
-    res = PyTuple_Pack(2, locs, keys);
-    Py_DECREF(locs);
-    Py_DECREF(keys);
-    return res;
-fail:
-    Py_XDECREF(locs);
-    Py_XDECREF(keys);
-    return NULL;
-}
-
 /* ============================================================================ primitives */
 
 static PyObject *
@@ -2466,7 +2401,6 @@ static PyMethodDef methods[] = {
     {"json_ids", cn_json_ids, METH_O, json_ids_doc},
     {"dynamo_keys", cn_dynamo_keys, METH_VARARGS, dynamo_keys_doc},
     {"dynamo_link", cn_dynamo_link, METH_VARARGS, dynamo_link_doc},
-    {"dynamo_blocks", cn_dynamo_blocks, METH_VARARGS, dynamo_blocks_doc},
     {"sha256", cn_sha256, METH_VARARGS, "sha256(data) -> bytes: the SHA-256 digest."},
     {"blake3", cn_blake3, METH_VARARGS, "blake3(data) -> bytes: the 32-byte BLAKE3 hash."},
     {"has_sha_ni", cn_has_sha_ni, METH_NOARGS,

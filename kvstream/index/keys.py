@@ -71,11 +71,9 @@ __all__ = [
     "dynamo_key",
     "dynamo_payload",
     "NATIVE_DYNAMO_KEYS",
-    "dynamo_event_keys",
     "dynamo_request_keys",
     "keys_from_i64",
     "keys_from_local",
-    "py_dynamo_event_keys",
     "py_dynamo_request_keys",
     "py_keys_from_i64",
     "py_keys_from_local",
@@ -434,30 +432,3 @@ def dynamo_request_keys(
         if out is not None:
             return out
     return py_dynamo_request_keys(tokens, tokens_per_block, lora_name, drop_last_token)
-
-
-def py_dynamo_event_keys(
-    raws: list[bytes], seed: int, parent: bytes
-) -> tuple[list[bytes], list[bytes]]:
-    """A stored event's blocks (``raws``: each block's non-empty u32 LE tokens, all hashed
-    under ``seed``): ``(locals, keys)``, each block's local hash and, when ``parent`` is a
-    key (not b""), the blocks' keys chained from it (else ``keys`` is empty). Pure Python
-    (the reference of the C path)."""
-    chained = not (isinstance(parent, bytes) and not parent)
-    if chained and (not isinstance(parent, bytes) or len(parent) != KEY_SIZE):
-        raise HashingError(f"parent must be {KEY_SIZE} bytes, got {type(parent).__name__}")
-    for i, raw in enumerate(raws):
-        if type(raw) is not bytes or not raw:
-            raise HashingError(f"raws[{i}] must be non-empty bytes, got {type(raw).__name__}")
-    locals_ = [local_hash(raw, seed) for raw in raws]
-    return locals_, py_keys_from_local(locals_, parent) if chained else []
-
-
-def dynamo_event_keys(
-    raws: list[bytes], seed: int, parent: bytes
-) -> tuple[list[bytes], list[bytes]]:
-    """:func:`py_dynamo_event_keys` in one C call when the extension is loaded."""
-    if _c is not None:
-        out: tuple[list[bytes], list[bytes]] = _c.dynamo_blocks(raws, seed, parent)
-        return out
-    return py_dynamo_event_keys(raws, seed, parent)
