@@ -182,6 +182,24 @@ async def test_malformed_requests_get_400_and_the_connection_closes(
     assert got[0][0] == 431
 
 
+async def test_bodies_that_are_not_utf8_get_400(service: IndexService) -> None:
+    """A JSON string that is not UTF-8 is bad input, on every route that reads a body (the
+    fuzzer found /register answering 500: msgspec raises UnicodeDecodeError for it)."""
+    for path, body in (
+        (b"/register", b'{"instance_id": 1, "endpoint": "\x80tcp://127.0.0.1:1"}'),
+        (b"/query", b'{"token_ids": [1, 2, 3], "model_name": "\xff"}'),
+        (b"/route", b'{"token_ids": [1, 2, 3], "model_name": "\xff"}'),
+    ):
+        req = b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (
+            path,
+            len(body),
+            body,
+        )
+        got = responses(await asyncio.to_thread(exchange, service.port, req))
+        assert got[0][0] == 400, (path, got[0])
+        assert json.loads(got[0][2])["type"] == "BadRequestError"
+
+
 async def test_http_1_0_head_and_unknown_methods(service: IndexService) -> None:
     got = responses(
         await asyncio.to_thread(

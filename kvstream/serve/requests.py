@@ -120,6 +120,8 @@ def decode(body: bytes, kind: type[_T]) -> _T:
         raise InvalidRequestError(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"the request body is not JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec's error for a string that is not UTF-8
+        raise BadRequestError(f"the request body is not UTF-8 JSON: {exc}") from None
 
 
 _query_tokens: Final = msgspec.json.Decoder(QueryTokensRequest)
@@ -157,8 +159,8 @@ def read_query_tokens(body: bytes) -> tuple[QueryTokensRequest, bytes] | None:
         return None
     try:
         req = _query_tokens.decode(rest)
-    except msgspec.MsgspecError:
-        return None
+    except (msgspec.MsgspecError, UnicodeDecodeError):
+        return None  # the decoded path says what is wrong
     if bytes(req.token_ids) != _MARK:
         return None
     return req, ids
