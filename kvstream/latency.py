@@ -6,9 +6,10 @@ latencies (:mod:`kvstream.serve.metrics`) are bucketed alike, so dashboards can 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Final
 
-__all__ = ["LATENCY_BUCKETS", "LE_LABELS"]
+__all__ = ["LATENCY_BUCKETS", "LE_LABELS", "LatencyHistogram"]
 
 #: Latency buckets (seconds): 100 us .. 30 s (upper bounds, inclusive).
 LATENCY_BUCKETS: Final = (
@@ -34,3 +35,32 @@ LATENCY_BUCKETS: Final = (
 #: The buckets' ``le`` labels as Prometheus writes them (``repr`` equals prometheus-client's
 #: ``floatToGoString`` for these values; tests hold them equal).
 LE_LABELS: Final = (*(repr(b) for b in LATENCY_BUCKETS), "+Inf")
+
+
+class LatencyHistogram:
+    """Latencies bucketed by :data:`LATENCY_BUCKETS` (upper bounds, inclusive, as Prometheus
+    buckets are) plus +Inf, and their sum.
+
+    :meth:`observe` runs on one thread (an event loop); a scrape may read the counts from
+    another without a lock, and then may see an observation in the sum and not yet in its
+    bucket (a prometheus-client histogram updates the two under separate locks too)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Record one observation of ``seconds``."""
+        self.sum += seconds
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts per upper bound (the last one ``+Inf``: every observation)."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for le, n in zip(LE_LABELS, list(self.counts), strict=True):
+            total += n
+            out.append((le, total))
+        return out

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -44,48 +43,12 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from kvstream.latency import LATENCY_BUCKETS
+from kvstream.latency import LATENCY_BUCKETS, LatencyHistogram
 
 from .queue import SinkQueue
 
 __all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "MetricsSource", "PipelineMetrics"]
-
-#: The buckets' ``le`` labels, as prometheus-client writes them.
-_LE: tuple[str, ...] = tuple(
-    floatToGoString(b)  # type: ignore[no-untyped-call]
-    for b in (*LATENCY_BUCKETS, float("inf"))
-)
-
-
-class LatencyHistogram:
-    """Export latencies of one pipeline's sink, bucketed by :data:`LATENCY_BUCKETS` (upper
-    bounds, inclusive, as Prometheus buckets are) plus +Inf, and their sum.
-
-    :meth:`observe` is called from the pipeline's event loop only; a scrape reads the counts
-    from its own thread without a lock, and may see an observation in the sum and not yet in
-    its bucket (a prometheus-client histogram updates the two under separate locks too)."""
-
-    __slots__ = ("counts", "sum")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        """Record one export attempt of ``seconds``."""
-        self.sum += seconds
-        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative counts per upper bound (the last one ``+Inf``: every observation)."""
-        out: list[tuple[str, float]] = []
-        total = 0
-        for le, n in zip(_LE, list(self.counts), strict=True):
-            total += n
-            out.append((le, total))
-        return out
 
 
 class MetricsSource(Protocol):

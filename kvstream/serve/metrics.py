@@ -11,39 +11,17 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
-from kvstream.latency import LATENCY_BUCKETS, LE_LABELS
+from kvstream.latency import LATENCY_BUCKETS, LE_LABELS, LatencyHistogram
 
 if TYPE_CHECKING:
     from kvstream.serve.exposition import Exposition
     from kvstream.serve.service import IndexService
 
-__all__ = ["LATENCY_BUCKETS", "RequestLatency", "ServiceMetrics"]
+__all__ = ["LATENCY_BUCKETS", "LE_LABELS", "RequestLatency", "ServiceMetrics"]
 
 
-class RequestLatency:
-    """Latencies of one endpoint, bucketed by :data:`LATENCY_BUCKETS` plus +Inf, and their sum.
-
-    :meth:`observe` runs on the service's event loop; a scrape runs there too."""
-
-    __slots__ = ("counts", "sum")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        """Record one request of ``seconds``."""
-        self.sum += seconds
-        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative counts per upper bound (the last one ``+Inf``: every observation)."""
-        out: list[tuple[str, float]] = []
-        total = 0
-        for le, n in zip(LE_LABELS, self.counts, strict=True):
-            total += n
-            out.append((le, total))
-        return out
+#: One endpoint's request latencies (the pipeline's histogram type).
+RequestLatency = LatencyHistogram
 
 
 class ServiceMetrics:
