@@ -1,10 +1,8 @@
 """The index's C paths against their Python references: ingest into the mask map, the depth
-search, match results (built by the C constructor, from cached plans), on random streams."""
+search, match results (from cached plans), on random streams."""
 
 from __future__ import annotations
 
-import gc
-from dataclasses import dataclass, fields, make_dataclass
 from typing import Any
 
 import pytest
@@ -27,10 +25,8 @@ from kvstream.events.model import (
 )
 from kvstream.index import DomainKey, MatchResult, PrefixIndex, WorkerKey
 from kvstream.index import domain as domain_module
-from kvstream.index import matching as matching_module
 from kvstream.index import table as table_module
 from kvstream.index.domain import MaskMap, prefix_depths
-from kvstream.index.matching import WorkerMatch
 from kvstream.index.sources import decode_message
 
 native = pytest.importorskip("kvstream.index._table_native")
@@ -112,7 +108,6 @@ def streams(draw: st.DrawFn, max_workers: int = 70) -> list[EventBatch]:
 def _python_only(m: pytest.MonkeyPatch) -> None:
     m.setattr(table_module, "_native", None)
     m.setattr(domain_module, "_native", None)
-    m.setattr(matching_module, "_native", None)
 
 
 def _index(batches: list[Any], use_native: bool, monkeypatch: pytest.MonkeyPatch) -> PrefixIndex:
@@ -159,8 +154,8 @@ def test_native_and_python_paths_build_and_match_the_same_index(
     stream: list[EventBatch], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Columns decoded from Avro, applied with the C loops and with the Python loops:
-    identical state, counters included, identical masks, and identical matches (C search and
-    constructor against the Python search and the dataclass constructor)."""
+    identical state, counters included, identical masks, and identical matches (the C search
+    against the Python search)."""
     codec = AvroCodec()
     cols = [decode_message(codec, codec.encode(b)).columns for b in stream]
     fast = _index(cols, True, monkeypatch)
@@ -291,46 +286,3 @@ def test_mask_map_widens_keeping_every_bit() -> None:
     assert masks.as_dict() == {b"b": 1 << 200}
     masks.add(b"c", 0)  # reuses the freed entry, cleared
     assert masks.as_dict() == {b"b": 1 << 200, b"c": 1}
-
-
-def test_fast_constructor_builds_equal_results() -> None:
-    """slots_new gives the instance the dataclass constructor gives; results whose fields
-    cannot form a cycle are left to reference counting, others stay tracked."""
-    key = WorkerKey("w", 1)
-    args = (key, 3, 2.5, 10, 16, ALGO, True, "")
-    m = native.slots_new(WorkerMatch, *args)
-    assert type(m) is WorkerMatch
-    assert m == WorkerMatch(*args)
-    assert hash(m) == hash(WorkerMatch(*args))
-    assert m.matched_tokens == 48
-    assert not gc.is_tracked(m)
-    odd = native.slots_new(WorkerMatch, ("w", []), *args[1:])
-    assert gc.is_tracked(odd)
-    with pytest.raises(TypeError):
-        native.slots_new(WorkerMatch, key)
-    with pytest.raises(AttributeError):
-        m.matched_blocks = 4  # type: ignore[misc]
-
-    @dataclass
-    class Plain:  # instances have a __dict__: refused
-        x: int
-
-    with pytest.raises((TypeError, AttributeError)):
-        native.slots_new(Plain, 1)
-
-
-def test_fast_constructor_alternating_classes() -> None:
-    """slots_new remembers several classes (a route alternates four): instances of classes
-    taken in turn, more of them than it remembers, are each the constructor's, and a class
-    of another field count is never filled with a remembered layout."""
-    classes = [
-        make_dataclass(f"C{n}", [f"f{i}" for i in range(n)], frozen=True, slots=True)
-        for n in range(1, 13)
-    ]
-    for _ in range(3):
-        for cls in (*classes, *reversed(classes), WorkerMatch, classes[0], WorkerMatch):
-            n = len(fields(cls))
-            values = tuple(f"v{i}" for i in range(n))
-            assert native.slots_new(cls, *values) == cls(*values)
-            with pytest.raises(TypeError):
-                native.slots_new(cls, *values, "one too many")

@@ -1,4 +1,16 @@
-/* kvstream.index._match_native: the per-worker results of PrefixIndex.match, in one C call.
+/* kvstream.index._match_native: the index's result records, and the per-worker results of
+ * PrefixIndex.match and Router.route in one C call.
+ *
+ *   Record, Field(index, name)
+ *
+ * The base of kvstream.index.record.Record (WorkerMatch, MatchResult, WorkerScore,
+ * RouteDecision): an immutable record whose values this type owns, one array slot per field
+ * as a tuple holds its items. A subclass names its fields in ``__record_fields__`` (and the
+ * defaults of the last ones in ``__record_defaults__``); ``Field`` is the read-only accessor
+ * of one of them. Constructing one is this type's own ``tp_new``, so the classes' public
+ * constructor is as cheap as a C call: no per-field ``object.__setattr__`` of a frozen
+ * dataclass, and nothing written into another class's slots. record.py's _PyRecord is the
+ * reference and the fallback; tests/test_index_record.py holds them equal.
  *
  *   fill(out, found, rows, new, n, tpb, algo, w0) -> list
  *
@@ -17,6 +29,389 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+/* ------------------------------------------------------------------ Record */
+
+typedef struct {
+    PyObject_VAR_HEAD
+    PyObject *item[1];
+} Record;
+
+static PyTypeObject RecordType;
+static PyObject *s_fields, *s_defaults, *s_qualname, *s_dictoffset, *frozen_error;
+
+/* The record class's field names and defaults (new references), checked. */
+static int
+record_layout(PyTypeObject *type, PyObject **names, PyObject **defaults)
+{
+    *defaults = NULL;
+    *names = PyObject_GetAttr((PyObject *)type, s_fields);
+    if (*names == NULL)
+        return -1;
+    if (!PyTuple_Check(*names) || PyTuple_GET_SIZE(*names) == 0) {
+        PyErr_Format(PyExc_TypeError, "%s is not a record class with fields", type->tp_name);
+        goto fail;
+    }
+    *defaults = PyObject_GetAttr((PyObject *)type, s_defaults);
+    if (*defaults == NULL)
+        goto fail;
+    if (!PyTuple_Check(*defaults) || PyTuple_GET_SIZE(*defaults) > PyTuple_GET_SIZE(*names)) {
+        PyErr_Format(PyExc_TypeError, "%s.__record_defaults__ is not a tuple of at most one "
+                     "default per field", type->tp_name);
+        goto fail;
+    }
+    return 0;
+fail:
+    Py_CLEAR(*names);
+    Py_CLEAR(*defaults);
+    return -1;
+}
+
+/* True for objects that reference nothing else (so cannot be part of a cycle). */
+static int
+is_leaf(PyObject *o)
+{
+    return o == Py_None || PyLong_CheckExact(o) || PyFloat_CheckExact(o) || PyBool_Check(o)
+           || PyUnicode_CheckExact(o) || PyBytes_CheckExact(o);
+}
+
+/* The last tuple subclass found to have no instance __dict__ (a NamedTuple: WorkerKey). */
+static PyObject *dictless_tuple_type;
+
+/* A leaf, or a tuple of leaves (a tuple subclass only when its instances have no __dict__,
+ * through which a cycle could pass). -1 on error. */
+static int
+is_acyclic(PyObject *o)
+{
+    if (is_leaf(o))
+        return 1;
+    if (!PyTuple_Check(o))
+        return 0;
+    if (!PyTuple_CheckExact(o) && (PyObject *)Py_TYPE(o) != dictless_tuple_type) {
+        PyObject *off = PyObject_GetAttr((PyObject *)Py_TYPE(o), s_dictoffset);
+        if (off == NULL)
+            return -1;
+        int none = PyLong_Check(off) && PyLong_AsSsize_t(off) == 0;
+        Py_DECREF(off);
+        if (!none)
+            return 0;
+        Py_XSETREF(dictless_tuple_type, Py_NewRef((PyObject *)Py_TYPE(o)));
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++)
+        if (!is_leaf(PyTuple_GET_ITEM(o, i)))
+            return 0;
+    return 1;
+}
+
+static PyObject *
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *names, *defaults;
+    if (record_layout(type, &names, &defaults) < 0)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(names), nd = PyTuple_GET_SIZE(defaults);
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    Record *self = NULL;
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments but %zd were given",
+                     type->tp_name, n, nargs);
+        goto fail;
+    }
+    self = (Record *)type->tp_alloc(type, n);
+    if (self == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        self->item[i] = Py_NewRef(PyTuple_GET_ITEM(args, i));
+    if (kwds != NULL) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(kwds, &pos, &key, &value)) {
+            Py_ssize_t j = -1;
+            for (Py_ssize_t i = 0; i < n && j < 0; i++) {
+                PyObject *name = PyTuple_GET_ITEM(names, i);
+                if (name == key)
+                    j = i;
+                else if (PyUnicode_Check(key)) {
+                    int eq = PyUnicode_Compare(name, key);
+                    if (eq == -1 && PyErr_Occurred())
+                        goto fail;
+                    if (eq == 0)
+                        j = i;
+                }
+            }
+            if (j < 0) {
+                PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R",
+                             type->tp_name, key);
+                goto fail;
+            }
+            if (self->item[j] != NULL) {
+                PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument %R",
+                             type->tp_name, key);
+                goto fail;
+            }
+            self->item[j] = Py_NewRef(value);
+        }
+    }
+    int acyclic = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (self->item[i] == NULL) {
+            if (i < n - nd) {
+                PyErr_Format(PyExc_TypeError, "%s() missing required argument %R",
+                             type->tp_name, PyTuple_GET_ITEM(names, i));
+                goto fail;
+            }
+            self->item[i] = Py_NewRef(PyTuple_GET_ITEM(defaults, i - (n - nd)));
+        }
+        if (acyclic) {
+            acyclic = is_acyclic(self->item[i]);
+            if (acyclic < 0)
+                goto fail;
+        }
+    }
+    /* as CPython does for tuples of atoms: a record whose values cannot lead back to it is
+     * left to reference counting, so a stream of results triggers no collections */
+    if (acyclic && PyObject_GC_IsTracked((PyObject *)self))
+        PyObject_GC_UnTrack(self);
+    Py_DECREF(names);
+    Py_DECREF(defaults);
+    return (PyObject *)self;
+fail:
+    Py_XDECREF(self);
+    Py_DECREF(names);
+    Py_DECREF(defaults);
+    return NULL;
+}
+
+static void
+record_dealloc(Record *self)
+{
+    PyObject_GC_UnTrack(self);
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++)
+        Py_XDECREF(self->item[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+record_traverse(Record *self, visitproc visit, void *arg)
+{
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++)
+        Py_VISIT(self->item[i]);
+    return 0;
+}
+
+/* The values as a tuple (a new reference). */
+static PyObject *
+record_values(Record *self)
+{
+    PyObject *t = PyTuple_New(Py_SIZE(self));
+    if (t == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) {
+        if (self->item[i] == NULL) {
+            Py_DECREF(t);
+            PyErr_SetString(PyExc_SystemError, "a record without all its values");
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, Py_NewRef(self->item[i]));
+    }
+    return t;
+}
+
+/* As a frozen dataclass's: equal when of the same class with equal values in order. */
+static PyObject *
+record_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(a) != Py_TYPE(b))
+        Py_RETURN_NOTIMPLEMENTED;
+    Record *x = (Record *)a, *y = (Record *)b;
+    int equal = Py_SIZE(x) == Py_SIZE(y);
+    for (Py_ssize_t i = 0; equal && i < Py_SIZE(x); i++) {
+        if (x->item[i] == NULL || y->item[i] == NULL) {
+            PyErr_SetString(PyExc_SystemError, "a record without all its values");
+            return NULL;
+        }
+        equal = PyObject_RichCompareBool(x->item[i], y->item[i], Py_EQ);
+        if (equal < 0)
+            return NULL;
+    }
+    return PyBool_FromLong(op == Py_EQ ? equal : !equal);
+}
+
+/* hash(values as a tuple), as a frozen dataclass's. */
+static Py_hash_t
+record_hash(Record *self)
+{
+    PyObject *t = record_values(self);
+    if (t == NULL)
+        return -1;
+    Py_hash_t h = PyObject_Hash(t);
+    Py_DECREF(t);
+    return h;
+}
+
+/* ``Name(field=value!r, ...)``, as a frozen dataclass's (``...`` when recursive). */
+static PyObject *
+record_repr(Record *self)
+{
+    int rec = Py_ReprEnter((PyObject *)self);
+    if (rec != 0)
+        return rec > 0 ? PyUnicode_FromString("...") : NULL;
+    PyObject *out = NULL, *parts = NULL, *sep = NULL, *body = NULL;
+    PyObject *qualname = PyObject_GetAttr((PyObject *)Py_TYPE(self), s_qualname);
+    PyObject *names = PyObject_GetAttr((PyObject *)Py_TYPE(self), s_fields);
+    if (qualname == NULL || names == NULL)
+        goto done;
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != Py_SIZE(self)) {
+        PyErr_SetString(PyExc_TypeError, "the record's __record_fields__ changed");
+        goto done;
+    }
+    parts = PyList_New(Py_SIZE(self));
+    if (parts == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < Py_SIZE(self); i++) {
+        PyObject *part = PyUnicode_FromFormat("%U=%R", PyTuple_GET_ITEM(names, i),
+                                              self->item[i] ? self->item[i] : Py_None);
+        if (part == NULL)
+            goto done;
+        PyList_SET_ITEM(parts, i, part);
+    }
+    if ((sep = PyUnicode_FromString(", ")) == NULL || (body = PyUnicode_Join(sep, parts)) == NULL)
+        goto done;
+    out = PyUnicode_FromFormat("%U(%U)", qualname, body);
+done:
+    Py_XDECREF(qualname);
+    Py_XDECREF(names);
+    Py_XDECREF(parts);
+    Py_XDECREF(sep);
+    Py_XDECREF(body);
+    Py_ReprLeave((PyObject *)self);
+    return out;
+}
+
+static PyObject *
+record_reduce(Record *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *t = record_values(self);
+    return t == NULL ? NULL : Py_BuildValue("(ON)", (PyObject *)Py_TYPE(self), t);
+}
+
+static PyMethodDef record_methods[] = {
+    {"__reduce__", (PyCFunction)record_reduce, METH_NOARGS,
+     "(class, values): a record pickles and copies as a call of its class."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RecordType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstream.index._match_native.Record",
+    .tp_basicsize = sizeof(Record) - sizeof(PyObject *),
+    .tp_itemsize = sizeof(PyObject *),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The base of the index's immutable result records (see kvstream.index.record).",
+    .tp_new = record_new,
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_traverse = (traverseproc)record_traverse,
+    .tp_richcompare = record_richcompare,
+    .tp_hash = (hashfunc)record_hash,
+    .tp_repr = (reprfunc)record_repr,
+    .tp_methods = record_methods,
+    .tp_free = PyObject_GC_Del,
+};
+
+/* ------------------------------------------------------------------ Field */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t index;
+    PyObject *name;
+} Field;
+
+static PyObject *
+field_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"index", "name", NULL};
+    Py_ssize_t index;
+    PyObject *name;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nU:Field", kwlist, &index, &name))
+        return NULL;
+    if (index < 0) {
+        PyErr_SetString(PyExc_ValueError, "Field: a negative index");
+        return NULL;
+    }
+    Field *self = (Field *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->index = index;
+    self->name = Py_NewRef(name);
+    return (PyObject *)self;
+}
+
+static void
+field_dealloc(Field *self)
+{
+    Py_XDECREF(self->name);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+field_get(Field *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef((PyObject *)self);
+    if (!PyObject_TypeCheck(obj, &RecordType)) {
+        PyErr_Format(PyExc_TypeError, "field %R reads records, not %s", self->name,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    Record *r = (Record *)obj;
+    if (self->index >= Py_SIZE(r) || r->item[self->index] == NULL) {
+        PyErr_Format(PyExc_AttributeError, "%s has no field %R", Py_TYPE(obj)->tp_name,
+                     self->name);
+        return NULL;
+    }
+    return Py_NewRef(r->item[self->index]);
+}
+
+static int
+field_set(Field *self, PyObject *obj, PyObject *value)
+{
+    PyErr_Format(frozen_error, value == NULL ? "cannot delete field %R"
+                                             : "cannot assign to field %R", self->name);
+    return -1;
+}
+
+static PyObject *
+field_name(Field *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->name);
+}
+
+static PyObject *
+field_index(Field *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->index);
+}
+
+static PyGetSetDef field_getset[] = {
+    {"name", (getter)field_name, NULL, "the field's name", NULL},
+    {"index", (getter)field_index, NULL, "the field's position", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FieldType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstream.index._match_native.Field",
+    .tp_basicsize = sizeof(Field),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Field(index, name): the read-only accessor of a record's field.",
+    .tp_new = field_new,
+    .tp_dealloc = (destructor)field_dealloc,
+    .tp_descr_get = (descrgetfunc)field_get,
+    .tp_descr_set = (descrsetfunc)field_set,
+    .tp_getset = field_getset,
+};
+
+/* ------------------------------------------------------------------ fill */
 
 static PyObject *s_lower;
 
@@ -237,8 +632,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_match_native", "PrefixIndex.match's per-worker results in C.", -1,
-    methods,
+    PyModuleDef_HEAD_INIT, "_match_native",
+    "The index's result records, and PrefixIndex.match's and Router.route's per-worker "
+    "results in C.",
+    -1, methods,
 };
 
 PyMODINIT_FUNC
@@ -248,7 +645,31 @@ PyInit__match_native(void)
     s_tpb = PyUnicode_InternFromString("tokens_per_block");
     s_weighted = PyUnicode_InternFromString("weighted_blocks");
     s_trusted = PyUnicode_InternFromString("trusted");
-    if (s_lower == NULL || s_tpb == NULL || s_weighted == NULL || s_trusted == NULL)
+    s_fields = PyUnicode_InternFromString("__record_fields__");
+    s_defaults = PyUnicode_InternFromString("__record_defaults__");
+    s_qualname = PyUnicode_InternFromString("__qualname__");
+    s_dictoffset = PyUnicode_InternFromString("__dictoffset__");
+    if (s_lower == NULL || s_tpb == NULL || s_weighted == NULL || s_trusted == NULL
+        || s_fields == NULL || s_defaults == NULL || s_qualname == NULL || s_dictoffset == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    if (frozen_error == NULL) {
+        PyObject *dc = PyImport_ImportModule("dataclasses");
+        if (dc == NULL)
+            return NULL;
+        frozen_error = PyObject_GetAttrString(dc, "FrozenInstanceError");
+        Py_DECREF(dc);
+        if (frozen_error == NULL)
+            return NULL;
+    }
+    if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&FieldType) < 0)
+        return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(mod, "Record", (PyObject *)&RecordType) < 0
+        || PyModule_AddObjectRef(mod, "Field", (PyObject *)&FieldType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

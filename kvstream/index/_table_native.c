@@ -24,21 +24,12 @@
  *
  * The same search, reported per worker slot (its deepest depth; slots without one left out).
  *
- *   slots_new(cls, *values) -> instance
- *
- * An instance of a slotted class (a frozen dataclass with slots=True: WorkerMatch) with its
- * __slots__ set to ``values`` in order, as its generated __init__ would set them, without
- * the per-field object.__setattr__ calls a frozen dataclass's __init__ makes. An instance
- * whose values are all atoms (None, int, float, bool, str, bytes) or tuples of atoms is not
- * tracked by the cyclic GC (it cannot be part of a cycle while its frozen fields hold).
- *
  * table.py and domain.py are the reference and the fallback (KVSTREAM_NO_NATIVE=1 or no C
  * compiler); tests/test_index_fastpath.py and tests/test_index_native.py check both give
  * identical tables, masks and depths.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 
 /* ------------------------------------------------------------------ Column */
 
@@ -982,120 +973,6 @@ slot_depths(PyObject *module, PyObject *args)
 }
 
 
-/* ------------------------------------------------------------------ slots_new */
-
-/* The classes slots_new has filled, and where their __slots__ members live: a few entries,
- * since callers alternate between classes (a route builds WorkerMatch, MatchResult,
- * WorkerScore and RouteDecision instances in turn; learning a class again is a hundred times
- * the cost of filling an instance). Each entry holds a reference to its class. */
-#define SLOTS_CLASSES 8
-typedef struct {
-    PyTypeObject *cls;
-    Py_ssize_t n, offset[16];
-} SlotsClass;
-static SlotsClass slots_known[SLOTS_CLASSES];
-static int slots_next; /* the entry the next class learned replaces once all are taken */
-
-static SlotsClass *
-slots_learn(PyTypeObject *cls)
-{
-    PyObject *names = PyObject_GetAttrString((PyObject *)cls, "__slots__");
-    if (names == NULL)
-        return NULL;
-    PyObject *seq = PySequence_Fast(names, "slots_new: __slots__ is not a sequence");
-    Py_DECREF(names);
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > 16 || (cls->tp_flags & Py_TPFLAGS_HEAPTYPE) == 0 || cls->tp_dictoffset) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_TypeError, "slots_new: not a class of at most 16 __slots__");
-        return NULL;
-    }
-    Py_ssize_t offset[16];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PyDict_GetItemWithError(cls->tp_dict, PySequence_Fast_GET_ITEM(seq, i));
-        if (d == NULL || !PyObject_TypeCheck(d, &PyMemberDescr_Type)
-            || PyDescr_TYPE(d) != cls || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
-            || ((PyMemberDescrObject *)d)->d_member->offset + (Py_ssize_t)sizeof(PyObject *)
-                   > cls->tp_basicsize) {
-            Py_DECREF(seq);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "slots_new: a __slots__ name is not a slot");
-            return NULL;
-        }
-        offset[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-    }
-    Py_DECREF(seq);
-    SlotsClass *e = &slots_known[slots_next];
-    slots_next = (slots_next + 1) % SLOTS_CLASSES;
-    Py_XSETREF(e->cls, (PyTypeObject *)Py_NewRef(cls));
-    e->n = n;
-    memcpy(e->offset, offset, sizeof(offset));
-    return e;
-}
-
-/* True for objects that cannot reference anything else (so cannot be part of a cycle). */
-static int
-is_leaf(PyObject *o)
-{
-    return o == Py_None || PyLong_CheckExact(o) || PyFloat_CheckExact(o) || PyBool_Check(o)
-           || PyUnicode_CheckExact(o) || PyBytes_CheckExact(o);
-}
-
-/* A leaf, or a tuple (a NamedTuple such as WorkerKey included: no __dict__, no extra slots)
- * of leaves. */
-static int
-is_acyclic(PyObject *o)
-{
-    if (is_leaf(o))
-        return 1;
-    if (!PyTuple_Check(o) || Py_TYPE(o)->tp_dictoffset
-        || Py_TYPE(o)->tp_basicsize != PyTuple_Type.tp_basicsize)
-        return 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); i++)
-        if (!is_leaf(PyTuple_GET_ITEM(o, i)))
-            return 0;
-    return 1;
-}
-
-static PyObject *
-slots_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs < 1 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "slots_new(cls, *values)");
-        return NULL;
-    }
-    PyTypeObject *cls = (PyTypeObject *)args[0];
-    SlotsClass *e = NULL;
-    for (int k = 0; k < SLOTS_CLASSES; k++)
-        if (slots_known[k].cls == cls) {
-            e = &slots_known[k];
-            break;
-        }
-    if (e == NULL && (e = slots_learn(cls)) == NULL)
-        return NULL;
-    Py_ssize_t n = e->n;
-    if (nargs - 1 != n) {
-        PyErr_Format(PyExc_TypeError, "slots_new: %s takes %zd values, got %zd", cls->tp_name, n,
-                     nargs - 1);
-        return NULL;
-    }
-    PyObject *obj = cls->tp_alloc(cls, 0);
-    if (obj == NULL)
-        return NULL;
-    int acyclic = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        *(PyObject **)((char *)obj + e->offset[i]) = Py_NewRef(args[i + 1]);
-        acyclic = acyclic && is_acyclic(args[i + 1]);
-    }
-    /* as CPython does for tuples of atoms: an instance whose fields cannot lead back to it
-     * is left to reference counting, so a stream of results triggers no collections */
-    if (acyclic && PyObject_GC_IsTracked(obj))
-        PyObject_GC_UnTrack(obj);
-    return obj;
-}
-
 static PyMethodDef methods[] = {
     {"_column_of", column_of, METH_VARARGS,
      "_column_of(values, kwargs) -> Column(values, **kwargs) (what a Column pickles to)."},
@@ -1108,9 +985,6 @@ static PyMethodDef methods[] = {
     {"slot_depths", slot_depths, METH_VARARGS,
      "slot_depths(masks, hashes, allowed) -> [(slot, depth), ...]: prefix_depths per worker "
      "slot (its deepest depth), in slot order."},
-    {"slots_new", (PyCFunction)(void (*)(void))slots_new, METH_FASTCALL,
-     "slots_new(cls, *values) -> an instance of cls with its __slots__ set to values, in "
-     "order, without calling __init__ (a fast constructor for frozen slotted dataclasses)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,10 +1,7 @@
 """Type stub of the optional C extension ``kvstream.index._table_native``
-(``_table_native.c``): the tables' integer ``Column`` and the domains' ``MaskMap`` types, the
-loops of :meth:`kvstream.index.table.GroupTable.store_hashes` that
-links blocks a table does not hold yet and of :meth:`~kvstream.index.table.GroupTable.remove`
-for leaf blocks holding one GPU reference, the depth search over a domain's mask map, and the
-fast ``WorkerMatch`` constructor; ``table.py``, ``domain.py`` and the dataclass are the
-pure-Python references."""
+(``_table_native.c``): the tables' integer ``Column`` and the domains' ``MaskMap`` types and
+the depth search over a domain's mask map; ``table.py`` and ``domain.py`` are the pure-Python
+references."""
 
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -43,29 +40,9 @@ def untrack_atoms(values: list[bytes]) -> list[bytes]:
 def _column_of(values: Iterable[int], kwargs: dict[str, Any]) -> Column:
     """``Column(values, **kwargs)`` (what a ``Column`` pickles to)."""
 
-def store_run(
-    table: Any, hashes: list[bytes], start: int, p: int, ok: int, inc: int
-) -> tuple[int, int, int]:
-    """Link ``hashes[start:]`` under node ``p`` until a block the table holds:
-    ``(stop index, last node, nodes added)``."""
-
-def store_chain(
-    table: Any, parent_hash: bytes | None, hashes: list[bytes], inc: int
-) -> tuple[int, int, int] | None:
-    """``store_run`` from ``hashes[0]`` under the root or a held parent; None (nothing
-    changed) when the parent is unknown or a ghost."""
-
-def remove_run(table: Any, hashes: list[bytes], start: int) -> tuple[int, int]:
-    """Remove ``hashes[start:]`` while each is a childless block holding one GPU reference:
-    ``(stop index, blocks removed)``."""
-
 def prefix_depths(masks: Any, hashes: list[bytes], allowed: bytes | None) -> list[tuple[int, int]]:
     """``kvstream.index.domain.prefix_depths`` over a ``MaskMap`` (``allowed``: None, or
     ``masks.width`` bytes of allowed worker bits)."""
 
 def slot_depths(masks: Any, hashes: list[bytes], allowed: bytes | None) -> list[tuple[int, int]]:
     """The same search per worker slot: ``(slot, deepest depth)`` in slot order."""
-
-def slots_new(cls: type, *values: Any) -> Any:
-    """An instance of the slotted class ``cls`` with its ``__slots__`` set to ``values`` (a
-    fast constructor for frozen slotted dataclasses; see the C source)."""

@@ -8,33 +8,24 @@ carry) and caches the request's chain per domain.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Final
 
-from kvstream._native import load as load_native
 from kvstream.errors import HashingError
 from kvstream.hashing import BlockHasher, get_hasher, split_blocks
 from kvstream.hashing.accel import pack_request
 from kvstream.hashing.prefix_cache import DEFAULT_CHECKPOINT_TOKENS, PrefixCache
+from kvstream.index.record import Record
 from kvstream.index.types import WorkerKey
-
-if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
-    from kvstream.index import _table_native as _native
-else:
-    _native = load_native("kvstream.index._table_native")
 
 __all__ = [
     "HashRequest",
     "MatchResult",
     "RequestHasher",
     "WorkerMatch",
-    "fast_constructor",
     "new_worker_match",
 ]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +125,7 @@ class RequestHasher:
 _DEFAULT_REQUEST = HashRequest()
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerMatch:
+class WorkerMatch(Record):
     """How much of a request one worker holds, and whether the index trusts it.
 
     ``matched_blocks``: leading request blocks the worker holds with their whole chain;
@@ -145,6 +135,7 @@ class WorkerMatch:
     ``note``: why the worker could not be matched or is not trusted (empty otherwise).
     """
 
+    __slots__ = ()
     worker: WorkerKey
     matched_blocks: int
     weighted_blocks: float
@@ -184,22 +175,14 @@ class WorkerMatch:
         }
 
 
-def fast_constructor(cls: type[T]) -> Callable[..., T]:
-    """``cls(...)`` for a frozen slotted dataclass, called with every field positionally: the
-    same instance, built by the C extension without the dataclass's per-field
-    ``object.__setattr__`` (~20x cheaper; what the index and the router build per candidate
-    worker and request); ``cls`` itself without the extension."""
-    return cls if _native is None else partial(_native.slots_new, cls)
+#: ``WorkerMatch`` itself (a record: its constructor is one C call with the native core)
+new_worker_match: Final = WorkerMatch
 
 
-#: ``WorkerMatch(...)`` with all eight fields given positionally (see :func:`fast_constructor`)
-new_worker_match: Callable[..., WorkerMatch] = fast_constructor(WorkerMatch)
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
+class MatchResult(Record):
     """Per-worker matches of one request (candidate order), see :class:`WorkerMatch`."""
 
+    __slots__ = ()
     matches: tuple[WorkerMatch, ...]
     num_tokens: int
 
@@ -233,9 +216,8 @@ class MatchResult:
         return [m.as_dict() for m in self.matches]
 
 
-#: ``MatchResult(matches, num_tokens)`` positionally (one per match; see
-#: :func:`fast_constructor`)
-new_match_result: Callable[..., MatchResult] = fast_constructor(MatchResult)
+#: ``MatchResult`` itself (see :data:`new_worker_match`)
+new_match_result: Final = MatchResult
 
 
 def weights_tuple(weights: Sequence[float]) -> tuple[float, ...]:

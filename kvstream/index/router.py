@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from kvstream._native import load as load_native
 from kvstream.errors import ConfigError
@@ -63,9 +63,9 @@ from kvstream.index.matching import (
     HashRequest,
     MatchResult,
     WorkerMatch,
-    fast_constructor,
     weights_tuple,
 )
+from kvstream.index.record import Record
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, WorkerKey
 
 __all__ = ["RouteDecision", "Router", "RouterConfig", "RoutingPolicy", "WorkerScore"]
@@ -131,11 +131,11 @@ class RouterConfig:
             raise ConfigError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
+class WorkerScore(Record):
     """One worker's side of a decision: its match, load, and (``kv``) the cost terms
     (``pending_prefill_blocks``: prefill already queued on the worker)."""
 
+    __slots__ = ()
     match: WorkerMatch
     active_requests: int
     active_blocks: int
@@ -161,20 +161,19 @@ class WorkerScore:
         return d
 
 
-#: ``WorkerScore(...)`` with all six fields positionally (the router builds one per candidate
-#: worker and decision; see :func:`~kvstream.index.matching.fast_constructor`)
-_new_score: Callable[..., WorkerScore] = fast_constructor(WorkerScore)
+#: the router builds one per candidate worker and decision (a record: one C call)
+_new_score: Final = WorkerScore
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
+class RouteDecision(Record):
     """The chosen worker and every candidate's score (candidate order); ``affinity_weight``
     the ``kv`` weight of prefill blocks used (None for the baselines)."""
 
+    __slots__ = ()
     worker: WorkerKey
     policy: RoutingPolicy
     num_tokens: int
-    scores: tuple[WorkerScore, ...] = field(default=())
+    scores: tuple[WorkerScore, ...] = ()
     affinity_weight: float | None = None
 
     @property
@@ -203,8 +202,8 @@ class RouteDecision:
         }
 
 
-#: ``RouteDecision(...)`` with all five fields positionally (one per routed request)
-_new_decision: Callable[..., RouteDecision] = fast_constructor(RouteDecision)
+#: one per routed request
+_new_decision: Final = RouteDecision
 
 
 class Router:
