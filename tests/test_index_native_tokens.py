@@ -216,7 +216,13 @@ def test_keys_are_blake3_of_the_parent_key_and_payload(payload: bytes, scoped: b
     assert t.key_of(b"h" * 8) == blake3(ROOT_KEY + payload, **ctx).digest(16)
 
 
-@pytest.mark.parametrize("n", [1023 - 16, 1024 - 16, 1025 - 16, 2048 - 16, 3072 - 15, 8192])
+@pytest.mark.parametrize(
+    "n",
+    # one block, the first block's end (48 bytes after the key), each later block's end, the
+    # chunk's end, then many chunks
+    [1, 47, 48, 49, 111, 112, 113, 128, 175, 176, 177, 1023 - 16, 1024 - 16, 1025 - 16, 2048 - 16]
+    + [3072 - 15, 8192],
+)
 def test_keys_at_chunk_boundaries(n: int) -> None:
     payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
     t = Native(1)

@@ -281,6 +281,47 @@ b3p_hash(const uint32_t key[8], uint32_t mode, const uint8_t *p, size_t len, uin
     memcpy(out, full, outlen);
 }
 
+/* The first 16 bytes of BLAKE3 (under key, with mode) of prefix[0:16] || p[0:len], for a
+ * message of one chunk (16 + len <= B3P_CHUNK_LEN), without assembling it: the first block is
+ * the prefix and p's first 48 bytes, later full blocks are read from p where they lie. */
+static void
+b3p_hash_prefixed16(const uint32_t key[8], uint32_t mode, const uint8_t prefix[16],
+                    const uint8_t *p, size_t len, uint8_t out[16])
+{
+    uint32_t cv[8], words[8];
+    uint8_t block[64];
+    uint32_t flags = mode | B3P_CHUNK_START;
+    size_t first = len < 48 ? len : 48;
+    memcpy(cv, key, sizeof cv);
+    memcpy(block, prefix, 16);
+    memcpy(block + 16, p, first);
+    if (len <= 48) {
+        memset(block + 16 + first, 0, 48 - first);
+        b3p_compress_impl(cv, block, (uint32_t)(16 + len), 0, flags | B3P_CHUNK_END | B3P_ROOT,
+                          words);
+    }
+    else {
+        b3p_compress_impl(cv, block, 64, 0, flags, cv);
+        flags = mode;
+        p += 48;
+        len -= 48;
+        while (len > 64) {
+            b3p_compress_impl(cv, p, 64, 0, flags, cv);
+            p += 64;
+            len -= 64;
+        }
+        const uint8_t *last = p;
+        if (len < 64) {
+            memcpy(block, p, len);
+            memset(block + len, 0, 64 - len);
+            last = block;
+        }
+        b3p_compress_impl(cv, last, (uint32_t)len, 0, flags | B3P_CHUNK_END | B3P_ROOT, words);
+    }
+    for (int i = 0; i < 4; i++)
+        b3p_store(out + 4 * i, words[i]);
+}
+
 /* The key words of BLAKE3's derive-key mode for context (hash the context string once). */
 static inline void
 b3p_context_key(const char *context, uint32_t key[8])

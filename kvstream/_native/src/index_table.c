@@ -1017,6 +1017,68 @@ remove_one(Tab *t, PyObject *h, int has_level, long level)
     return 0;
 }
 
+/* remove()'s prefetch distances, in blocks ahead of the one being removed: its hash's map slot
+ * (RM_MAP), then the record of the node that slot names (RM_NODE), then, from that record, its
+ * neighbours' records and, in a token-keyed table, its canonical key's key-map and mask slots
+ * (RM_KEY). Each stage reads only lines an earlier one loaded, so the misses of a removal (a
+ * random hash, then a random key) overlap those of the blocks before it. */
+#define RM_MAP 12
+#define RM_NODE 8
+#define RM_KEY 4
+
+/* The node a probe for hash h most likely ends on: the first slot of its run whose hash bits
+ * agree (only map slots are read, no record); -1 when none. */
+static inline int32_t
+peek_node(Tab *t, PyObject *h)
+{
+    if (!t->mcap || !PyBytes_Check(h) || PyBytes_GET_SIZE(h) > t->kw)
+        return -1;
+    uint32_t frag = FRAG(key_hash((const uint8_t *)PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h)));
+    size_t mask = (size_t)t->mcap - 1;
+    for (size_t i = frag & mask;; i = (i + 1) & mask) {
+        uint64_t v = t->map[i];
+        if (v == MAP_EMPTY)
+            return -1;
+        if (SLOT_FRAG(v) == frag)
+            return SLOT_ID(v);
+    }
+}
+
+static inline void
+prefetch_record(Tab *t, int32_t n)
+{
+    if (n < 0)
+        return;
+    const uint8_t *r = (const uint8_t *)ND(t, n);
+    __builtin_prefetch(r);
+    __builtin_prefetch(r + t->stride - 1);
+}
+
+/* Stage RM_KEY of remove()'s prefetching for hs[i] (see RM_MAP). */
+static inline void
+prefetch_removal(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end)
+{
+    if (i >= end)
+        return;
+    int32_t n = peek_node(t, hs[i]);
+    if (n < 0 || !(ND(t, n)->flags & F_LIVE))
+        return;
+    Node *d = ND(t, n);
+    prefetch_record(t, d->parent);
+    prefetch_record(t, d->prev);
+    prefetch_record(t, d->next);
+    if (!(d->flags & F_KEYED))
+        return;
+    const uint8_t *k = CKEY(t, n);
+    if (t->kcap)
+        __builtin_prefetch(&t->kmap[FRAG(ckey_hash(k)) & ((uint64_t)t->kcap - 1)]);
+    if (t->masks != NULL && Py_TYPE(t->masks) == &MMType) {
+        MM *m = (MM *)t->masks;
+        if (m->cap)
+            __builtin_prefetch(MM_SLOT(m, key_hash(k, CKEY_BYTES) & ((uint64_t)m->cap - 1)));
+    }
+}
+
 static PyObject *
 tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1034,11 +1096,16 @@ tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     int rc = 0;
     Py_ssize_t end = PySequence_Fast_GET_SIZE(hashes);
     PyObject **hs = PySequence_Fast_ITEMS(hashes);
-    for (Py_ssize_t i = 0; i < AHEAD && i < end; i++)
-        prefetch_key(t, hs, i, end, &MMType);
-    for (Py_ssize_t i = 0; i < end && rc == 0; i++) {
-        prefetch_key(t, hs, i + AHEAD, end, &MMType);
-        rc = remove_one(t, hs[i], has_level, level);
+    /* an engine-keyed table's mask slots are its hashes' (a token-keyed one's: stage RM_KEY) */
+    PyTypeObject *mmtype = t->ck ? NULL : &MMType;
+    for (Py_ssize_t i = -RM_MAP; i < end && rc == 0; i++) {
+        prefetch_key(t, hs, i + RM_MAP, end, mmtype);
+        if (i + RM_NODE >= 0 && i + RM_NODE < end)
+            prefetch_record(t, peek_node(t, hs[i + RM_NODE]));
+        if (i + RM_KEY >= 0)
+            prefetch_removal(t, hs, i + RM_KEY, end);
+        if (i >= 0)
+            rc = remove_one(t, hs[i], has_level, level);
     }
     Py_DECREF(hashes);
     if (flush_counters(t, args[2]) < 0 || rc < 0)

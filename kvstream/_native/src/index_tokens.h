@@ -28,6 +28,8 @@
 #define DYN_LOCAL 8
 #define KEY_CONTEXT "kvstream.index token block key v1"
 
+_Static_assert(CKEY_BYTES == 16, "b3p_hash_prefixed16 takes a 16-byte parent key");
+
 static PyTypeObject TokTableType;
 static uint32_t scoped_key_words[8]; /* BLAKE3 derive-key words of KEY_CONTEXT */
 
@@ -53,21 +55,22 @@ compute_key(Tab *t, const uint8_t *parent, const uint8_t *payload, Py_ssize_t pl
         memcpy(out + DYN_LOCAL, payload, DYN_LOCAL);
         return 0;
     }
-    uint8_t small[CKEY_BYTES + 1024];
+    const uint32_t *kw = scoped ? scoped_key_words : B3P_IV;
+    uint32_t mode = scoped ? B3P_DERIVE_KEY_MATERIAL : 0;
+    if (CKEY_BYTES + plen <= B3P_CHUNK_LEN) { /* one chunk: the usual block of tokens */
+        b3p_hash_prefixed16(kw, mode, parent, payload, (size_t)plen, out);
+        return 0;
+    }
     size_t len = CKEY_BYTES + (size_t)plen;
-    uint8_t *msg = len <= sizeof small ? small : PyMem_Malloc(len);
+    uint8_t *msg = PyMem_Malloc(len);
     if (msg == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     memcpy(msg, parent, CKEY_BYTES);
     memcpy(msg + CKEY_BYTES, payload, (size_t)plen);
-    if (scoped)
-        b3p_hash(scoped_key_words, B3P_DERIVE_KEY_MATERIAL, msg, len, out, CKEY_BYTES);
-    else
-        b3p_hash(B3P_IV, 0, msg, len, out, CKEY_BYTES);
-    if (msg != small)
-        PyMem_Free(msg);
+    b3p_hash(kw, mode, msg, len, out, CKEY_BYTES);
+    PyMem_Free(msg);
     return 0;
 }
 
