@@ -10,7 +10,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from enum import IntEnum
-from typing import Any, Final, SupportsIndex, overload
+from typing import TYPE_CHECKING, Any, Final, SupportsIndex, overload
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
@@ -150,10 +150,19 @@ class TokenIds(Sequence[int]):
         self._raw = data
         return self
 
-    @property
-    def raw(self) -> bytes:
-        """The ids as little-endian uint32 bytes (4 bytes per token)."""
-        return self._raw
+    if TYPE_CHECKING:
+
+        @property
+        def raw(self) -> bytes:
+            """The ids as little-endian uint32 bytes (4 bytes per token)."""
+            return self._raw
+
+    else:
+        # No Python frame behind it (native readers, e.g. the Avro encoder, read it per block)
+        raw = property(
+            operator.attrgetter("_raw"),
+            doc="The ids as little-endian uint32 bytes (4 bytes per token).",
+        )
 
     def _array(self) -> array[int]:
         arr = array("I")
@@ -283,6 +292,33 @@ class TokenIdsView(TokenIds):
             view._i = i
             out.append(view)
         return tuple(out)
+
+    if TYPE_CHECKING:
+
+        @property
+        def run(self) -> tuple[bytes, int]:
+            """Typing stub; the run-time property below carries the contract."""
+            return self._run
+
+        @property
+        def run_index(self) -> int:
+            """Typing stub; the run-time property below carries the contract."""
+            return self._i
+
+    else:
+        # Attribute reads with no Python code behind them and no allocation: native readers
+        # (the Avro encoder) take a chain's ids for two attribute lookups per block.
+        run = property(
+            operator.attrgetter("_run"),
+            doc="""``(packed, step)``: the run of equal blocks this view reads, shared by
+            all of them (its bytes, ``step`` bytes per block); the view's ids are
+            ``packed[run_index * step : (run_index + 1) * step]``. Reading it neither
+            copies nor cuts. Raises AttributeError once the view has cut its own bytes
+            (then read ``raw``).""",
+        )
+        run_index = property(
+            operator.attrgetter("_i"), doc="This view's block number in :attr:`run`."
+        )
 
     @property
     def _raw(self) -> bytes:  # type: ignore[override]  # the block's bytes, cut on first read

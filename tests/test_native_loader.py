@@ -50,7 +50,7 @@ from kvstream.engines import vllm
 from kvstream.workloads import mooncake
 print(json.dumps({
     "codec.tokens": tokens.NATIVE,
-    "codec.encoder": encoder._GATHER is not None,
+    "codec.encoder": encoder._NATIVE_ENCODE is not None,
     "codec.columnar": columnar.NATIVE,
     "events.columns": columns.native_model_columns() is not None,
     "events.trusted": trusted._trusted_native is not None,

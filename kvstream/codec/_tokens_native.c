@@ -1,9 +1,9 @@
 /*
- * kvstream.codec._tokens_native: the token encodings of schema v4 and the encoder's block
- * gathering in C.
+ * kvstream.codec._tokens_native: the token encodings of schema v4 and the model batch
+ * encoder in C.
  *
  * kvstream/codec/tokens.py holds the numpy references and kvstream/codec/encoder.py the
- * Python one of gather_blocks (same results, property-tested equal):
+ * Python one of encode_body (same results, property-tested equal):
  *
  *   varint_encode(raw, delta) -> bytes
  *       raw: little-endian uint32 ids (a buffer, length a multiple of 4). Each value (the id,
@@ -17,8 +17,9 @@
  *       32 bits, a redundant trailing zero group.
  *   planes_encode(raw) -> (high_bits, low16, high_planes)
  *       the bit-plane layout of every schema version (tokens.pack_tokens).
- *   gather_blocks(block_tuples) -> (raw, heads, plain) or None
- *       a batch's stored blocks read in one pass (encoder._gather_py; see below).
+ *   body_setup(...), encode_body(prefix, batch, events, version, token_encoding)
+ *       a model batch's whole Avro body in one call (_batch_body.h; encoder._encode_py is
+ *       its Python twin).
  *
  * The varint coders release the GIL on large inputs. Their loops are written so that the
  * compiler vectorises them without target flags (uint32 lanes, no loop-carried state): the
@@ -27,7 +28,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 
 #include <stdint.h>
 #include <string.h>
@@ -370,241 +370,7 @@ planes_encode(PyObject *self, PyObject *arg)
     return res;
 }
 
-/* ------------------------------------------------------------------------------ gathering */
-
-static PyObject *s_block_hash, *s_token_ids, *s_raw, *s_fields_set;
-
-/* Where gather_blocks reads a type's attributes: per block type, whether block_hash and
- * token_ids come from the instance __dict__ (no class attribute can shadow them: pydantic
- * keeps fields there and none in the class) and the offset of its __pydantic_fields_set__
- * slot; per token type, the offset of its _raw slot. -1: use the generic lookup. Looked up
- * once per type met in a call, not per block. */
-typedef struct {
-    PyTypeObject *blk_type, *tok_type;
-    int dict_fields;
-    Py_ssize_t fields_set_off, raw_off;
-} Layout;
-
-/* The offset of the object slot (a __slots__ member) `name` of `type`, or -1. */
-static Py_ssize_t
-slot_offset(PyTypeObject *type, PyObject *name)
-{
-    PyObject *d = _PyType_Lookup(type, name);
-    if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type)
-        return -1;
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    return m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : -1;
-}
-
-/* The value of slot `off` of `obj` (a new reference), or of obj.name when off < 0. */
-static inline PyObject *
-slot(PyObject *obj, Py_ssize_t off, PyObject *name)
-{
-    if (off < 0)
-        return PyObject_GetAttr(obj, name);
-    PyObject *v = *(PyObject **)((char *)obj + off);
-    if (v == NULL) {
-        PyErr_SetObject(PyExc_AttributeError, name);
-        return NULL;
-    }
-    Py_INCREF(v);
-    return v;
-}
-
-/* obj.name (a new reference), from the instance __dict__ when `from_dict`. */
-static inline PyObject *
-field(PyObject *obj, PyObject *name, int from_dict)
-{
-    if (from_dict) {
-        PyObject *dict = PyObject_GenericGetDict(obj, NULL);
-        if (dict == NULL) {
-            PyErr_Clear(); /* no __dict__: the generic lookup says what is wrong */
-        }
-        else {
-            PyObject *v = PyDict_GetItemWithError(dict, name);
-            Py_XINCREF(v);
-            Py_DECREF(dict);
-            if (v != NULL)
-                return v;
-            if (PyErr_Occurred())
-                return NULL;
-        }
-    }
-    return PyObject_GetAttr(obj, name);
-}
-
-static void
-layout_block(Layout *lay, PyTypeObject *type)
-{
-    lay->blk_type = type;
-    lay->dict_fields = _PyType_Lookup(type, s_block_hash) == NULL &&
-                       _PyType_Lookup(type, s_token_ids) == NULL;
-    lay->fields_set_off = slot_offset(type, s_fields_set);
-}
-
-/* Append the Avro long `v` (>= 0: zig-zag 2v) at o; returns the new end. */
-static inline char *
-put_long(char *o, Py_ssize_t v)
-{
-    uint64_t z = (uint64_t)v << 1;
-    while (z >= 0x80) {
-        *o++ = (char)(z | 0x80);
-        z >>= 7;
-    }
-    *o++ = (char)z;
-    return o;
-}
-
-/* gather_blocks(block_tuples) -> (raw, heads, plain) or None.
- *
- * block_tuples: a list of tuples of StoredBlock (each stored event's blocks). raw: all token
- * ids (TokenIds._raw) concatenated. heads: per tuple, the StoredData fields from block_count
- * to block_sizes as Avro binary: block_count, block_hashes (the hashes joined, length-prefixed),
- * then block_size, last_block_size and a null block_sizes when every block but the last has
- * the first one's token count, else 0, 0 and the counts as an array. plain: per tuple, whether
- * every block's pydantic fields set is within {"block_hash", "token_ids"} (then every other
- * block attribute is its default). None when anything is not as expected (the caller's Python
- * path, encoder._gather_py, then does the same work and raises what it raises). */
-static PyObject *
-gather_blocks(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    if (!PyList_CheckExact(arg))
-        Py_RETURN_NONE;
-    Py_ssize_t events = PyList_GET_SIZE(arg), total = 0;
-    for (Py_ssize_t e = 0; e < events; e++) {
-        PyObject *t = PyList_GET_ITEM(arg, e);
-        if (!PyTuple_CheckExact(t))
-            Py_RETURN_NONE;
-        total += PyTuple_GET_SIZE(t);
-    }
-    PyObject **refs = PyMem_Calloc((size_t)(2 * total) + 1, sizeof(PyObject *));
-    Py_ssize_t *counts = PyMem_Malloc(sizeof(Py_ssize_t) * ((size_t)total + 1));
-    if (refs == NULL || counts == NULL) {
-        PyMem_Free(refs);
-        PyMem_Free(counts);
-        return PyErr_NoMemory();
-    }
-    PyObject **hashes_of = refs, **raws_of = refs + total;
-    PyObject *res = NULL, *raw = NULL, *heads = NULL, *plain = NULL;
-    Py_ssize_t raw_len = 0, b = 0;
-    int ok = 1;
-    Layout lay = {NULL, NULL, 0, -1, -1};
-    if ((heads = PyList_New(events)) == NULL || (plain = PyList_New(events)) == NULL)
-        goto done;
-    for (Py_ssize_t e = 0; e < events && ok; e++) {
-        PyObject *t = PyList_GET_ITEM(arg, e);
-        Py_ssize_t n = PyTuple_GET_SIZE(t), hash_len = 0;
-        int is_plain = 1;
-        if (n == 0) { /* not a valid Stored: the Python path reports it */
-            ok = 0;
-            break;
-        }
-        for (Py_ssize_t i = 0; i < n; i++, b++) {
-            PyObject *blk = PyTuple_GET_ITEM(t, i);
-            if (Py_TYPE(blk) != lay.blk_type)
-                layout_block(&lay, Py_TYPE(blk));
-            PyObject *h = field(blk, s_block_hash, lay.dict_fields);
-            if (h == NULL || !PyBytes_CheckExact(h)) {
-                Py_XDECREF(h);
-                ok = 0;
-                break;
-            }
-            hashes_of[b] = h;
-            hash_len += PyBytes_GET_SIZE(h);
-            PyObject *tok = field(blk, s_token_ids, lay.dict_fields);
-            if (tok != NULL && Py_TYPE(tok) != lay.tok_type) {
-                lay.tok_type = Py_TYPE(tok);
-                lay.raw_off = slot_offset(lay.tok_type, s_raw);
-            }
-            PyObject *r = tok == NULL ? NULL : slot(tok, lay.raw_off, s_raw);
-            Py_XDECREF(tok);
-            if (r == NULL || !PyBytes_CheckExact(r) || PyBytes_GET_SIZE(r) % 4) {
-                Py_XDECREF(r);
-                ok = 0;
-                break;
-            }
-            raws_of[b] = r;
-            counts[b] = PyBytes_GET_SIZE(r) / 4;
-            raw_len += PyBytes_GET_SIZE(r);
-            if (is_plain) {
-                PyObject *fs = slot(blk, lay.fields_set_off, s_fields_set);
-                if (fs == NULL || !PyAnySet_Check(fs)) {
-                    Py_XDECREF(fs);
-                    ok = 0;
-                    break;
-                }
-                int x = PySet_Contains(fs, s_block_hash), y = PySet_Contains(fs, s_token_ids);
-                Py_ssize_t size = PySet_GET_SIZE(fs);
-                Py_DECREF(fs);
-                if (x < 0 || y < 0)
-                    goto done;
-                is_plain = x + y == size;
-            }
-        }
-        if (!ok)
-            break;
-        const Py_ssize_t *c = counts + b - n;
-        int regular = 1; /* every block but the last has the first one's count */
-        for (Py_ssize_t i = 1; i < n - 1 && regular; i++)
-            regular = c[i] == c[0];
-        /* longs take at most 10 bytes: count, hash length, two sizes, array (n + 2 longs) */
-        Py_ssize_t cap = hash_len + 10 * (n + 8);
-        PyObject *head = PyBytes_FromStringAndSize(NULL, cap);
-        if (head == NULL)
-            goto done;
-        char *start = PyBytes_AS_STRING(head), *o = start;
-        o = put_long(o, n);
-        o = put_long(o, hash_len);
-        for (Py_ssize_t i = b - n; i < b; i++) {
-            memcpy(o, PyBytes_AS_STRING(hashes_of[i]), PyBytes_GET_SIZE(hashes_of[i]));
-            o += PyBytes_GET_SIZE(hashes_of[i]);
-        }
-        if (regular) {
-            o = put_long(o, c[0]);
-            o = put_long(o, c[n - 1]);
-            *o++ = 0; /* block_sizes: null */
-        }
-        else {
-            *o++ = 0;
-            *o++ = 0;
-            *o++ = 2; /* block_sizes: union branch 1, an array of n longs */
-            o = put_long(o, n);
-            for (Py_ssize_t i = 0; i < n; i++)
-                o = put_long(o, c[i]);
-            *o++ = 0;
-        }
-        if (_PyBytes_Resize(&head, o - start) < 0)
-            goto done;
-        PyList_SET_ITEM(heads, e, head);
-        PyObject *flag = is_plain ? Py_True : Py_False;
-        Py_INCREF(flag);
-        PyList_SET_ITEM(plain, e, flag);
-    }
-    if (!ok) {
-        PyErr_Clear();
-        res = Py_None;
-        Py_INCREF(res);
-        goto done;
-    }
-    if ((raw = PyBytes_FromStringAndSize(NULL, raw_len)) == NULL)
-        goto done;
-    char *o = PyBytes_AS_STRING(raw);
-    for (Py_ssize_t i = 0; i < total; i++) {
-        memcpy(o, PyBytes_AS_STRING(raws_of[i]), PyBytes_GET_SIZE(raws_of[i]));
-        o += PyBytes_GET_SIZE(raws_of[i]);
-    }
-    res = PyTuple_Pack(3, raw, heads, plain);
-done:
-    for (Py_ssize_t i = 0; i < 2 * total; i++)
-        Py_XDECREF(refs[i]);
-    PyMem_Free(refs);
-    PyMem_Free(counts);
-    Py_XDECREF(raw);
-    Py_XDECREF(heads);
-    Py_XDECREF(plain);
-    return res;
-}
+#include "_batch_body.h"
 
 static PyMethodDef methods[] = {
     {"varint_encode", varint_encode, METH_VARARGS,
@@ -617,9 +383,12 @@ static PyMethodDef methods[] = {
      "ids; ValueError otherwise."},
     {"planes_encode", planes_encode, METH_O,
      "planes_encode(raw) -> (high_bits, low16, high_planes): uint32 LE ids as bit planes."},
-    {"gather_blocks", gather_blocks, METH_O,
-     "gather_blocks(block_tuples) -> (raw, heads, plain) or None: a batch's stored blocks "
-     "for the encoder (see kvstream.codec.encoder._gather_py)."},
+    {"body_setup", body_setup, METH_VARARGS,
+     "body_setup(types, attention, field_names, block_defaults, frames, tails, block_attrs, "
+     "encode_tokens): what encode_body needs (see kvstream.codec.encoder)."},
+    {"encode_body", encode_body, METH_VARARGS,
+     "encode_body(prefix, batch, events, version, token_encoding) -> bytes | None: the Avro "
+     "body of a model batch (kvstream.codec.encoder._encode_py), None where it declines."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -638,10 +407,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC
 PyInit__tokens_native(void)
 {
-    if ((s_block_hash = PyUnicode_InternFromString("block_hash")) == NULL ||
-        (s_token_ids = PyUnicode_InternFromString("token_ids")) == NULL ||
-        (s_raw = PyUnicode_InternFromString("_raw")) == NULL ||
-        (s_fields_set = PyUnicode_InternFromString("__pydantic_fields_set__")) == NULL)
+    if (body_intern() < 0)
         return NULL;
     return PyModule_Create(&moduledef);
 }

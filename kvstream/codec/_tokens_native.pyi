@@ -1,8 +1,8 @@
 """Type stub of the optional C extension ``kvstream.codec._tokens_native``
 (``_tokens_native.c``).
 
-The token encodings of schema v4 and the encoder's block gathering in C;
-:mod:`kvstream.codec.tokens` (numpy) and :mod:`kvstream.codec.encoder` (``_gather_py``) hold
+The token encodings of schema v4 and the model batch encoder in C;
+:mod:`kvstream.codec.tokens` (numpy) and :mod:`kvstream.codec.encoder` (``_encode_py``) hold
 the references, property-tested equal.
 """
 
@@ -22,9 +22,21 @@ def varint_sizes(raw: Buffer) -> tuple[int, int, int]:
 def planes_encode(raw: Buffer) -> tuple[int, bytes, bytes]:
     """``(high_bits, low16, high_planes)``: the bit planes of uint32 LE ids."""
 
-def gather_blocks(
-    block_tuples: list[tuple[Any, ...]],
-) -> tuple[bytes, list[bytes], list[int], bool, list[bool]] | None:
-    """Per batch: all token ids, per event its hashes joined, per block its token count, whether
-    the counts are all equal, per event whether its blocks set only block_hash/token_ids; None
-    when a block is not as expected."""
+def body_setup(
+    types: tuple[type, ...],
+    attention: tuple[Any, Any],
+    field_names: tuple[str, ...],
+    block_defaults: tuple[Any, ...],
+    frames: tuple[Any, ...],
+    tails: tuple[bytes | None, ...],
+    block_attrs: Any,
+    encode_tokens: Any,
+) -> None:
+    """What ``encode_body`` needs: the model classes, constant byte runs and two helpers
+    (``kvstream.codec.encoder._native_encode`` passes them)."""
+
+def encode_body(
+    prefix: bytes, batch: Any, events: tuple[Any, ...], version: int, token_encoding: str
+) -> bytes | None:
+    """A model batch's Avro body after ``prefix`` (``encoder._encode_py``), or None where a
+    value is not as the models guarantee (the caller then runs the Python path)."""

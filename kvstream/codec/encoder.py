@@ -272,7 +272,6 @@ def _block_attrs(blocks: tuple[StoredBlock, ...], version: int, out: list[bytes]
 
 
 _Gathered = tuple[bytes, list[bytes], list[bool]]
-_Gather = Callable[[list[tuple[StoredBlock, ...]]], _Gathered | None]
 
 
 def _size_fields(sizes: list[int]) -> bytes:
@@ -287,7 +286,7 @@ def _size_fields(sizes: list[int]) -> bytes:
 
 
 def _gather_py(block_tuples: list[tuple[StoredBlock, ...]]) -> _Gathered:
-    """The reference of the C ``gather_blocks``: (all token ids joined; per event its
+    """(all token ids joined; per event its
     ``block_count``, ``block_hashes`` and the three size fields, encoded; per event whether
     every block has only ``block_hash``/``token_ids`` set, so all other attributes default)."""
     raws: list[bytes] = []
@@ -302,20 +301,8 @@ def _gather_py(block_tuples: list[tuple[StoredBlock, ...]]) -> _Gathered:
     return b"".join(raws), heads, plain
 
 
-def _native_gather() -> _Gather | None:
-    mod: Any = load_native("kvstream.codec._tokens_native")
-    if mod is None:
-        return None
-    gather: _Gather | None = getattr(mod, "gather_blocks", None)
-    return gather
-
-
-_GATHER: Final = _native_gather()
-
-
 class _Blocks:
-    """The batch's stored blocks, read in one pass (in C when built): the per-attribute reads
-    of 1,000 pydantic blocks were a third of the encoding time."""
+    """The batch's stored blocks, read in one pass (:func:`_gather_py`)."""
 
     __slots__ = ("event", "heads", "plain", "raw")
     raw: bytes
@@ -323,10 +310,7 @@ class _Blocks:
     plain: list[bool]
 
     def __init__(self, block_tuples: list[tuple[StoredBlock, ...]]) -> None:
-        got = _GATHER(block_tuples) if _GATHER is not None else None
-        if got is None:  # no C, or something the C loop does not expect: the reference path
-            got = _gather_py(block_tuples)
-        self.raw, self.heads, self.plain = got
+        self.raw, self.heads, self.plain = _gather_py(block_tuples)
         self.event = 0
 
 
@@ -461,31 +445,26 @@ def check_token_encoding(version: int, token_encoding: str) -> None:
         raise EncodeError(f"schema v{version} has only bit-plane tokens, not {token_encoding!r}")
 
 
-def encode_batch_body(
-    batch: EventBatch,
-    version: int,
-    *,
-    lossy: bool = False,
-    prefix: bytes = b"",
-    token_encoding: str = "auto",
-) -> bytes:
-    """The schemaless Avro body of ``batch`` under schema ``version`` (1 to 4), after
-    ``prefix`` (a framing header, joined in the same copy).
+def _block_attrs_bytes(blocks: tuple[StoredBlock, ...], version: int) -> bytes:
+    """The block attribute fields of a stored event (the C encoder's helper for events where
+    some block has an attribute set)."""
+    out: list[bytes] = []
+    _block_attrs(blocks, version, out)
+    return b"".join(out)
 
-    Older versions drop or reject what they cannot carry (see :mod:`.downgrade`).
-    ``token_encoding`` (:data:`~kvstream.codec.tokens.TOKEN_ENCODINGS`) picks how v4 carries
-    token ids; versions before 4 always write bit planes (``auto`` and ``planes`` accepted).
-    Raises EncodeError for a batch that cannot be encoded; ``batch.schema_version`` is ignored.
-    """
-    if version not in ENCODED_VERSIONS:
-        raise EncodeError(f"cannot write schema version {version}; writable: {ENCODED_VERSIONS}")
-    check_token_encoding(version, token_encoding)
-    events = events_for_version(batch, version, lossy=lossy)
+
+def _encode_py(
+    batch: EventBatch,
+    events: tuple[KVCacheEvent, ...],
+    version: int,
+    token_encoding: str,
+    prefix: bytes,
+) -> bytes:
+    """:func:`encode_batch_body` of ``events`` (already :func:`events_for_version`'s) in
+    Python: the twin of the C ``encode_body``, and the path for what it declines."""
     try:
         out: list[bytes] = []
-        tokens = _events(
-            events, version, token_encoding if version >= PACKED_TOKENS_SINCE else "planes", out
-        )
+        tokens = _events(events, version, token_encoding, out)
         source = batch.source
         head = [
             prefix,
@@ -504,5 +483,79 @@ def encode_batch_body(
         return b"".join(head)
     except EncodeError:
         raise
-    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+    except (AttributeError, TypeError, ValueError, LookupError, OverflowError) as exc:
         raise EncodeError(f"cannot encode batch: {type(exc).__name__}: {exc}") from exc
+
+
+_NativeEncode = Callable[[bytes, EventBatch, tuple[KVCacheEvent, ...], int, str], bytes | None]
+
+
+def _native_encode() -> _NativeEncode | None:
+    mod: Any = load_native("kvstream.codec._tokens_native")
+    if mod is None:
+        return None
+    kinds = (Created, Stored, Removed, Updated, Cleared, Lost)
+    names = ("created", "stored", "removed", "updated", "cleared", "lost")
+    frames: list[tuple[tuple[bytes, bytes] | None, ...] | None] = [None]
+    tails: list[bytes | None] = [None]
+    for v in range(1, 5):
+        if v not in ENCODED_VERSIONS:  # pragma: no cover - every version 1-4 is writable
+            frames.append(None)
+            tails.append(None)
+            continue
+        frames.append(tuple(_FRAMES[v].get(name) for name in names))
+        tails.append(_DEFAULT_STORED_TAIL[v])
+    fields = tuple(StoredBlock.model_fields)
+    mod.body_setup(
+        (StoredBlock, *kinds, EventDiff, TokenIds),
+        (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW),
+        fields,
+        tuple(StoredBlock.model_fields[name].default for name in fields[2:]),
+        tuple(frames),
+        tuple(tails),
+        _block_attrs_bytes,
+        encode_tokens,
+    )
+    encode: _NativeEncode = mod.encode_body
+    return encode
+
+
+#: The C encoder (``_tokens_native.encode_body``), or None (pure Python).
+_NATIVE_ENCODE: _NativeEncode | None = _native_encode()
+
+
+def encode_batch_body(
+    batch: EventBatch,
+    version: int,
+    *,
+    lossy: bool = False,
+    prefix: bytes = b"",
+    token_encoding: str = "auto",
+) -> bytes:
+    """The schemaless Avro body of ``batch`` under schema ``version`` (1 to 4), after
+    ``prefix`` (a framing header, joined in the same copy).
+
+    Older versions drop or reject what they cannot carry (see :mod:`.downgrade`).
+    ``token_encoding`` (:data:`~kvstream.codec.tokens.TOKEN_ENCODINGS`) picks how v4 carries
+    token ids; versions before 4 always write bit planes (``auto`` and ``planes`` accepted).
+    Raises EncodeError for a batch that cannot be encoded; ``batch.schema_version`` is ignored.
+
+    One C call writes the body where the extension is built; anything it does not expect
+    (or any error) sends the batch through the Python twin, so results and errors are the
+    same either way.
+    """
+    if version not in ENCODED_VERSIONS:
+        raise EncodeError(f"cannot write schema version {version}; writable: {ENCODED_VERSIONS}")
+    check_token_encoding(version, token_encoding)
+    events = events_for_version(batch, version, lossy=lossy)
+    if version < PACKED_TOKENS_SINCE:
+        token_encoding = "planes"
+    native = _NATIVE_ENCODE
+    if native is not None and type(prefix) is bytes:
+        try:
+            body = native(prefix, batch, events, version, token_encoding)
+        except Exception:  # the Python path raises what this batch raises there
+            body = None
+        if body is not None:
+            return body
+    return _encode_py(batch, events, version, token_encoding, prefix)
