@@ -343,11 +343,11 @@ static inline void
 prefetch_ckey(Tab *t, const uint8_t *key)
 {
     if (t->kcap)
-        __builtin_prefetch(&t->kmap[FRAG(ckey_hash(key)) & ((uint64_t)t->kcap - 1)]);
+        prefetch_run(&t->kmap[FRAG(ckey_hash(key)) & ((uint64_t)t->kcap - 1)]);
     if (t->masks != NULL && Py_TYPE(t->masks) == &MMType) {
         MM *m = (MM *)t->masks;
         if (m->cap)
-            __builtin_prefetch(MM_SLOT(m, key_hash(key, CKEY_BYTES) & ((uint64_t)m->cap - 1)));
+            prefetch_run(MM_SLOT(m, key_hash(key, CKEY_BYTES) & ((uint64_t)m->cap - 1)));
     }
 }
 
