@@ -26,7 +26,7 @@ from kvstream.codec.encoder import ENCODED_VERSIONS, encode_batch_body
 from kvstream.engines import vllm as wire
 from kvstream.engines.endpoint import DIALECTS
 from kvstream.engines.sglang import SGLANG
-from kvstream.engines.stream import EngineStream
+from kvstream.engines.stream import EngineStream, batch_rank, decode_typed
 from kvstream.engines.vllm import VLLM, Dialect, decode_payload
 from kvstream.errors import EncodeError, InteropError
 from kvstream.events.model import EventBatch
@@ -216,28 +216,55 @@ def test_falsy_block_values_survive_the_model_path(given: dict[str, Any]) -> Non
     assert codec.decode(codec.encode(batch)) == batch
 
 
-def test_captured_vllm_033_frames_take_the_one_pass_path() -> None:
+def _typed(payload: bytes) -> Any:
+    typed = decode_typed(payload)
+    if typed is None:
+        raise wire._NotFast
+    return typed
+
+
+def test_captured_vllm_033_frames_take_the_one_pass_paths() -> None:
     if wire._wire_native is None:
         pytest.skip("kvstream.engines._wire_native is not built (or KVSTREAM_NO_NATIVE)")
-    checked = 0
+    checked = in_c = 0
     for capture in sorted(GOLDEN.glob("vllm-0.33.0/*-int-*.json")):
         stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64")
         for step in json.loads(capture.read_text())["live"]:
-            # raises _NotFast for a payload the one pass does not take
-            stream._fast_columns(bytes.fromhex(step["frames"][2]), wire._wire_native)
+            payload = bytes.fromhex(step["frames"][2])
+            plain = all(  # what the one C call is for: no LoRA, salt or extra keys
+                ev.lora_id is None
+                and ev.lora_name is None
+                and ev.cache_salt is None
+                and not any(ev.extra_keys or ())
+                for ev in decode_payload(payload, width=8).events
+            )
+            # the one C call takes every plain frame vLLM 0.33 sends (None: not its case) ...
+            c_stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64")
+            c_stream.resume(stream.state())
+            took = c_stream._native_columns(payload, wire._wire_native) is not None
+            assert took or not plain
+            in_c += took
+            # ... and the pass over msgspec's structs takes them all (_NotFast otherwise)
+            stream._fast_columns(_typed(payload), wire._wire_native)
             checked += 1
-    assert checked >= 10
+    assert checked >= 10 and in_c >= 10
+
+
+def _columns_of(stream: EngineStream, cols: Any) -> Any:
+    return (
+        (cols.event_ids, cols.kinds, cols.group_ids, cols.window_sizes, cols.payloads),
+        (cols.stored_extra, cols.tokens, cols.ts_ns, cols.hash_algos),
+        (stream.state(), stream.events),
+    )
 
 
 def _one_pass(payload: bytes, native: Any) -> Any:
     stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64", clock_ns=lambda: 7)
     try:
-        cols = stream._fast_columns(payload, native)
+        cols = stream._fast_columns(_typed(payload), native)
     except wire._NotFast:
         return "not fast", stream.state()
-    return (cols.event_ids, cols.kinds, cols.group_ids, cols.window_sizes, cols.payloads), (
-        stream.state()
-    )
+    return _columns_of(stream, cols)
 
 
 needs_c = pytest.mark.skipif(
@@ -290,3 +317,95 @@ def test_removed_run_stops_where_the_run_ends() -> None:
         assert run(got, start, structs.Removed, MEDIUM_LEVELS) is None
     with pytest.raises(TypeError):
         run(tuple(got), 0, structs.Removed, MEDIUM_LEVELS)
+
+
+@needs_c
+@PROPS
+@given(frames=st.lists(payloads, min_size=1, max_size=3), windows=st.booleans())
+def test_the_one_c_call_equals_the_pass_over_structs(frames: list[bytes], windows: bool) -> None:
+    # batch_columns reads the bytes itself: where it answers, it answers what _fast_columns
+    # gives from msgspec's structs (and the stream moves on the same); None changes nothing
+    native = wire._wire_native
+    c_stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64", clock_ns=lambda: 7)
+    py_stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64", clock_ns=lambda: 7)
+    if windows:  # groups already known, as after earlier batches
+        for s in (c_stream, py_stream):
+            s.resume({"incarnation": 7, "next_id": 5, "windows": {"0": 64, "3": 9}})
+    for payload in frames:
+        before = c_stream.state()
+        got = c_stream._native_columns(payload, native)
+        if got is None:
+            assert c_stream.state() == before
+        try:
+            want = py_stream._fast_columns(_typed(payload), native)
+        except wire._NotFast:
+            assert got is None
+            return
+        if got is None:  # outside the C subset: the struct pass takes it for both
+            got = c_stream._fast_columns(_typed(payload), native)
+        assert _columns_of(c_stream, got) == _columns_of(py_stream, want)
+
+
+@PROPS
+@given(payload=payloads | st.binary(max_size=64))
+def test_batch_rank_is_the_rank_the_decoders_read(payload: bytes) -> None:
+    try:
+        rank, _typed_batch = batch_rank(payload)
+    except ValueError:
+        rank = "refused"
+    typed = decode_typed(payload)
+    if typed is not None:
+        assert rank == typed.data_parallel_rank
+    try:
+        decoded = decode_payload(payload, width=8, split_tokens=False)
+    except InteropError:
+        return
+    if rank != "refused":
+        assert rank == decoded.dp_rank
+
+
+@needs_c
+def test_the_one_c_call_leaves_what_needs_python_to_python() -> None:
+    import msgspec
+
+    base = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": 5,
+        "token_ids": [1, 2, 3],
+        "block_size": 2,
+        "medium": "gpu",
+        "extra_keys": [None, None],
+    }
+    native = wire._wire_native
+
+    def c_takes(ev: dict[str, Any], *, rank: Any = 0, ts: Any = 1.5) -> bool:
+        stream = EngineStream("vllm@h:1", 0, "vllm_sha256_cbor_64")
+        payload = msgspec.msgpack.encode([ts, [ev], rank])
+        return stream._native_columns(payload, native) is not None
+
+    assert c_takes(base)
+    assert c_takes(base, rank=None)
+    assert c_takes(base | {"locality": "remote", "kv_cache_spec_sliding_window": 4})
+    assert c_takes(base | {"ownership": "x", "session_id": "s", "lookahead_token_ids": [1, 2]})
+    for leaves in (
+        {"lora_id": 1},
+        {"lora_name": "a"},
+        {"cache_salt": "s"},
+        {"extra_keys": [None, ["mm", 1]]},
+        {"extra_keys": [None]},
+        {"parent_block_hash": b"\x00" * 8},
+        {"parent_block_hash": -1},
+        {"medium": "GPU\u00e9"},
+        {"medium": "VRAM"},
+        {"block_size": None},
+        {"token_ids": [[1, 2]]},
+        {"ownership": {"a": 1}},  # an Any field's map: msgspec's to check
+        {"unknown_field": 1},
+        {"kv_cache_spec_sliding_window": 0},
+        {"group_idx": 2**31},
+        {"type": "BlockRemoved"},  # a removal has no token ids
+    ):
+        assert not c_takes(base | leaves), leaves
+    assert not c_takes(base, rank=-1)
+    assert not c_takes(base, ts=1)

@@ -11,6 +11,9 @@
  *                                      big-endian (64-bit block hashes)
  *   removed_run(events, start, type, levels)   a run of msgspec-decoded BlockRemoved structs
  *                                      of one group and tier: their hashes (see below)
+ *   peek_rank(payload) -> int | None   a batch's data_parallel_rank, events skipped
+ *   batch_columns(payload, ...)        a whole batch straight to EngineStream's columns, for
+ *                                      the payloads every current engine sends (see below)
  *
  * ``buf`` is any contiguous buffer holding exactly one msgpack array (what msgspec.Raw holds).
  * Anything else (another type, a negative or too large int, a nested array, trailing bytes)
@@ -363,10 +366,874 @@ error:
     return NULL;
 }
 
+
+/* ------------------------------------------------------------------ whole payloads
+ *
+ * batch_columns(payload, next_id, windows, levels, external, unbounded) -> tuple | None
+ *
+ * One vLLM-family ``KVEventBatch`` payload read straight into the columns
+ * EngineStream._fast_columns builds from msgspec's structs, for the payloads every current
+ * engine sends: ``[ts (float), events, data_parallel_rank (None or an int >= 0)?]`` whose
+ * events are maps of ASCII keys, each a BlockStored / BlockRemoved / AllBlocksCleared with
+ * only the fields its struct declares (kvstream/engines/_wire_structs.py), uint64 hashes,
+ * uint32 token ids, ASCII strings, and none of the optional values that need Python's rules
+ * (lora id/name, cache salt, non-empty extra keys, the ``Any`` fields not nil, a hash as
+ * bytes or a negative int). Anything else gives None, before any state changed: the caller
+ * then decodes through msgspec's structs, which names the problem or takes the value.
+ *
+ * ``windows`` (layer group -> window) is updated in place, as _fast_columns updates its copy;
+ * ``levels`` maps upper-case ``medium`` names to cache levels; ``external`` is the level of
+ * ``locality: "REMOTE"``; ``unbounded`` the window of a group that named none. Returns
+ * ``(ts, rank, event_ids, kinds, group_ids, window_sizes, payloads, stored_extra, tokens,
+ * next_id)`` with the same values and shapes _fast_columns gives them. */
+
+enum { K_STORED = 1, K_REMOVED = 2, K_CLEARED = 4 };
+
+/* The fields of the three structs, as bits. */
+enum {
+    F_TYPE = 0, F_HASHES, F_TOKENS, F_PARENT, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
+    F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_WINDOW, F_LOCALITY, F_SALT, F_OWNERSHIP, F_SESSION,
+    F_LOOKAHEAD, F_COUNT
+};
+static const char *const field_names[F_COUNT] = {
+    "type", "block_hashes", "token_ids", "parent_block_hash", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window", "locality", "cache_salt", "ownership", "session_id",
+    "lookahead_token_ids",
+};
+#define BIT(f) (1u << (f))
+#define STORED_FIELDS (BIT(F_COUNT) - 1u)
+#define REMOVED_FIELDS                                                                       \
+    (BIT(F_TYPE) | BIT(F_HASHES) | BIT(F_MEDIUM) | BIT(F_GROUP) | BIT(F_LOCALITY)             \
+     | BIT(F_OWNERSHIP))
+
+/* A msgspec str (ASCII only here: a non-ASCII one goes the msgspec way, which checks UTF-8). */
+static int
+read_ascii(Reader *r, const unsigned char **s, Py_ssize_t *n)
+{
+    unsigned char b;
+    Py_ssize_t len, i;
+
+    if (!need(r, 1))
+        return -1;
+    b = *r->p++;
+    if ((b & 0xE0) == 0xA0)
+        len = b & 0x1F;
+    else if (b == 0xD9 && need(r, 1))
+        len = (Py_ssize_t)be(r->p++, 1);
+    else if (b == 0xDA && need(r, 2)) {
+        len = (Py_ssize_t)be(r->p, 2);
+        r->p += 2;
+    } else if (b == 0xDB && need(r, 4)) {
+        len = (Py_ssize_t)be(r->p, 4);
+        r->p += 4;
+    } else
+        return -1;
+    if (!need(r, len))
+        return -1;
+    for (i = 0; i < len; i++)
+        if (r->p[i] & 0x80)
+            return -1;
+    *s = r->p;
+    *n = len;
+    r->p += len;
+    return 0;
+}
+
+static inline int
+is_nil(Reader *r)
+{
+    if (need(r, 1) && *r->p == 0xC0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A map header: its length, or -1. */
+static Py_ssize_t
+map_header(Reader *r)
+{
+    unsigned char b;
+
+    if (!need(r, 1))
+        return -1;
+    b = *r->p++;
+    if ((b & 0xF0) == 0x80)
+        return b & 0x0F;
+    if (b == 0xDE && need(r, 2)) {
+        r->p += 2;
+        return (Py_ssize_t)be(r->p - 2, 2);
+    }
+    if (b == 0xDF && need(r, 4)) {
+        r->p += 4;
+        return (Py_ssize_t)be(r->p - 4, 4);
+    }
+    return -1;
+}
+
+/* Skip one msgpack value (for peek_rank); 0, or -1 when malformed or nested too deep. */
+static int
+skip_value(Reader *r, int depth)
+{
+    unsigned char b;
+    Py_ssize_t n = 0, i;
+    int items = 0; /* 1: n values follow, 2: n key/value pairs follow */
+
+    if (depth > 64 || !need(r, 1))
+        return -1;
+    b = *r->p++;
+    if (b < 0x80 || b >= 0xE0 || b == 0xC0 || b == 0xC2 || b == 0xC3)
+        return 0;
+    if ((b & 0xF0) == 0x80) {
+        n = b & 0x0F;
+        items = 2;
+    } else if ((b & 0xF0) == 0x90) {
+        n = b & 0x0F;
+        items = 1;
+    } else if ((b & 0xE0) == 0xA0) {
+        n = b & 0x1F;
+    } else {
+        switch (b) {
+        case 0xCC: case 0xD0: n = 1; break;
+        case 0xCD: case 0xD1: n = 2; break;
+        case 0xCA: case 0xCE: case 0xD2: n = 4; break;
+        case 0xCB: case 0xCF: case 0xD3: n = 8; break;
+        case 0xD4: n = 2; break;
+        case 0xD5: n = 3; break;
+        case 0xD6: n = 5; break;
+        case 0xD7: n = 9; break;
+        case 0xD8: n = 17; break;
+        case 0xC4: case 0xD9:
+            if (!need(r, 1)) return -1;
+            n = (Py_ssize_t)be(r->p, 1); r->p += 1; break;
+        case 0xC5: case 0xDA:
+            if (!need(r, 2)) return -1;
+            n = (Py_ssize_t)be(r->p, 2); r->p += 2; break;
+        case 0xC6: case 0xDB:
+            if (!need(r, 4)) return -1;
+            n = (Py_ssize_t)be(r->p, 4); r->p += 4; break;
+        case 0xC7:
+            if (!need(r, 1)) return -1;
+            n = (Py_ssize_t)be(r->p, 1) + 1; r->p += 1; break;
+        case 0xC8:
+            if (!need(r, 2)) return -1;
+            n = (Py_ssize_t)be(r->p, 2) + 1; r->p += 2; break;
+        case 0xC9:
+            if (!need(r, 4)) return -1;
+            n = (Py_ssize_t)be(r->p, 4) + 1; r->p += 4; break;
+        case 0xDC: case 0xDE:
+            if (!need(r, 2)) return -1;
+            n = (Py_ssize_t)be(r->p, 2); r->p += 2; items = b == 0xDC ? 1 : 2; break;
+        case 0xDD: case 0xDF:
+            if (!need(r, 4)) return -1;
+            n = (Py_ssize_t)be(r->p, 4); r->p += 4; items = b == 0xDD ? 1 : 2; break;
+        default: return -1; /* 0xC1, never used */
+        }
+    }
+    if (!items) {
+        if (!need(r, n))
+            return -1;
+        r->p += n;
+        return 0;
+    }
+    if (n > r->end - r->p) /* every value takes a byte at least */
+        return -1;
+    for (i = 0; i < n * items; i++)
+        if (skip_value(r, depth + 1) < 0)
+            return -1;
+    return 0;
+}
+
+/* Any msgpack int as int64 (uint64 above INT64_MAX refused); 0, or -1. */
+static int
+read_int(Reader *r, int64_t *v)
+{
+    unsigned char b;
+    uint64_t u;
+
+    if (!need(r, 1))
+        return -1;
+    b = *r->p;
+    if (b >= 0xE0) {
+        r->p++;
+        *v = (int64_t)(int8_t)b;
+        return 0;
+    }
+    if (b >= 0xD0 && b <= 0xD3) {
+        int n = 1 << (b - 0xD0);
+
+        if (!need(r, 1 + n))
+            return -1;
+        u = be(r->p + 1, n);
+        r->p += 1 + n;
+        if (n < 8 && (u >> (8 * n - 1)) & 1) /* sign-extend */
+            u |= ~(uint64_t)0 << (8 * n);
+        *v = (int64_t)u;
+        return 0;
+    }
+    if (read_uint(r, &u) < 0 || u > (uint64_t)INT64_MAX)
+        return -1;
+    *v = (int64_t)u;
+    return 0;
+}
+
+/* peek_rank(payload) -> int | None: a batch's data_parallel_rank (None when it has none),
+ * read without decoding the events; ValueError when the payload is not a 2- or 3-array or
+ * the rank is not None or an int >= 0 (the decoder then says why). */
+static PyObject *
+peek_rank(PyObject *module, PyObject *arg)
+{
+    Py_buffer view;
+    Reader r;
+    Py_ssize_t n;
+    int64_t rank;
+
+    if (open_buffer(arg, &view, &r) < 0)
+        return NULL;
+    n = array_header(&r);
+    if ((n != 2 && n != 3) || skip_value(&r, 0) < 0 || skip_value(&r, 0) < 0)
+        goto bad;
+    if (n == 2 || is_nil(&r)) {
+        if (r.p != r.end)
+            goto bad;
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    if (read_int(&r, &rank) < 0 || rank < 0 || r.p != r.end)
+        goto bad;
+    PyBuffer_Release(&view);
+    return PyLong_FromLongLong(rank);
+bad:
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "not a [ts, events, data_parallel_rank] batch");
+    return NULL;
+}
+
+typedef struct {
+    /* where each field's value starts, 0 when absent */
+    const unsigned char *at[F_COUNT];
+    int kind;
+} EventFields;
+
+/* One event map's fields by name; 0, or -1 when it is outside the fast subset. */
+static int
+read_fields(Reader *r, EventFields *ev)
+{
+    Py_ssize_t n = map_header(r), i;
+    unsigned int seen = 0, allowed;
+    int f;
+
+    if (n < 1 || n > F_COUNT)
+        return -1;
+    memset(ev, 0, sizeof(*ev));
+    for (i = 0; i < n; i++) {
+        const unsigned char *key;
+        Py_ssize_t len;
+
+        if (read_ascii(r, &key, &len) < 0)
+            return -1;
+        for (f = 0; f < F_COUNT; f++)
+            if ((Py_ssize_t)strlen(field_names[f]) == len && memcmp(field_names[f], key, len) == 0)
+                break;
+        if (f == F_COUNT || (seen & BIT(f)))
+            return -1;
+        seen |= BIT(f);
+        ev->at[f] = r->p;
+        if (skip_value(r, 1) < 0)
+            return -1;
+    }
+    if (!ev->at[F_TYPE])
+        return -1;
+    {
+        Reader t = {ev->at[F_TYPE], r->end};
+        const unsigned char *s;
+        Py_ssize_t len;
+
+        if (read_ascii(&t, &s, &len) < 0)
+            return -1;
+        if (len == 11 && memcmp(s, "BlockStored", 11) == 0) {
+            ev->kind = K_STORED;
+            allowed = STORED_FIELDS;
+            if (!ev->at[F_TOKENS])
+                return -1;
+        } else if (len == 12 && memcmp(s, "BlockRemoved", 12) == 0) {
+            ev->kind = K_REMOVED;
+            allowed = REMOVED_FIELDS;
+        } else if (len == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) {
+            ev->kind = K_CLEARED;
+            allowed = BIT(F_TYPE);
+        } else
+            return -1;
+    }
+    if ((seen & ~allowed) || (ev->kind != K_CLEARED && !ev->at[F_HASHES]))
+        return -1;
+    return 0;
+}
+
+/* A value of an ``Any`` field that msgspec takes without a question: nil, a bool, an int, a
+ * float, an ASCII string, bytes, or an array of such (no maps, no extension types). */
+static int
+plain_value(Reader *r, int depth)
+{
+    unsigned char b;
+    Py_ssize_t n, i;
+    const unsigned char *s;
+
+    if (depth > 8 || !need(r, 1))
+        return -1;
+    b = *r->p;
+    if (b == 0xC0 || b == 0xC2 || b == 0xC3) {
+        r->p++;
+        return 0;
+    }
+    if (b < 0x80 || b >= 0xE0 || (b >= 0xC4 && b <= 0xC6) || (b >= 0xCA && b <= 0xD3))
+        return skip_value(r, 0); /* ints, floats, bytes */
+    if ((b & 0xE0) == 0xA0 || (b >= 0xD9 && b <= 0xDB))
+        return read_ascii(r, &s, &n);
+    n = array_header(r);
+    if (n < 0 || n > r->end - r->p)
+        return -1;
+    for (i = 0; i < n; i++)
+        if (plain_value(r, depth + 1) < 0)
+            return -1;
+    return 0;
+}
+
+/* An ``Any`` field, absent or plain. */
+static int
+plain_or_absent(const EventFields *ev, int f, const unsigned char *end)
+{
+    Reader t;
+
+    if (!ev->at[f])
+        return 1;
+    t.p = ev->at[f];
+    t.end = end;
+    return plain_value(&t, 0) == 0;
+}
+
+/* A field that must be nil when present (the values that need Python's rules). */
+static int
+nil_or_absent(const EventFields *ev, int f, const unsigned char *end)
+{
+    return !ev->at[f] || (ev->at[f] < end && *ev->at[f] == 0xC0);
+}
+
+/* An optional int field: 1 and *v when set, 0 when nil or absent, -1 when not an int. */
+static int
+opt_int(const EventFields *ev, int f, const unsigned char *end, int64_t *v)
+{
+    Reader t;
+
+    if (nil_or_absent(ev, f, end))
+        return 0;
+    t.p = ev->at[f];
+    t.end = end;
+    return read_int(&t, v) < 0 ? -1 : 1;
+}
+
+/* The cache level of an event (Py_None or a borrowed level from ``levels``); NULL with no
+ * error set when outside the subset, NULL with an error on failure. */
+static PyObject *
+event_level(const EventFields *ev, const unsigned char *end, PyObject *levels,
+            PyObject *external)
+{
+    PyObject *level = Py_None;
+
+    if (!nil_or_absent(ev, F_MEDIUM, end)) {
+        Reader t = {ev->at[F_MEDIUM], end};
+        const unsigned char *s;
+        Py_ssize_t len, i;
+        char up[32];
+        PyObject *name;
+
+        if (read_ascii(&t, &s, &len) < 0 || len >= (Py_ssize_t)sizeof(up))
+            return NULL;
+        for (i = 0; i < len; i++)
+            up[i] = (char)(s[i] >= 'a' && s[i] <= 'z' ? s[i] - 32 : s[i]);
+        name = PyUnicode_FromStringAndSize(up, len);
+        if (name == NULL)
+            return NULL;
+        level = PyDict_GetItemWithError(levels, name);
+        Py_DECREF(name);
+        if (level == NULL)
+            return NULL;
+    }
+    if (!nil_or_absent(ev, F_LOCALITY, end)) {
+        Reader t = {ev->at[F_LOCALITY], end};
+        const unsigned char *s;
+        Py_ssize_t len;
+
+        if (read_ascii(&t, &s, &len) < 0)
+            return NULL;
+        if (len == 6 && PyOS_strnicmp((const char *)s, "REMOTE", 6) == 0)
+            level = external;
+    }
+    return level;
+}
+
+/* The hashes of an event as a new list of 8-byte big-endian bytes; NULL with no error when
+ * they are not a non-empty array of uint64s. */
+static PyObject *
+event_hashes(const unsigned char *at, const unsigned char *end)
+{
+    Reader t = {at, end};
+    Py_ssize_t n = array_header(&t), i;
+    PyObject *out;
+
+    if (n <= 0 || n > t.end - t.p)
+        return NULL;
+    out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (i = 0; i < n; i++) {
+        uint64_t v;
+        PyObject *b;
+
+        if (read_uint(&t, &v) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        b = be8(v);
+        if (b == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, b);
+    }
+    return out;
+}
+
+typedef struct {
+    PyObject *ids, *kinds, *groups, *windows, *payloads, *extra;
+    PyObject *known, *unbounded;
+    long long next_id;
+} Columns;
+
+static int
+append_new(PyObject *list, PyObject *item)
+{
+    int rc;
+
+    if (item == NULL)
+        return -1;
+    rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+/* ids, kinds, groups for one event; the window is appended by the caller. */
+static int
+add_event(Columns *c, int kind, long group)
+{
+    if (append_new(c->ids, PyLong_FromLongLong(c->next_id++)) < 0
+        || append_new(c->kinds, PyLong_FromLong(kind)) < 0
+        || append_new(c->groups, PyLong_FromLong(group)) < 0)
+        return -1;
+    return 0;
+}
+
+/* known.setdefault(group, unbounded), appended to windows. */
+static int
+add_window_default(Columns *c, long group)
+{
+    PyObject *g = PyLong_FromLong(group), *w;
+    int rc;
+
+    if (g == NULL)
+        return -1;
+    w = PyDict_SetDefault(c->known, g, c->unbounded);
+    Py_DECREF(g);
+    if (w == NULL)
+        return -1;
+    Py_INCREF(w);
+    rc = PyList_Append(c->windows, w);
+    Py_DECREF(w);
+    return rc;
+}
+
+/* The removal run collected so far becomes one event. */
+static int
+flush_run(Columns *c, PyObject **run, long group, PyObject *level)
+{
+    PyObject *payload;
+
+    if (*run == NULL)
+        return 0;
+    if (add_event(c, K_REMOVED, group) < 0 || add_window_default(c, group) < 0)
+        return -1;
+    payload = PyTuple_Pack(2, *run, level);
+    Py_CLEAR(*run);
+    return append_new(c->payloads, payload);
+}
+
+static PyObject *
+batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    Reader r;
+    Py_ssize_t n_top, n_events, e;
+    double ts;
+    PyObject *rank = NULL, *levels, *external, *result = NULL, *run = NULL, *tokens = NULL;
+    PyObject *run_level = NULL;
+    long run_group = -1;
+    Columns c = {0};
+    char *tok = NULL;
+    Py_ssize_t tok_len = 0, tok_cap = 0;
+    int ok = 0;
+
+    if (nargs != 6 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "batch_columns(payload, next_id, windows: dict, "
+                                         "levels: dict, external, unbounded)");
+        return NULL;
+    }
+    c.next_id = PyLong_AsLongLong(args[1]);
+    if (c.next_id == -1 && PyErr_Occurred())
+        return NULL;
+    c.known = args[2];
+    levels = args[3];
+    external = args[4];
+    c.unbounded = args[5];
+    if (open_buffer(args[0], &view, &r) < 0)
+        return NULL;
+    n_top = array_header(&r);
+    if (n_top != 2 && n_top != 3)
+        goto done;
+    if (!need(&r, 1))
+        goto done;
+    if (*r.p == 0xCB && need(&r, 9)) {
+        uint64_t bits = be(r.p + 1, 8);
+
+        memcpy(&ts, &bits, 8);
+        r.p += 9;
+    } else if (*r.p == 0xCA && need(&r, 5)) {
+        uint32_t bits = (uint32_t)be(r.p + 1, 4);
+        float f;
+
+        memcpy(&f, &bits, 4);
+        ts = f;
+        r.p += 5;
+    } else
+        goto done;
+    n_events = array_header(&r);
+    if (n_events < 0 || n_events > r.end - r.p)
+        goto done;
+    /* the rank is last: read it first, past the events, so nothing is built for a batch
+     * that leaves the subset there */
+    {
+        Reader t = r;
+        Py_ssize_t i;
+
+        for (i = 0; i < n_events; i++)
+            if (skip_value(&t, 1) < 0)
+                goto done;
+        if (n_top == 2 || is_nil(&t))
+            rank = Py_NewRef(Py_None);
+        else {
+            int64_t v;
+
+            if (read_int(&t, &v) < 0 || v < 0)
+                goto done;
+            if ((rank = PyLong_FromLongLong(v)) == NULL)
+                goto error;
+        }
+        if (t.p != t.end)
+            goto done;
+    }
+    if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0)) || !(c.groups = PyList_New(0))
+        || !(c.windows = PyList_New(0)) || !(c.payloads = PyList_New(0))
+        || !(c.extra = PyList_New(0)))
+        goto error;
+    for (e = 0; e < n_events; e++) {
+        EventFields ev;
+        int64_t group = 0;
+        PyObject *level, *hashes;
+        int got;
+
+        if (read_fields(&r, &ev) < 0)
+            goto done;
+        if (ev.kind == K_CLEARED) {
+            PyObject *groups;
+            Py_ssize_t i, ng;
+
+            if (flush_run(&c, &run, run_group, run_level) < 0)
+                goto error;
+            groups = PyDict_Keys(c.known);
+            if (groups == NULL || PyList_Sort(groups) < 0) {
+                Py_XDECREF(groups);
+                goto error;
+            }
+            ng = PyList_GET_SIZE(groups);
+            for (i = 0; i < (ng ? ng : 1); i++) {
+                long g = ng ? PyLong_AsLong(PyList_GET_ITEM(groups, i)) : 0;
+                PyObject *w;
+
+                if ((g == -1 && PyErr_Occurred()) || add_event(&c, K_CLEARED, g) < 0) {
+                    Py_DECREF(groups);
+                    goto error;
+                }
+                w = ng ? PyDict_GetItemWithError(c.known, PyList_GET_ITEM(groups, i)) : NULL;
+                if (w == NULL && PyErr_Occurred()) {
+                    Py_DECREF(groups);
+                    goto error;
+                }
+                if (PyList_Append(c.windows, w ? w : c.unbounded) < 0
+                    || PyList_Append(c.payloads, Py_None) < 0) {
+                    Py_DECREF(groups);
+                    goto error;
+                }
+            }
+            Py_DECREF(groups);
+            continue;
+        }
+        got = opt_int(&ev, F_GROUP, r.end, &group);
+        if (got < 0 || group < 0 || group >= (1LL << 31))
+            goto done;
+        if (!plain_or_absent(&ev, F_OWNERSHIP, r.end))
+            goto done;
+        level = event_level(&ev, r.end, levels, external);
+        if (level == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            goto done;
+        }
+        if (ev.kind == K_REMOVED) {
+            int same = run != NULL && run_group == group
+                       && (run_level == level
+                           || (run_level != Py_None && level != Py_None
+                               && PyObject_RichCompareBool(run_level, level, Py_EQ) == 1));
+
+            hashes = event_hashes(ev.at[F_HASHES], r.end);
+            if (hashes == NULL) {
+                if (PyErr_Occurred())
+                    goto error;
+                goto done;
+            }
+            if (same) {
+                Py_ssize_t at = PyList_GET_SIZE(run);
+                int rc = PyList_SetSlice(run, at, at, hashes);
+
+                Py_DECREF(hashes);
+                if (rc < 0)
+                    goto error;
+            } else {
+                if (flush_run(&c, &run, run_group, run_level) < 0) {
+                    Py_DECREF(hashes);
+                    goto error;
+                }
+                run = hashes;
+                run_group = (long)group;
+                run_level = level;
+            }
+            continue;
+        }
+        /* BlockStored */
+        {
+            int64_t block_size = 0, window = 0;
+            int has_window;
+            PyObject *parent = Py_None, *sizes = NULL, *payload, *first_obj, *lv;
+            Py_ssize_t n, n_tok, i;
+            long long first, last = 0;
+            Reader t;
+
+            if (!nil_or_absent(&ev, F_LORA_ID, r.end) || !nil_or_absent(&ev, F_LORA_NAME, r.end)
+                || !nil_or_absent(&ev, F_SALT, r.end) || !plain_or_absent(&ev, F_SESSION, r.end)
+                || !plain_or_absent(&ev, F_LOOKAHEAD, r.end))
+                goto done;
+            if (!nil_or_absent(&ev, F_SPEC_KIND, r.end)) {
+                const unsigned char *s;
+                Py_ssize_t len;
+
+                t.p = ev.at[F_SPEC_KIND];
+                t.end = r.end;
+                if (read_ascii(&t, &s, &len) < 0)
+                    goto done;
+            }
+            has_window = opt_int(&ev, F_WINDOW, r.end, &window);
+            if (has_window < 0 || (has_window && window < 1))
+                goto done;
+            if (opt_int(&ev, F_BLOCK_SIZE, r.end, &block_size) < 0 || block_size < 0)
+                goto done;
+            if (ev.at[F_BLOCK_SIZE] && *ev.at[F_BLOCK_SIZE] == 0xC0)
+                goto done; /* block_size: int, never None */
+            hashes = event_hashes(ev.at[F_HASHES], r.end);
+            if (hashes == NULL) {
+                if (PyErr_Occurred())
+                    goto error;
+                goto done;
+            }
+            n = PyList_GET_SIZE(hashes);
+            if (!nil_or_absent(&ev, F_EXTRA_KEYS, r.end)) { /* n nils: no extra keys */
+                Py_ssize_t k;
+
+                t.p = ev.at[F_EXTRA_KEYS];
+                t.end = r.end;
+                if (array_header(&t) != n) {
+                    Py_DECREF(hashes);
+                    goto done;
+                }
+                for (k = 0; k < n; k++)
+                    if (!is_nil(&t)) {
+                        Py_DECREF(hashes);
+                        goto done;
+                    }
+            }
+            if (!nil_or_absent(&ev, F_PARENT, r.end)) {
+                uint64_t ph;
+
+                t.p = ev.at[F_PARENT];
+                t.end = r.end;
+                if (read_uint(&t, &ph) < 0) {
+                    Py_DECREF(hashes);
+                    goto done;
+                }
+                if ((parent = be8(ph)) == NULL) {
+                    Py_DECREF(hashes);
+                    goto error;
+                }
+            } else
+                Py_INCREF(parent);
+            /* token ids: packed uint32 little-endian, appended to the batch's tokens */
+            t.p = ev.at[F_TOKENS];
+            t.end = r.end;
+            n_tok = array_header(&t);
+            if (n_tok < 0 || n_tok > t.end - t.p
+                || (n_tok > 0 && (block_size == 0 || (last = n_tok - (n - 1) * block_size) <= 0
+                                  || last > block_size))) {
+                Py_DECREF(hashes);
+                Py_DECREF(parent);
+                goto done;
+            }
+            if (tok_len + 4 * n_tok > tok_cap) {
+                Py_ssize_t cap = (tok_cap ? tok_cap * 2 : 4096);
+                char *grown;
+
+                while (cap < tok_len + 4 * n_tok)
+                    cap *= 2;
+                grown = PyMem_Realloc(tok, cap);
+                if (grown == NULL) {
+                    Py_DECREF(hashes);
+                    Py_DECREF(parent);
+                    PyErr_NoMemory();
+                    goto error;
+                }
+                tok = grown;
+                tok_cap = cap;
+            }
+            for (i = 0; i < n_tok; i++) {
+                uint64_t v32;
+                unsigned char *q = (unsigned char *)tok + tok_len + 4 * i;
+
+                if (read_uint(&t, &v32) < 0 || v32 > 0xFFFFFFFFu) {
+                    Py_DECREF(hashes);
+                    Py_DECREF(parent);
+                    goto done;
+                }
+                q[0] = (unsigned char)v32;
+                q[1] = (unsigned char)(v32 >> 8);
+                q[2] = (unsigned char)(v32 >> 16);
+                q[3] = (unsigned char)(v32 >> 24);
+            }
+            tok_len += 4 * n_tok;
+            /* from here on the event is taken */
+            if (flush_run(&c, &run, run_group, run_level) < 0)
+                goto stored_error;
+            sizes = PyList_New(n);
+            if (sizes == NULL)
+                goto stored_error;
+            for (i = 0; i < n; i++) {
+                PyObject *sz = PyLong_FromLongLong(
+                    n_tok == 0 ? 0 : (i == n - 1 ? last : block_size));
+
+                if (sz == NULL)
+                    goto stored_error;
+                PyList_SET_ITEM(sizes, i, sz);
+            }
+            first = n_tok == 0 ? 0 : (n > 1 ? block_size : last);
+            if (add_event(&c, K_STORED, (long)group) < 0)
+                goto stored_error;
+            {
+                PyObject *g = PyLong_FromLong((long)group);
+
+                if (g == NULL)
+                    goto stored_error;
+                if (has_window) {
+                    PyObject *w = PyLong_FromLongLong(window);
+
+                    if (w == NULL || PyDict_SetItem(c.known, g, w) < 0
+                        || PyList_Append(c.windows, w) < 0) {
+                        Py_XDECREF(w);
+                        Py_DECREF(g);
+                        goto stored_error;
+                    }
+                    Py_DECREF(w);
+                    Py_DECREF(g);
+                } else {
+                    Py_DECREF(g);
+                    if (add_window_default(&c, (long)group) < 0)
+                        goto stored_error;
+                }
+            }
+            lv = level == Py_None ? PyLong_FromLong(0) : Py_NewRef(level);
+            first_obj = PyLong_FromLongLong(first);
+            payload = (lv && first_obj) ? PyTuple_Pack(4, parent, hashes, lv, first_obj) : NULL;
+            Py_XDECREF(lv);
+            Py_XDECREF(first_obj);
+            if (append_new(c.payloads, payload) < 0)
+                goto stored_error;
+            if (append_new(c.extra, PyTuple_Pack(2, sizes, Py_None)) < 0)
+                goto stored_error;
+            Py_DECREF(sizes);
+            Py_DECREF(hashes);
+            Py_DECREF(parent);
+            continue;
+        stored_error:
+            Py_XDECREF(sizes);
+            Py_DECREF(hashes);
+            Py_DECREF(parent);
+            goto error;
+        }
+    }
+    if (flush_run(&c, &run, run_group, run_level) < 0)
+        goto error;
+    tokens = PyBytes_FromStringAndSize(tok, tok_len);
+    if (tokens == NULL)
+        goto error;
+    result = Py_BuildValue("(dOOOOOOONL)", ts, rank, c.ids, c.kinds, c.groups, c.windows,
+                           c.payloads, c.extra, tokens, c.next_id);
+    ok = result != NULL;
+    goto cleanup;
+done: /* outside the subset: None */
+    ok = 1;
+    result = Py_NewRef(Py_None);
+    goto cleanup;
+error:
+    result = NULL;
+cleanup:
+    (void)ok;
+    PyBuffer_Release(&view);
+    PyMem_Free(tok);
+    Py_XDECREF(run);
+    Py_XDECREF(rank);
+    Py_XDECREF(c.ids);
+    Py_XDECREF(c.kinds);
+    Py_XDECREF(c.groups);
+    Py_XDECREF(c.windows);
+    Py_XDECREF(c.payloads);
+    Py_XDECREF(c.extra);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"removed_run", (PyCFunction)(void (*)(void))removed_run, METH_FASTCALL,
      "removed_run(events, start, removed_type, levels): a run of removal events of one group "
      "and level as (end, hashes, group, level), or None."},
+    {"batch_columns", (PyCFunction)(void (*)(void))batch_columns, METH_FASTCALL,
+     "batch_columns(payload, next_id, windows, levels, external, unbounded): a batch's "
+     "columns, or None outside the fast subset."},
+    {"peek_rank", (PyCFunction)peek_rank, METH_O,
+     "peek_rank(payload): a batch's data_parallel_rank (None when it has none)."},
     {"u32_array", (PyCFunction)u32_array, METH_O,
      "u32_array(buf): a msgpack array of uint32 ints as packed little-endian bytes."},
     {"be64_array", (PyCFunction)be64_array, METH_O,

@@ -69,7 +69,7 @@ from kvstream.events.model import (
 )
 from kvstream.events.trusted import trusted_builder, trusted_stored_blocks
 
-__all__ = ["EngineStream"]
+__all__ = ["EngineStream", "batch_rank", "decode_typed"]
 
 _trusted_event = trusted_builder(KVCacheEvent)
 _trusted_stored = trusted_builder(Stored)
@@ -304,34 +304,67 @@ class EngineStream:
         self.events += len(ids)
         return cols
 
-    def payload_columns(self, payload: bytes, dialect: Dialect = VLLM) -> ColumnBatch:
+    def payload_columns(
+        self, payload: bytes, dialect: Dialect = VLLM, *, typed: Any = None
+    ) -> ColumnBatch:
         """The columns of one engine payload: exactly ``self.convert_columns(decode_payload(
         payload, width=self.width, dialect=dialect, split_tokens=False))`` (InteropError
         likewise), in one pass over msgspec's structs for the payloads every current engine
         sends (map-era events, int hashes, values in range); any other payload takes that
-        path. The stream's state changes only once the whole payload is converted."""
+        path. ``typed``: ``decode_typed(payload)``, when the caller already decoded it (to
+        read its rank). The stream's state changes only once the whole payload is
+        converted."""
         native = _vllm.native_readers()
         if self.width == 8 and native is not None:
-            try:
-                return self._fast_columns(payload, native)
-            except _NotFast:
-                pass
+            if typed is None:
+                cols = self._native_columns(payload, native)
+                if cols is not None:
+                    return cols
+                typed = decode_typed(payload)
+            if typed is not None:
+                try:
+                    return self._fast_columns(typed, native)
+                except _NotFast:
+                    pass
         return self.convert_columns(
             decode_payload(payload, width=self.width, dialect=dialect, split_tokens=False)
         )
 
-    def _fast_columns(self, payload: bytes, native: Any) -> ColumnBatch:
+    def _native_columns(self, payload: bytes, native: Any) -> ColumnBatch | None:
+        # What _fast_columns gives, read from the bytes in one C call for the payloads every
+        # current engine sends; None for anything else (nothing changed then).
+        known = dict(self._windows)
+        got = native.batch_columns(
+            payload, self._next_id, known, MEDIUM_LEVELS, _EXTERNAL, UNBOUNDED_WINDOW
+        )
+        if got is None:
+            return None
+        ts, _rank, ids, kinds, groups, windows, payloads, extra, tokens, next_id = got
+        cols = ColumnBatch(
+            self.instance_id,
+            attention_dp_rank=self.rank,
+            incarnation=self.source.incarnation,
+            ts_ns=_ts_ns(ts),
+            schema_version=CURRENT_SCHEMA_VERSION,
+            tokens=tokens,
+        )
+        cols.event_ids = ids
+        cols.kinds = kinds
+        cols.hash_algos = [self.hash_algo] * len(ids)
+        cols.group_ids = groups
+        cols.window_sizes = windows
+        cols.payloads = payloads
+        cols.stored_extra = extra
+        self._next_id = next_id
+        self._windows = known
+        self.events += len(ids)
+        return cols
+
+    def _fast_columns(self, batch: Any, native: Any) -> ColumnBatch:
         # The checks of vllm._decode_fast/_fast_event and the conversion of convert_columns,
         # fused; anything they would not take raises _NotFast before the state changes.
         from kvstream.engines import _wire_structs as structs
 
-        try:
-            batch = structs.decode(payload)
-        except Exception:  # msgspec's errors: the general path says why
-            raise _NotFast from None
-        rank = batch.data_parallel_rank
-        if rank is not None and rank < 0:
-            raise _NotFast
         stored_t, removed_t = structs.Stored, structs.Removed
         be64 = native.be64_array
         u32 = native.u32_array
@@ -645,6 +678,36 @@ def _split(wire: WireBatch) -> WireBatch:
         for ev in wire.events
     ]
     return WireBatch(wire.ts, events, wire.dp_rank)
+
+
+def decode_typed(payload: bytes) -> Any:
+    """``payload`` decoded by msgspec into the engine's typed batch struct (what
+    :meth:`EngineStream.payload_columns` reads), or None when it is not that shape (the
+    general decoder then says why). Its ``data_parallel_rank`` is checked to be None or
+    non-negative."""
+    from kvstream.engines import _wire_structs as structs
+
+    try:
+        batch = structs.decode(payload)
+    except Exception:  # msgspec's DecodeError/ValidationError: the general path says why
+        return None
+    rank = batch.data_parallel_rank
+    return None if rank is not None and rank < 0 else batch
+
+
+def batch_rank(payload: bytes) -> tuple[int | None, Any]:
+    """The ``data_parallel_rank`` a payload names (None: none), with the payload decoded
+    into the typed batch struct when that was how the rank was read (else None: pass it on
+    to :meth:`EngineStream.payload_columns` as ``typed``). ValueError when the payload is
+    not a batch whose rank is None or an int >= 0; the general decoder then says why."""
+    native = _vllm.native_readers()
+    if native is not None:
+        rank: int | None = native.peek_rank(payload)
+        return rank, None
+    typed = decode_typed(payload)
+    if typed is None:
+        raise ValueError("not a typed engine batch")
+    return typed.data_parallel_rank, typed
 
 
 def _ts_ns(ts: float) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvstream.engines.endpoint import EngineEndpoint, parse_engine_url
-from kvstream.engines.stream import EngineStream
+from kvstream.engines.stream import EngineStream, batch_rank
 from kvstream.engines.vllm import decode_payload
 from kvstream.engines.zmq_sub import BadFrame, EngineSubscriber, Frame, Gap, Restart
 from kvstream.errors import ConfigError, InteropError
@@ -142,8 +142,8 @@ class EngineSource(EventSource):
             self._last_seq[item.rank] = item.seq
             dialect = self.endpoint.dialect
             try:
-                if self.columns and not self.rank_from_events:  # one pass, payload to columns
-                    return SourceItem(stream.payload_columns(item.payload, dialect))
+                if self.columns:  # one pass, payload to columns
+                    return SourceItem(self._columns(item, stream, dialect))
                 wire = decode_payload(
                     item.payload,
                     width=stream.width,
@@ -156,8 +156,6 @@ class EngineSource(EventSource):
             if self.rank_from_events and wire.dp_rank is not None and 0 <= wire.dp_rank < 65536:
                 self._rank_of[item.rank] = wire.dp_rank
                 stream = self._stream(wire.dp_rank)
-            if self.columns:
-                return SourceItem(stream.convert_columns(wire))
             return SourceItem(stream.convert(wire))
         if isinstance(item, Gap):
             stream = self._stream(self._rank_of[item.rank])
@@ -171,6 +169,38 @@ class EngineSource(EventSource):
             return None
         self._malformed(f"rank {item.rank}", item.reason)
         return None
+
+    def _columns(self, item: Frame, stream: EngineStream, dialect: Any) -> Any:
+        """One frame's columns, from the stream of the rank the batch names when
+        ``rank_from_events``; InteropError (nothing changed) for a payload that does not
+        decode."""
+        if not self.rank_from_events:
+            return stream.payload_columns(item.payload, dialect)
+        try:
+            rank, typed = batch_rank(item.payload)
+        except ValueError:  # not the usual shape: the general decoder reads (or refuses) it
+            wire = decode_payload(
+                item.payload, width=stream.width, dialect=dialect, split_tokens=False
+            )
+            target = self._rank_stream(wire.dp_rank, stream)
+            return self._took(item.rank, target, target.convert_columns(wire))
+        target = self._rank_stream(rank, stream)
+        return self._took(
+            item.rank, target, target.payload_columns(item.payload, dialect, typed=typed)
+        )
+
+    def _rank_stream(self, rank: int | None, stream: EngineStream) -> EngineStream:
+        """The stream of the rank a batch names (``stream``, the socket's, when it names
+        none or one out of range)."""
+        if rank is not None and 0 <= rank < 65536 and rank != stream.rank:
+            return self._stream(rank)
+        return stream
+
+    def _took(self, socket_rank: int, stream: EngineStream, cols: Any) -> Any:
+        """Once a batch converted: the socket's batches go to ``stream``'s rank from now."""
+        if stream.rank is not None:
+            self._rank_of[socket_rank] = stream.rank
+        return cols
 
     def checkpoint(self) -> dict[str, Any]:
         """The last engine seq delivered per socket, and each stream's incarnation and next
