@@ -5,7 +5,9 @@ native keys against the reference BLAKE3 and XXH3 implementations."""
 
 from __future__ import annotations
 
+import json
 import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ from kvstream.codec import AvroCodec, schema_registry
 from kvstream.codec.columnar import decode_columns_message, record_columns
 from kvstream.codec.decoder import read_record
 from kvstream.codec.framing import split_single_object
+from kvstream.engines.endpoint import DIALECTS
+from kvstream.engines.stream import EngineStream
 from kvstream.errors import KVStreamError
 from kvstream.events.model import MmKey, StoredBlock
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, link_hash, local_hash
@@ -27,6 +31,8 @@ from kvstream.index.domain import MaskMap
 from kvstream.index.keys import KEY_CONTEXT, ROOT_KEY
 from kvstream.index.stats import SourceStats
 from kvstream.index.token_table import TokenGroupTable, token_table_type
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
 
 Native: Any = token_table_type()
 pytestmark = pytest.mark.skipif(Native is TokenGroupTable, reason="native index not built")
@@ -219,9 +225,8 @@ def test_keys_are_blake3_of_the_parent_key_and_payload(payload: bytes, scoped: b
 @pytest.mark.parametrize(
     "n",
     # one block, the first block's end (48 bytes after the key), each later block's end, the
-    # chunk's end, then many chunks
-    [1, 47, 48, 49, 111, 112, 113, 128, 175, 176, 177, 1023 - 16, 1024 - 16, 1025 - 16, 2048 - 16]
-    + [3072 - 15, 8192],
+    # chunk's end (1008 = 1024 - 16), then many chunks
+    [1, 47, 48, 49, 111, 112, 113, 128, 175, 176, 177, 1007, 1008, 1009, 2032, 3057, 8192],
 )
 def test_keys_at_chunk_boundaries(n: int) -> None:
     payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
@@ -294,3 +299,28 @@ def _state_after(mode: str, batch: Any) -> Any:
         return ("error", type(exc))
     index.check()
     return index.canonical_state()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "dynamo"])
+def test_an_index_fed_engine_columns_equals_one_fed_the_model(mode: str) -> None:
+    """Every frame captured from vLLM and SGLang, as the bridge's columns (plain stored events'
+    tokens located through stored_extra), builds the index their models build."""
+    plain = 0
+    for capture in sorted(GOLDEN.glob("*/*.json")):
+        doc = json.loads(capture.read_text())
+        package = doc["producer"]["package"]
+        algo = "sglang_sha256_64" if package == "sglang" else "vllm_sha256_cbor_64"
+        if "-bytes-" in capture.name:
+            algo = "vllm_sha256_cbor"
+        stream = EngineStream("vllm@h:1", 0, algo, clock_ns=lambda: 1)
+        by_cols, by_model = PrefixIndex(key_mode=mode), PrefixIndex(key_mode=mode)
+        for step in doc["live"]:
+            cols = stream.payload_columns(bytes.fromhex(step["frames"][2]), DIALECTS[package])
+            assert cols.stored_extra is not None
+            plain += sum(attrs is None for _, attrs in cols.stored_extra)
+            model = cols.to_batch()
+            by_cols.apply(cols)
+            by_model.apply(model)
+        by_cols.check()
+        assert by_cols.canonical_state() == by_model.canonical_state(), capture.name
+    assert plain >= 10

@@ -63,6 +63,7 @@ from kvstream.events.columns import (
     STORED,
     UPDATED,
     ColumnBatch,
+    StoredExtra,
 )
 from kvstream.events.model import EventBatch
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED
@@ -109,29 +110,44 @@ class _TokenFeed:
     salt, multimodal or extra keys: the table hashes the tokens itself, in C when native),
     else from the model's blocks (built once per batch, only when an event needs them)."""
 
-    __slots__ = ("cols", "layout", "models", "view")
+    __slots__ = ("cols", "models", "spans", "view")
 
     def __init__(self, cols: ColumnBatch) -> None:
         self.cols = cols
-        self.layout: dict[int, tuple[int, int, list[int]]] | None = None
+        #: per stored event of a publisher's columns: its tokens' (offset, end), None when
+        #: not plain (built on first use)
+        self.spans: list[tuple[int, int] | None] | None = None
         self.models: list[Any] | None = None
-        self.view = memoryview(b"")
+        self.view: memoryview | None = None
 
-    def store(self, table: GroupTable, i: int, data: Any, st: SourceStats) -> None:
-        """Apply the stored event in column ``i`` (its payload ``data``) to the token-keyed
-        ``table``."""
+    def store(self, table: GroupTable, i: int, j: int, data: Any, st: SourceStats) -> None:
+        """Apply the stored event in column ``i``, the batch's ``j``-th stored event (its
+        payload ``data``), to the token-keyed ``table``."""
         assert is_token_table(table)
-        if self.cols.has_blocks:
+        cols = self.cols
+        if cols.has_blocks:
             table.store(data[0], data[4], st)
             return
-        layout = self.layout
-        if layout is None:
-            layout = self.layout = self._layout()
-        entry = layout.get(i)
-        if entry is not None:
-            off, end, sizes = entry
-            view = self.view[off:end]
-            table.store_tokens(data[0], data[1], data[2], view, sizes, LOCAL_HASH_SEED, st)
+        given = cols.token_layout
+        span: tuple[int, int] | None = None
+        sizes: list[int] = []
+        if given is not None:  # a consumer decoder's layout, in token ids
+            entry = given[j]
+            if entry is not None:
+                first, sizes = entry
+                span = (4 * first, 4 * (first + sum(sizes)))
+        elif cols.stored_extra is not None:  # a publisher's columns
+            spans = self.spans
+            if spans is None:
+                spans = self.spans = _publisher_spans(cols.stored_extra)
+            span = spans[j]
+            sizes = cols.stored_extra[j][0]
+        if span is not None:
+            view = self.view
+            if view is None:
+                view = self.view = memoryview(cols.tokens)
+            tokens = view[span[0] : span[1]]
+            table.store_tokens(data[0], data[1], data[2], tokens, sizes, LOCAL_HASH_SEED, st)
             return
         if self.models is None:
             self.models = self._models()
@@ -150,33 +166,17 @@ class _TokenFeed:
             j += 1
         return out
 
-    def _layout(self) -> dict[int, tuple[int, int, list[int]]]:
-        """Column -> (token offset, end, block sizes) of every plain stored event."""
-        cols = self.cols
-        extra = cols.stored_extra
-        given = cols.token_layout
-        out: dict[int, tuple[int, int, list[int]]] = {}
-        if extra is None and given is None:
-            return out
-        self.view = memoryview(cols.tokens)
-        off = j = 0
-        for i, kind in enumerate(cols.kinds):
-            if kind != STORED:
-                continue
-            if given is not None:  # a consumer decoder's layout
-                entry = given[j]
-                if entry is not None:
-                    first, sizes = entry  # in token ids
-                    out[i] = (4 * first, 4 * (first + sum(sizes)), sizes)
-            else:  # a publisher's columns: the tokens of its stored events, in order
-                assert extra is not None
-                sizes, attrs = extra[j]
-                end = off + 4 * sum(sizes)
-                if attrs is None:
-                    out[i] = (off, end, sizes)
-                off = end
-            j += 1
-        return out
+
+def _publisher_spans(extra: Sequence[StoredExtra]) -> list[tuple[int, int] | None]:
+    """Per stored event of a publisher's columns (``stored_extra``: their tokens lie in order
+    in ``tokens``): its tokens' byte (offset, end) when its blocks are plain, else None."""
+    out: list[tuple[int, int] | None] = []
+    off = 0
+    for sizes, attrs in extra:
+        end = off + 4 * sum(sizes)
+        out.append((off, end) if attrs is None else None)
+        off = end
+    return out
 
 
 class _Group:
@@ -340,6 +340,7 @@ class PrefixIndex:
         skipped = set(skipped_ids) if skipped_ids else None
         groups = s.groups
         tokens = _TokenFeed(cols) if self._tokens else None
+        j = -1  # the stored events' count so far, less one (skipped ones included)
         for i, (eid, code, algo, gid, window, data) in enumerate(
             zip(
                 cols.event_ids,
@@ -354,6 +355,8 @@ class PrefixIndex:
             if code == LOST:
                 self._on_lost(s, eid, gid, data)
                 continue
+            if code == STORED:
+                j += 1
             if eid != s.next_id and not self._out_of_order(s, eid, gid, skipped):
                 continue
             s.next_id = eid + 1
@@ -374,7 +377,7 @@ class PrefixIndex:
                         self._bind(s, g)  # the inferred block size grew
                     self._check_block_size(s, g)
                 if tokens is not None:
-                    tokens.store(g.table, i, data, st)
+                    tokens.store(g.table, i, j, data, st)
                 else:
                     g.table.store_hashes(data[0], hashes, data[2], st)
                 if g.table.present > g.limit:
