@@ -401,6 +401,7 @@ static const char *const field_names[F_COUNT] = {
     "kv_cache_spec_sliding_window", "locality", "cache_salt", "ownership", "session_id",
     "lookahead_token_ids",
 };
+static const Py_ssize_t field_lens[F_COUNT] = {4, 12, 9, 17, 10, 7, 6, 9, 10, 9, 18, 28, 8, 10, 9, 10, 19};
 #define BIT(f) (1u << (f))
 #define STORED_FIELDS (BIT(F_COUNT) - 1u)
 #define REMOVED_FIELDS                                                                       \
@@ -539,9 +540,28 @@ skip_value(Reader *r, int depth)
     }
     if (n > r->end - r->p) /* every value takes a byte at least */
         return -1;
-    for (i = 0; i < n * items; i++)
+    for (i = 0; i < n * items; i++) {
+        /* scalars inline (token and hash arrays are long runs of ints) */
+        unsigned char c;
+
+        if (!need(r, 1))
+            return -1;
+        c = *r->p;
+        if (c < 0x80 || c >= 0xE0 || c == 0xC0 || c == 0xC2 || c == 0xC3) {
+            r->p++;
+            continue;
+        }
+        if ((c >= 0xCC && c <= 0xCF) || (c >= 0xD0 && c <= 0xD3)) {
+            Py_ssize_t k = (Py_ssize_t)1 << (c & 3);
+
+            if (!need(r, 1 + k))
+                return -1;
+            r->p += 1 + k;
+            continue;
+        }
         if (skip_value(r, depth + 1) < 0)
             return -1;
+    }
     return 0;
 }
 
@@ -634,7 +654,8 @@ read_fields(Reader *r, EventFields *ev)
         if (read_ascii(r, &key, &len) < 0)
             return -1;
         for (f = 0; f < F_COUNT; f++)
-            if ((Py_ssize_t)strlen(field_names[f]) == len && memcmp(field_names[f], key, len) == 0)
+            if (field_lens[f] == len && key[0] == (unsigned char)field_names[f][0]
+                && memcmp(field_names[f], key, len) == 0)
                 break;
         if (f == F_COUNT || (seen & BIT(f)))
             return -1;
@@ -919,28 +940,6 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     n_events = array_header(&r);
     if (n_events < 0 || n_events > r.end - r.p)
         goto done;
-    /* the rank is last: read it first, past the events, so nothing is built for a batch
-     * that leaves the subset there */
-    {
-        Reader t = r;
-        Py_ssize_t i;
-
-        for (i = 0; i < n_events; i++)
-            if (skip_value(&t, 1) < 0)
-                goto done;
-        if (n_top == 2 || is_nil(&t))
-            rank = Py_NewRef(Py_None);
-        else {
-            int64_t v;
-
-            if (read_int(&t, &v) < 0 || v < 0)
-                goto done;
-            if ((rank = PyLong_FromLongLong(v)) == NULL)
-                goto error;
-        }
-        if (t.p != t.end)
-            goto done;
-    }
     if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0)) || !(c.groups = PyList_New(0))
         || !(c.windows = PyList_New(0)) || !(c.payloads = PyList_New(0))
         || !(c.extra = PyList_New(0)))
@@ -1195,6 +1194,18 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
     }
+    if (n_top == 2 || is_nil(&r))
+        rank = Py_NewRef(Py_None);
+    else {
+        int64_t v;
+
+        if (read_int(&r, &v) < 0 || v < 0)
+            goto done;
+        if ((rank = PyLong_FromLongLong(v)) == NULL)
+            goto error;
+    }
+    if (r.p != r.end)
+        goto done;
     if (flush_run(&c, &run, run_group, run_level) < 0)
         goto error;
     tokens = PyBytes_FromStringAndSize(tok, tok_len);
