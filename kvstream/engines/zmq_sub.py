@@ -38,6 +38,9 @@ log = logging.getLogger("kvstream.engines.zmq")
 
 _END_SEQ: Final = 2**64 - 1  # -1 as an unsigned 8-byte big-endian value
 _QUEUE_ITEMS: Final = 4096
+#: asyncio.timeout (Python >= 3.11): an engine that publishes slowly wakes the reader once per
+#: batch, and wait_for would create a task for each of those waits
+_TIMEOUT_CM: Final = getattr(asyncio, "timeout", None)
 _BURST: Final = 32  # frames read in a row before the event loop gets a turn
 
 
@@ -174,9 +177,12 @@ class EngineSubscriber:
         queue = self._queue
         if not queue.empty():  # the common case under load: no wait_for task to create
             return queue.get_nowait()
+        if timeout_s is None:
+            return await queue.get()
         try:
-            if timeout_s is None:
-                return await queue.get()
+            if _TIMEOUT_CM is not None:  # a timer on this task: no task per wait, as wait_for
+                async with _TIMEOUT_CM(timeout_s):
+                    return await queue.get()
             return await asyncio.wait_for(queue.get(), timeout_s)
         except asyncio.TimeoutError:
             return None
