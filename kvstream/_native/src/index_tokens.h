@@ -450,7 +450,9 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         rc = cursor_parent(t, &c, args[0]);
     /* The keys the blocks get if each is new and hangs off the one before (a chunked store's
      * usual case), computed first so that the key map and mask slots they land in load while
-     * the blocks before them are stored; a block that breaks the chain computes its own. */
+     * the blocks before them are stored (AHEAD blocks ahead: a long event's prefetches issued
+     * at once queue for the few line-fill buffers); a block that breaks the chain computes
+     * its own. */
     uint8_t small_keys[64][CKEY_BYTES], small_locals[64][DYN_LOCAL];
     uint8_t(*keys)[CKEY_BYTES] = small_keys;
     uint8_t(*locals)[DYN_LOCAL] = small_locals;
@@ -480,18 +482,23 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
                 rc = -1;
                 break;
             }
-            prefetch_ckey(t, keys[i]);
         }
         ahead = i + 1;
     }
+    Py_ssize_t keyed = c.haspk ? ahead : 0; /* blocks whose keys[] hold their key */
     uint8_t first_parent[CKEY_BYTES];
     memcpy(first_parent, c.pk, CKEY_BYTES);
     off = 0;
     PyObject **hs = rc == 0 ? PySequence_Fast_ITEMS(hashes) : NULL;
-    for (Py_ssize_t i = 0; rc == 0 && i < AHEAD && i < nb; i++)
+    for (Py_ssize_t i = 0; rc == 0 && i < AHEAD && i < nb; i++) {
         prefetch_key(t, hs, i, nb, NULL);
+        if (i < keyed)
+            prefetch_ckey(t, keys[i]);
+    }
     for (Py_ssize_t i = 0; rc == 0 && i < nb; i++) {
         prefetch_key(t, hs, i + AHEAD, nb, NULL);
+        if (i + AHEAD < keyed)
+            prefetch_ckey(t, keys[i + AHEAD]);
         Py_ssize_t len = 4 * PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(sizes, i));
         const uint8_t *tok = (const uint8_t *)buf.buf + off;
         uint8_t local[DYN_LOCAL];
