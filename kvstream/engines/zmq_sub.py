@@ -169,6 +169,16 @@ class EngineSubscriber:
                 stats.connected = False
                 log.warning("rank %d: the engine's publisher disconnected", rank)
 
+    def next_ready(self) -> Item | None:
+        """The next item if one is queued now (None: none is); raises what a rank's
+        follower failed with, as :meth:`next` does."""
+        if self._queue.empty():
+            return None
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return self._queue.get_nowait()
+
     async def next(self, timeout_s: float | None = None) -> Item | None:
         """The next item, or None when none came within ``timeout_s``."""
         for task in self._tasks:

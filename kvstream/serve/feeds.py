@@ -34,6 +34,7 @@ __all__ = ["EngineFeed", "Feed", "StreamFeed"]
 log = logging.getLogger("kvstream.serve")
 
 _READ_TIMEOUT_S: Final = 0.25
+_READY_BATCHES: Final = 64  # batches applied in one turn of the event loop at most
 _MAX_BACKOFF_S: Final = 10.0
 
 
@@ -132,12 +133,18 @@ class Feed:
                 if not self._caught_up:
                     self._caught_up = await self._check_caught_up(True)
                 continue
-            data = item.data
-            apply(data, item.skipped_ids)
-            self.batches += 1
+            # what else is ready now is applied in the same turn (no await per batch), up
+            # to _READY_BATCHES, then the loop's other tasks get theirs
+            ready = 0
+            while item is not None:
+                data = item.data
+                apply(data, item.skipped_ids)
+                ids = getattr(data, "event_ids", None)  # columns; a model batch has events
+                self.events += len(ids) if ids is not None else len(getattr(data, "events", ()))
+                ready += 1
+                item = source.read_ready() if ready < _READY_BATCHES else None
+            self.batches += ready
             self.last_batch_at = time.monotonic()
-            ids = getattr(data, "event_ids", None)  # columns; a model batch has events
-            self.events += len(ids) if ids is not None else len(getattr(data, "events", ()))
             if not self._caught_up:
                 check_every += 1
                 if check_every >= 64:

@@ -139,6 +139,12 @@ class EventSource(abc.ABC):
         """The next item; None when none arrived within ``timeout_s`` (None: wait until one
         does) or when the source ended (then :attr:`ended` is True)."""
 
+    def read_ready(self) -> SourceItem | None:
+        """The next item when one is ready now, without waiting; None when none is (or the
+        source cannot tell: then only :meth:`read` delivers). Items come in the same order
+        whichever of the two returns them."""
+        return None
+
     @abc.abstractmethod
     def checkpoint(self) -> dict[str, Any]:
         """The JSON-able position just past the last item returned."""

@@ -128,6 +128,16 @@ class EngineSource(EventSource):
                 self.stats.batches += 1
                 return out
 
+    def read_ready(self) -> SourceItem | None:
+        while True:
+            item = self.subscriber.next_ready()
+            if item is None:
+                return None
+            out = self._handle(item)
+            if out is not None:
+                self.stats.batches += 1
+                return out
+
     def _stream(self, rank: int) -> EngineStream:
         stream = self.streams.get(rank)
         if stream is None:
