@@ -296,7 +296,9 @@ async def run_bridge(
                     reason = f"idle for {opts.idle_exit_s:g} s"
                     break
                 wait = min(wait, opts.idle_exit_s - idle)
-            item = await _read_or_stop(source, wait, stop)
+            item = source.read_ready()  # already here: no tasks to race against stop
+            if item is None:
+                item = await _read_or_stop(source, wait, stop)
             if item is None:
                 if source.ended:
                     break
