@@ -23,11 +23,14 @@ garbage collector on; each side's time is this thread's CPU time. Printed: block
 **Live**: vLLM's real ``ZmqEventPublisher`` (in a ``.peers-venv`` process) publishes the frames
 of one more seed as fast as it can; ``kvstream bridge`` (``run_bridge``: ``vllm://`` source ->
 pipeline -> Kafka sink, acks=all) forwards them to a tansu broker started here. Blocks/s from
-the first batch the bridge reads to the pipeline's close (everything acknowledged).
+the publisher's start to the pipeline's close (everything acknowledged), against a bare pyzmq
+SUB receiving the same publisher's frames (the publisher's own rate, which bounds any
+consumer), ``--live-rounds`` interleaved rounds with a fresh seed each.
 
 Usage (the main venv; ``.peers-venv`` must have vLLM 0.33)::
 
-    python benchmarks/bench_bridge.py [--rounds 7] [--requests 40] [--block-sizes 16,32] [--no-live]
+    python benchmarks/bench_bridge.py [--rounds 7] [--requests 40] [--block-sizes 16,32]
+        [--no-live] [--live-rounds 3]
 
 ``KVSTREAM_NO_NATIVE=1`` measures the pure-Python fallback.
 """
@@ -324,13 +327,9 @@ def offline(block_sizes: list[int], rounds: int, requests: int) -> None:
             )
 
 
-def live(block_size: int, requests: int) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from kafka_broker import KafkaBroker
-
-    from kvstream.cli.bridge_run import BridgeOptions, run_bridge
-
-    broker = KafkaBroker().start()
+def _start_publisher(block_size: int, seed: int, requests: int) -> tuple[Any, int, Path]:
+    """A .peers-venv process holding vLLM's ZmqEventPublisher with its frames built; it
+    publishes them all on a line on its stdin. Returns (process, PUB port, port file)."""
     port_file = Path(tempfile.mkstemp(prefix="bench-bridge-port-")[1])
     pub = subprocess.Popen(
         [
@@ -338,24 +337,67 @@ def live(block_size: int, requests: int) -> None:
             __file__,
             "--publish",
             str(block_size),
-            "4242",
+            str(seed),
             str(requests),
             str(port_file),
         ],
         stdin=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 300
+    while not port_file.read_text().strip():
+        if pub.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the vLLM publisher did not start")
+        time.sleep(0.2)
+    return pub, int(port_file.read_text()), port_file
+
+
+def _go(pub: Any) -> float:
+    assert pub.stdin is not None
+    t = time.monotonic()
+    pub.stdin.write("go\n")
+    pub.stdin.flush()
+    return t
+
+
+def _bare_sub(block_size: int, seed: int, requests: int) -> tuple[int, float]:
+    """The reference: a bare pyzmq SUB receiving the publisher's frames (nothing decoded);
+    (frames, seconds from go to the last frame)."""
+    import zmq
+
+    pub, port, port_file = _start_publisher(block_size, seed, requests)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
     try:
-        deadline = time.monotonic() + 300
-        while not port_file.read_text().strip():
-            if pub.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the vLLM publisher did not start")
-            time.sleep(0.2)
-        port = int(port_file.read_text())
-        topic = f"bridge-{os.getpid()}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(1.0)  # subscribed before the first frame
+        go = last = _go(pub)
+        frames = 0
+        while sub.poll(int(IDLE_EXIT_S * 1000)):
+            sub.recv_multipart()
+            frames += 1
+            last = time.monotonic()
+        return frames, last - go
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.wait(60)
+        port_file.unlink(missing_ok=True)
+
+
+def _bridge(block_size: int, seed: int, requests: int, bootstrap: str) -> tuple[Any, float, float]:
+    """``kvstream bridge`` from the publisher to Kafka: (result, go -> last batch read,
+    go -> the last acknowledgement)."""
+    from kvstream.cli.bridge_run import BridgeOptions, run_bridge
+
+    pub, port, port_file = _start_publisher(block_size, seed, requests)
+    try:
+        topic = f"bridge-{os.getpid()}-{seed}"
         opts = BridgeOptions(
             source=f"vllm://127.0.0.1:{port}?from=latest",
-            sinks=(f"kafka://{broker.bootstrap}/{topic}?create_topic=true&partitions=4",),
+            sinks=(f"kafka://{bootstrap}/{topic}?create_topic=true&partitions=4",),
             idle_exit_s=IDLE_EXIT_S,
         )
         go: list[float] = []
@@ -363,35 +405,70 @@ def live(block_size: int, requests: int) -> None:
         async def run() -> tuple[Any, float]:
             task = asyncio.create_task(run_bridge(opts, progress_every_s=0.05))
             await asyncio.sleep(1.0)  # subscribed before the first frame
-            assert pub.stdin is not None
-            go.append(time.monotonic())
-            pub.stdin.write("go\n")
-            pub.stdin.flush()
+            go.append(_go(pub))
             result = await task
             return result, time.monotonic()
 
         result, returned = asyncio.run(run())
-        p = result.progress
-        blocks = p.blocks_stored + p.blocks_removed
-        last = p.last_item or go[0]
+        last = result.progress.last_item or go[0]
         # go -> last batch read, plus the close (flush, every message acknowledged), which
         # began once the source had been idle for idle_exit_s
         span = (last - go[0]) + max(returned - (last + IDLE_EXIT_S), 0.0)
-        print(
-            f"\nlive, {block_size}-token blocks: vLLM ZmqEventPublisher -> kvstream bridge -> "
-            f"Kafka (tansu, 4 partitions, acks=all): {blocks:,} blocks in {p.batches} batches, "
-            f"{span:.2f} s from the first publish to the last acknowledgement = "
-            f"{blocks / span:,.0f} blocks/s; delivered ok={result.ok}, lost ids {p.lost_ids}"
-        )
-        read = max(last - go[0], 1e-9)
-        print(
-            f"  of which publish -> bridge read: {read:.3f} s ({blocks / read:,.0f} blocks/s), "
-            f"close (flush + acknowledgements + producer stop): {span - read:.3f} s"
-        )
+        return result, max(last - go[0], 1e-9), span
     finally:
         pub.wait(60)
-        broker.close()
         port_file.unlink(missing_ok=True)
+
+
+def live(block_size: int, requests: int, rounds: int) -> None:
+    """vLLM's publisher -> kvstream bridge -> Kafka, against a bare SUB of the same
+    publisher's frames (what the publisher itself delivers: the ceiling of any consumer),
+    rounds interleaved, a fresh seed per round."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kafka_broker import KafkaBroker
+
+    broker = KafkaBroker().start()
+    rates: dict[str, list[float]] = {"bare": [], "bridge": []}
+    ratios: list[float] = []
+    try:
+        for rnd in range(rounds):
+            seed = 4242 + rnd
+            got: dict[str, float] = {}
+            for side in ("bare", "bridge") if rnd % 2 == 0 else ("bridge", "bare"):
+                if side == "bare":
+                    frames, took = _bare_sub(block_size, seed, requests)
+                    got["bare_s"] = took
+                    got["frames"] = frames
+                    continue
+                result, read, span = _bridge(block_size, seed, requests, broker.bootstrap)
+                p = result.progress
+                if not result.ok or p.lost_ids:
+                    raise SystemExit(f"the bridge lost data: ok={result.ok}, lost {p.lost_ids}")
+                got["blocks"] = p.blocks_stored + p.blocks_removed
+                got["batches"] = p.batches
+                got["read_s"], got["span_s"] = read, span
+            blocks = got["blocks"]
+            rates["bare"].append(blocks / got["bare_s"])
+            rates["bridge"].append(blocks / got["span_s"])
+            ratios.append(got["bare_s"] / got["span_s"])
+            print(
+                f"  live round {rnd + 1}/{rounds}: {blocks:,.0f} blocks in {got['batches']:.0f} "
+                f"batches ({got['frames']:.0f} frames at the bare SUB); bare SUB "
+                f"{got['bare_s']:.3f} s, bridge read {got['read_s']:.3f} s, to the last "
+                f"acknowledgement {got['span_s']:.3f} s"
+            )
+    finally:
+        broker.close()
+    med = statistics.median
+    print(
+        f"\nlive, {block_size}-token blocks, {rounds} rounds: vLLM ZmqEventPublisher -> "
+        f"(a) bare pyzmq SUB, (b) kvstream bridge -> Kafka (tansu, 4 partitions, acks=all, "
+        f"every id delivered)\n"
+        f"  bare SUB (the publisher's own rate): {med(rates['bare']):,.0f} blocks/s\n"
+        f"  bridge, first publish to last ack:   {med(rates['bridge']):,.0f} blocks/s "
+        f"({min(rates['bridge']):,.0f}-{max(rates['bridge']):,.0f})\n"
+        f"  bridge / bare SUB: {med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+    )
 
 
 def main() -> None:
@@ -411,6 +488,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40, help="8k-token prompts per round")
     ap.add_argument("--block-sizes", default="16,32")
     ap.add_argument("--no-live", action="store_true")
+    ap.add_argument("--live-rounds", type=int, default=3)
     args = ap.parse_args()
     from kvstream.engines.vllm import native_readers
 
@@ -418,7 +496,7 @@ def main() -> None:
     sizes = [int(s) for s in args.block_sizes.split(",")]
     offline(sizes, args.rounds, args.requests)
     if not args.no_live:
-        live(max(sizes), args.requests * 3)
+        live(max(sizes), args.requests * 3, args.live_rounds)
 
 
 if __name__ == "__main__":
