@@ -131,6 +131,8 @@ put_byte(Buf *b, unsigned char c)
 static int
 put_mem(Buf *b, const void *p, Py_ssize_t n)
 {
+    if (n == 0) /* b->p may still be NULL: memcpy must not see it */
+        return BODY_OK;
     RESERVE(b, n);
     memcpy(b->p + b->len, p, (size_t)n);
     b->len += n;
