@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, TypeAlias
 
 from kvstream._types import TokenIds
-from kvstream.events.columns import ColumnBatch
+from kvstream.events.columns import ColumnBatch, publish_columns
 from kvstream.events.model import (
     CURRENT_SCHEMA_VERSION,
     DEFAULT_HASH_ALGO,
@@ -44,7 +44,8 @@ EventSpan: TypeAlias = tuple[int, int, str, int, int]
 _EMPTY: Final[tuple[dict[str, Any], ...]] = ()
 # Serialises materialisation (of any batch): a batch is built once even when several threads
 # ask at the same time. Sink tasks share one loop thread, so it is all but never contended.
-_BUILD_LOCK: Final = threading.Lock()
+# Reentrant: building the columns may materialise (a record only the model can turn into them).
+_BUILD_LOCK: Final = threading.RLock()
 
 
 class BlockRun:
@@ -159,7 +160,7 @@ class DeferredBatch:
     <kvstream.events.emitter.EventEmitter.take>` would have returned at the same moment.
     """
 
-    __slots__ = ("_batch", "_ids", "_ids_known", "_n", "_records", "_source", "_ts_ns")
+    __slots__ = ("_batch", "_columns", "_ids", "_ids_known", "_n", "_records", "_source", "_ts_ns")
 
     def __init__(self, source: SourceId, ts_ns: int, records: Sequence[dict[str, Any]]) -> None:
         # The engine thread builds one per iteration: keep it to a few attribute stores.
@@ -170,6 +171,7 @@ class DeferredBatch:
         self._ids: tuple[int, int] | None = None  # (first id, last id), computed on first use
         self._ids_known = False
         self._batch: EventBatch | None = None
+        self._columns: ColumnBatch | None = None
 
     # ------------------------------------------------------------------ cheap metadata
 
@@ -270,6 +272,29 @@ class DeferredBatch:
                 self._batch = batch
                 self._records = _EMPTY
             return batch
+
+    def columns(self) -> ColumnBatch:
+        """The batch as publisher columns, built from the raw records without the models on
+        the first call, then cached (:func:`~kvstream.events.deferred_columns.
+        deferred_columns`: equal to ``publish_columns(self.materialize())``; their
+        ``to_batch`` is :meth:`materialize`). Thread-safe like :meth:`materialize`."""
+        cols = self._columns
+        if cols is not None:
+            return cols
+        from kvstream.events.deferred_columns import deferred_columns  # imports this module
+
+        with _BUILD_LOCK:
+            cols = self._columns
+            if cols is None:
+                batch = self._batch
+                if batch is not None:
+                    cols = publish_columns(batch)
+                else:
+                    cols = deferred_columns(
+                        self._source, self._ts_ns, self._records, self.materialize
+                    )
+                self._columns = cols
+            return cols
 
     def __repr__(self) -> str:
         state = "materialized" if self._batch is not None else "deferred"
