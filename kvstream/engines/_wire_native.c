@@ -385,7 +385,8 @@ error:
  * ``levels`` maps upper-case ``medium`` names to cache levels; ``external`` is the level of
  * ``locality: "REMOTE"``; ``unbounded`` the window of a group that named none. Returns
  * ``(ts, rank, event_ids, kinds, group_ids, window_sizes, payloads, stored_extra, tokens,
- * next_id)`` with the same values and shapes _fast_columns gives them. */
+ * next_id, token_layout)`` with the same values and shapes _fast_columns gives them, and each
+ * stored event's (first token's index in tokens, block sizes): every one is plain. */
 
 enum { K_STORED = 1, K_REMOVED = 2, K_CLEARED = 4 };
 
@@ -827,7 +828,7 @@ event_hashes(const unsigned char *at, const unsigned char *end)
 }
 
 typedef struct {
-    PyObject *ids, *kinds, *groups, *windows, *payloads, *extra;
+    PyObject *ids, *kinds, *groups, *windows, *payloads, *extra, *layout;
     PyObject *known, *unbounded;
     long long next_id;
 } Columns;
@@ -942,7 +943,7 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0)) || !(c.groups = PyList_New(0))
         || !(c.windows = PyList_New(0)) || !(c.payloads = PyList_New(0))
-        || !(c.extra = PyList_New(0)))
+        || !(c.extra = PyList_New(0)) || !(c.layout = PyList_New(0)))
         goto error;
     for (e = 0; e < n_events; e++) {
         EventFields ev;
@@ -1183,6 +1184,15 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto stored_error;
             if (append_new(c.extra, PyTuple_Pack(2, sizes, Py_None)) < 0)
                 goto stored_error;
+            {
+                PyObject *at = PyLong_FromSsize_t(tok_len / 4 - n_tok);
+
+                if (at == NULL || append_new(c.layout, PyTuple_Pack(2, at, sizes)) < 0) {
+                    Py_XDECREF(at);
+                    goto stored_error;
+                }
+                Py_DECREF(at);
+            }
             Py_DECREF(sizes);
             Py_DECREF(hashes);
             Py_DECREF(parent);
@@ -1211,8 +1221,8 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     tokens = PyBytes_FromStringAndSize(tok, tok_len);
     if (tokens == NULL)
         goto error;
-    result = Py_BuildValue("(dOOOOOOONL)", ts, rank, c.ids, c.kinds, c.groups, c.windows,
-                           c.payloads, c.extra, tokens, c.next_id);
+    result = Py_BuildValue("(dOOOOOOONLO)", ts, rank, c.ids, c.kinds, c.groups, c.windows,
+                           c.payloads, c.extra, tokens, c.next_id, c.layout);
     ok = result != NULL;
     goto cleanup;
 done: /* outside the subset: None */
@@ -1233,6 +1243,7 @@ cleanup:
     Py_XDECREF(c.windows);
     Py_XDECREF(c.payloads);
     Py_XDECREF(c.extra);
+    Py_XDECREF(c.layout);
     return result;
 }
 

@@ -44,6 +44,7 @@ def batch_columns(
         list[Any],
         bytes,
         int,
+        list[tuple[int, list[int]]],
     ]
     | None
 ):

@@ -339,7 +339,7 @@ class EngineStream:
         )
         if got is None:
             return None
-        ts, _rank, ids, kinds, groups, windows, payloads, extra, tokens, next_id = got
+        ts, _rank, ids, kinds, groups, windows, payloads, extra, tokens, next_id, layout = got
         cols = ColumnBatch(
             self.instance_id,
             attention_dp_rank=self.rank,
@@ -355,6 +355,7 @@ class EngineStream:
         cols.window_sizes = windows
         cols.payloads = payloads
         cols.stored_extra = extra
+        cols.token_layout = layout  # a consumer (the index) finds each event's tokens there
         self._next_id = next_id
         self._windows = known
         self.events += len(ids)
