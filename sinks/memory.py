@@ -11,6 +11,15 @@ A subscription is a cursor into the log (like a Kafka consumer's offset), so a s
 never slows the sink: if it falls behind the retained window it skips ahead and counts the
 batches it ``missed``.
 
+The sink takes column batches too (``accepts_columns``): a pipeline hands it an engine
+bridge's :class:`~kvstream.events.columns.ColumnBatch`, or a deferred emitter batch as its
+columns, without building a model per block. Every read (:attr:`MemorySink.batches`,
+:meth:`MemorySink.events`, :meth:`MemorySink.read_back`, subscriptions) still returns the
+validated :class:`~kvstream.events.model.EventBatch`, built on first read (``to_batch()``, once
+per batch, shared by every reader); a sink made with ``columns=True`` (``memory?columns=1``)
+instead gives its subscriptions the columns as they were exported, for readers that apply
+columns (the prefix index's :class:`~kvstream.index.sources.memory.MemorySource`).
+
 For tests the sink can fail or stall on purpose: :meth:`MemorySink.fail_next` queues results
 or exceptions for the next exports, :meth:`MemorySink.pause`/:meth:`MemorySink.resume` make
 exports wait (a stalled sink), ``latency_s`` delays every export.
@@ -23,6 +32,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
 from kvstream.errors import ConfigError
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch, KVCacheEvent, SourceId
 from kvstream.sink import ExportResult, Sink, SinkURL
 
@@ -30,9 +40,11 @@ __all__ = ["MemorySink", "MemorySubscription"]
 
 
 class MemorySink(Sink):
-    """Keeps the newest ``max_batches`` exported batches (None: unbounded) in memory."""
+    """Keeps the newest ``max_batches`` exported batches (None: unbounded) in memory; with
+    ``columns``, subscriptions yield column batches as exported (see the module doc)."""
 
     scheme = "memory"
+    accepts_columns = True
 
     def __init__(
         self,
@@ -40,13 +52,16 @@ class MemorySink(Sink):
         max_batches: int | None = 100_000,
         latency_s: float = 0.0,
         name: str | None = None,
+        columns: bool = False,
     ) -> None:
         super().__init__(name=name)
         if max_batches is not None and max_batches < 1:
             raise ConfigError(f"max_batches must be >= 1 or None, got {max_batches}")
         self.max_batches = max_batches
         self.latency_s = latency_s
-        self._log: deque[EventBatch] = deque(maxlen=max_batches)
+        #: subscriptions yield ColumnBatch objects as exported (else their models)
+        self.columns = columns
+        self._log: deque[EventBatch | ColumnBatch] = deque(maxlen=max_batches)
         self._base = 0  # absolute offset of _log[0]
         self._changed = asyncio.Event()
         self._shut_down = False
@@ -61,19 +76,21 @@ class MemorySink(Sink):
 
     @classmethod
     def from_url(cls, url: SinkURL) -> MemorySink:
-        """``memory?max_batches=1000&name=mem2`` (``max_batches=0``: unbounded)."""
-        url.check_keys(["max_batches", "latency_s", "name"])
+        """``memory?max_batches=1000&name=mem2&columns=1`` (``max_batches=0``: unbounded)."""
+        url.check_keys(["max_batches", "latency_s", "name", "columns"])
         max_batches = url.get_int("max_batches", 100_000)
         return cls(
             max_batches=max_batches or None,
             latency_s=url.get_float("latency_s", 0.0) or 0.0,
             name=url.get("name"),
+            columns=url.get_bool("columns", False),
         )
 
     # ------------------------------------------------------------------------- Sink API
 
     async def export(self, batches: Sequence[EventBatch]) -> ExportResult:
-        """Append ``batches`` to the log (after any injected delay, stall or failure)."""
+        """Append ``batches`` (models or :class:`ColumnBatch` objects) to the log, after any
+        injected delay, stall or failure."""
         self.export_calls += 1
         if self._shut_down:
             return ExportResult.permanent("the memory sink is shut down")
@@ -96,7 +113,7 @@ class MemorySink(Sink):
                 self._base += 1
                 self.evicted += 1
             log.append(b)
-            self.events_in += len(b.events)
+            self.events_in += len(b) if isinstance(b, ColumnBatch) else len(b.events)
         self.batches_in += len(batches)
         self._notify()
 
@@ -141,11 +158,11 @@ class MemorySink(Sink):
     @property
     def batches(self) -> list[EventBatch]:
         """The retained batches, oldest first."""
-        return list(self._log)
+        return list(map(_model, self._log))
 
     def events(self) -> list[tuple[SourceId, KVCacheEvent]]:
         """Every retained event with its source, in delivery order."""
-        return [(b.source, ev) for b in self._log for ev in b.events]
+        return [(b.source, ev) for b in self.batches for ev in b.events]
 
     @property
     def is_shut_down(self) -> bool:
@@ -159,7 +176,7 @@ class MemorySink(Sink):
     async def read_back(self, since: object = None) -> list[EventBatch]:
         """Retained batches from log offset ``since`` (a :meth:`position`; None: all)."""
         start = since if isinstance(since, int) else self._base
-        return list(self._log)[max(start - self._base, 0) :]
+        return list(map(_model, list(self._log)[max(start - self._base, 0) :]))
 
     def discard_before(self, offset: int) -> int:
         """Forget the retained batches before log offset ``offset`` (a :meth:`position`), as
@@ -209,11 +226,18 @@ class MemorySink(Sink):
             gate.set()
 
 
+def _model(batch: EventBatch | ColumnBatch) -> EventBatch:
+    return batch.to_batch() if isinstance(batch, ColumnBatch) else batch
+
+
 class MemorySubscription(AsyncIterator[EventBatch]):
-    """A cursor over a :class:`MemorySink`'s log; see :meth:`MemorySink.subscribe`."""
+    """A cursor over a :class:`MemorySink`'s log; see :meth:`MemorySink.subscribe`. It
+    yields models, or, when the sink was made with ``columns``, the batches as exported
+    (``EventBatch`` or ``ColumnBatch``; typed as models for the readers that take both)."""
 
     def __init__(self, sink: MemorySink, offset: int) -> None:
         self._sink = sink
+        self._as_is = sink.columns
         self._offset = offset
         #: Batches evicted before this subscription read them.
         self.missed = 0
@@ -230,7 +254,10 @@ class MemorySubscription(AsyncIterator[EventBatch]):
         i = self._offset - sink._base
         if i < len(sink._log):
             self._offset += 1
-            return sink._log[i]
+            batch = sink._log[i]
+            if self._as_is or not isinstance(batch, ColumnBatch):
+                return batch  # type: ignore[return-value]  # columns: the sink's choice
+            return batch.to_batch()
         return None
 
     async def __anext__(self) -> EventBatch:

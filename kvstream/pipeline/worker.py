@@ -5,7 +5,8 @@ the pipeline's loop, by the first sink task that exports them; the batch caches 
 so every other sink gets the same :class:`~kvstream.events.model.EventBatch` for free. Column
 batches (:class:`~kvstream.events.columns.ColumnBatch`, an engine bridge's) go to a sink whose
 ``accepts_columns`` is true as they are (it encodes them without the models), materialised
-for any other.
+for any other; such a sink gets a deferred batch as its columns (built from the raw records,
+cached by the batch), so no model is built unless another sink needs one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvstream.errors import PermanentSinkError
-from kvstream.events.columns import ColumnBatch
 from kvstream.events.deferred import LAZY_BATCHES, AnyBatch, DeferredBatch
 from kvstream.events.model import EventBatch
 from kvstream.sink import Abandoned, ExportResult, ExportStatus, Sink
@@ -111,18 +111,28 @@ class SinkWorker:
 
         Right away means: the sink offers ``export_now`` (a synchronous export that only
         exports when it needs no waiting and cannot fail, the memory sink's), no lingering is
-        configured, the sink was started, the batch is built (not deferred) and this task
-        waits for work with nothing queued and no lost markers owed. The batch would then be
+        configured, the sink was started, the batch is built (or the sink takes columns: a
+        deferred batch goes as its columns, a column batch as it is) and this task waits for
+        work with nothing queued and no lost markers owed. The batch would then be
         the next chunk exported, alone, and delivered by one attempt: it is counted the same
         (accepted, delivered, settled, one latency observation, progress set), one event-loop
         round trip sooner. The check, the export and the counts are one step under the
         queue's lock (:meth:`~kvstream.pipeline.queue.SinkQueue.deliver_now`).
         """
         export_now = self._export_now
-        if export_now is None or not self._started or isinstance(batch, LAZY_BATCHES):
+        if export_now is None or not self._started:
             return False
+        ready: Any = batch  # (columns go to a sink that declares it takes them)
+        if isinstance(batch, LAZY_BATCHES):
+            if not self._columns:
+                return False
+            if isinstance(batch, DeferredBatch):
+                try:
+                    ready = batch.columns()
+                except Exception:  # a recorder bug: the queued path fails the chunk and says so
+                    return False
         t0 = time.perf_counter()
-        if not self.queue.deliver_now(export_now, batch, n):
+        if not self.queue.deliver_now(export_now, ready, n):
             return False
         if self._observe is not None:
             self._observe(time.perf_counter() - t0)
@@ -283,11 +293,10 @@ _TIMEOUT: Any = getattr(asyncio, "timeout", None)  # Python >= 3.11
 def _materialized(batches: Sequence[AnyBatch], columns: bool = False) -> Sequence[EventBatch]:
     """The chunk's batches with every deferred one materialised (cached by the batch itself,
     so a batch shared by several sinks is built once); with ``columns``, column batches stay
-    columns (typed as the sink's export takes them: such a sink declares it encodes both)."""
-    out: list[Any] = [
-        b.materialize()
-        if isinstance(b, DeferredBatch) or (not columns and isinstance(b, ColumnBatch))
-        else b
-        for b in batches
-    ]
+    columns and deferred ones become theirs, built without the models (typed as the sink's
+    export takes them: such a sink declares it takes both)."""
+    if columns:
+        cols: list[Any] = [b.columns() if isinstance(b, DeferredBatch) else b for b in batches]
+        return cols
+    out: list[Any] = [b.materialize() if isinstance(b, LAZY_BATCHES) else b for b in batches]
     return out
