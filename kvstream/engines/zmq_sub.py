@@ -246,12 +246,18 @@ class EngineSubscriber:
         # socket is empty the asyncio recv waits (it checks the socket's events first, so
         # the two handles cannot miss a frame).
         direct: Any = zmq.Socket.shadow(sock.underlying)
+        recv = direct.recv
         queue = self._queue
-        again = zmq.Again
+        again, noblock = zmq.Again, zmq.NOBLOCK
         burst = 0
         while True:
             try:
-                frames = direct.recv_multipart(zmq.NOBLOCK)
+                # parts as zmq.Frame, whose ``more`` needs no socket-option call per part
+                part = recv(noblock, copy=False)
+                frames = [part.bytes]
+                while part.more:  # a message's parts arrive together
+                    part = recv(noblock, copy=False)
+                    frames.append(part.bytes)
             except again:
                 burst = 0
                 frames = await sock.recv_multipart()
