@@ -328,7 +328,7 @@ class _Replay:
         await transport.start()
         try:
             for m in self.managers:
-                await transport.publish(m.flush_events())
+                await transport.publish(m.flush_events_deferred())
             await transport.sync(0)
             self.router.check()
             await self._replay_rows()
@@ -531,7 +531,7 @@ class _Replay:
     async def _publish(self, w: int) -> None:
         """Hand worker ``w``'s events to the pipeline (one batch: its engine iteration)."""
         self.dirty.discard(w)
-        await self.transport.publish(self.managers[w].flush_events())
+        await self.transport.publish(self.managers[w].flush_events_deferred())
 
     async def _publish_dirty(self) -> None:
         """:meth:`_publish` every worker with events, in worker order."""
@@ -540,7 +540,7 @@ class _Replay:
         dirty.clear()  # (publishing applies batches to the index; it admits nothing)
         publish, managers = self.transport.publish, self.managers
         for w in ws:
-            await publish(managers[w].flush_events())
+            await publish(managers[w].flush_events_deferred())
 
     def _prepare(self, i: int, ahead: deque[tuple[Any, HashedPrompt]]) -> None:
         """Build and hash the prompts of the next :data:`PROMPTS_AHEAD` servable rows from

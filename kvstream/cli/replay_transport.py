@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from kvstream.events.model import EventBatch
+from kvstream.events.deferred import AnyBatch
 from kvstream.index import IndexConsumer, MemorySource, PrefixIndex
 from kvstream.pipeline import Pipeline, PipelineConfig
 from kvstream.sink import Sink, create_sink
@@ -45,7 +45,11 @@ class Transport:
         self.memory = sink == "memory"
         if self.memory:
             # (a kvstream.sinks.memory.MemorySink: sinks are found by name, not imported)
-            self._memory: Any = cast(Any, create_sink(f"memory?max_batches={self.retained}"))
+            # columns=1: the source reads the columns a deferred batch was handed over as, so
+            # the index applies them and no model is built per block
+            self._memory: Any = cast(
+                Any, create_sink(f"memory?max_batches={self.retained}&columns=1")
+            )
             self.sink = self._memory
             self._source = MemorySource(self._memory, from_start=False)
             self.consumer = IndexConsumer(self._source, index)
@@ -65,8 +69,9 @@ class Transport:
         await self.pipe.start()
         await self.consumer.source.start()
 
-    async def publish(self, batch: EventBatch | None) -> None:
-        """Hand ``batch`` (None: nothing) to the pipeline."""
+    async def publish(self, batch: AnyBatch | None) -> None:
+        """Hand ``batch`` (None: nothing; a worker's deferred batch goes to the sink as its
+        columns) to the pipeline."""
         if batch is None:
             return
         if self.memory and self.published - self.consumer.batches >= self.max_lag + 128:
