@@ -44,8 +44,7 @@ EventSpan: TypeAlias = tuple[int, int, str, int, int]
 _EMPTY: Final[tuple[dict[str, Any], ...]] = ()
 # Serialises materialisation (of any batch): a batch is built once even when several threads
 # ask at the same time. Sink tasks share one loop thread, so it is all but never contended.
-# Reentrant: building the columns may materialise (a record only the model can turn into them).
-_BUILD_LOCK: Final = threading.RLock()
+_BUILD_LOCK: Final = threading.Lock()
 
 
 class BlockRun:
@@ -160,7 +159,7 @@ class DeferredBatch:
     <kvstream.events.emitter.EventEmitter.take>` would have returned at the same moment.
     """
 
-    __slots__ = ("_batch", "_columns", "_ids", "_ids_known", "_n", "_records", "_source", "_ts_ns")
+    __slots__ = ("_batch", "_ids", "_ids_known", "_n", "_records", "_source", "_ts_ns")
 
     def __init__(self, source: SourceId, ts_ns: int, records: Sequence[dict[str, Any]]) -> None:
         # The engine thread builds one per iteration: keep it to a few attribute stores.
@@ -171,7 +170,6 @@ class DeferredBatch:
         self._ids: tuple[int, int] | None = None  # (first id, last id), computed on first use
         self._ids_known = False
         self._batch: EventBatch | None = None
-        self._columns: ColumnBatch | None = None
 
     # ------------------------------------------------------------------ cheap metadata
 
@@ -274,27 +272,23 @@ class DeferredBatch:
             return batch
 
     def columns(self) -> ColumnBatch:
-        """The batch as publisher columns, built from the raw records without the models on
-        the first call, then cached (:func:`~kvstream.events.deferred_columns.
-        deferred_columns`: equal to ``publish_columns(self.materialize())``; their
-        ``to_batch`` is :meth:`materialize`). Thread-safe like :meth:`materialize`."""
-        cols = self._columns
-        if cols is not None:
-            return cols
-        from kvstream.events.deferred_columns import deferred_columns  # imports this module
+        """The batch as publisher columns, built from the raw records without the models
+        (:func:`~kvstream.events.deferred_columns.deferred_columns`: equal to
+        ``publish_columns(self.materialize())``, or exactly that once materialised). Their
+        ``to_batch`` is :meth:`materialize`, so every reader shares one set of models.
 
-        with _BUILD_LOCK:
-            cols = self._columns
-            if cols is None:
-                batch = self._batch
-                if batch is not None:
-                    cols = publish_columns(batch)
-                else:
-                    cols = deferred_columns(
-                        self._source, self._ts_ns, self._records, self.materialize
-                    )
-                self._columns = cols
-            return cols
+        New columns on every call (cheap: no object per block): caching them here would make
+        a reference cycle (columns -> this batch's ``materialize`` -> columns) that only the
+        cyclic garbage collector could free. Thread-safe like :meth:`materialize`."""
+        batch = self._batch
+        if batch is not None:
+            return publish_columns(batch)
+        records = self._records  # (a concurrent materialize releases them, never mutates)
+        if not records and self._n:
+            return publish_columns(self.materialize())
+        from kvstream.events.deferred_columns import deferred_columns  # (imports this module)
+
+        return deferred_columns(self._source, self._ts_ns, records, self.materialize)
 
     def __repr__(self) -> str:
         state = "materialized" if self._batch is not None else "deferred"
