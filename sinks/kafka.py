@@ -155,9 +155,6 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 _Msg = tuple[bytes, bytes, list[tuple[str, bytes]], int]
 #: Chunks with fewer batches are encoded on the event loop (a thread hop costs more).
 _INLINE_ENCODE: Final = 32
-#: Larger exports are encoded in steps of this many batches, each step (a worker thread)
-#: overlapping the sends of the steps before it: the producer waits on acks meanwhile.
-_ENCODE_STEP: Final = 128
 
 
 @dataclass(slots=True)
@@ -188,9 +185,6 @@ class _Doubt:
 class _Chunk:
     batches: Sequence[EventBatch]
     parts: list[_PartitionSend]
-    partitions: list[int] = field(default_factory=list)  # the topic's, when encoding began
-    encoded: int = 0  # batches[:encoded] are in parts' msgs
-    by_partition: dict[int, _PartitionSend] = field(default_factory=dict)
 
     def same(self, batches: Sequence[EventBatch]) -> bool:
         mine = self.batches
@@ -644,9 +638,11 @@ class KafkaSink(Sink):
             assert producer is not None
             chunk = self._pending
             if chunk is None or not chunk.same(batches):
-                partitions = sorted(await producer.partitions_for(self.topic))
-                chunk = self._pending = _Chunk(batches, [], partitions)
-            results = await self._encode_and_send(producer, chunk)
+                chunk = self._pending = await self._prepare(producer, batches)
+            results = await asyncio.gather(
+                *(self._send_partition(producer, p) for p in chunk.parts if p.done < len(p.msgs)),
+                return_exceptions=True,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -661,82 +657,21 @@ class KafkaSink(Sink):
             return permanent[0]
         return failures[0]
 
-    async def _encode_and_send(self, producer: AIOKafkaProducer, chunk: _Chunk) -> list[Any]:
-        """Encode what of ``chunk`` is not encoded yet and send every message not acknowledged
-        yet; the send tasks' results (exceptions included).
+    async def _prepare(self, producer: AIOKafkaProducer, batches: Sequence[EventBatch]) -> _Chunk:
+        partitions = sorted(await producer.partitions_for(self.topic))
+        if len(batches) < _INLINE_ENCODE:
+            return self._encode(batches, partitions)
+        # a big chunk is encoded in a worker thread so the event loop (and with it the other
+        # sinks' tasks) keeps running meanwhile
+        return await asyncio.to_thread(self._encode, batches, partitions)
 
-        Large chunks go in steps of ``_ENCODE_STEP`` batches: step k+1 is encoded in a worker
-        thread while step k's messages are sent (each partition's messages still go out in
-        order, one builder in flight). After a failed send the rest is still encoded, so a
-        retry of the same batches resumes the whole chunk. A step that cannot be encoded
-        raises (after the sends in flight finish)."""
-        n = len(chunk.batches)
-        if n - chunk.encoded <= 2 * _ENCODE_STEP:  # one step
-            await self._encode_step(chunk, n)
-            return await self._send_encoded(producer, chunk)
-        await self._encode_step(chunk, chunk.encoded + _ENCODE_STEP)
-        while True:
-            sends = self._send_encoded(producer, chunk)
-            if chunk.encoded < n:
-                nxt = self._encode_step(chunk, min(chunk.encoded + _ENCODE_STEP, n))
-                results, encoded = await asyncio.gather(sends, nxt, return_exceptions=True)
-                if isinstance(encoded, BaseException):
-                    raise encoded
-            else:
-                results = await sends
-            assert isinstance(results, list)
-            if any(isinstance(r, BaseException) for r in results):
-                if chunk.encoded < n:
-                    await self._encode_step(chunk, n)
-                return results
-            if chunk.encoded == n and all(p.done == len(p.msgs) for p in chunk.parts):
-                return results
-
-    async def _send_encoded(self, producer: AIOKafkaProducer, chunk: _Chunk) -> list[Any]:
-        """Send every partition's messages encoded so far (not beyond: a later step may be
-        appending while these are in flight)."""
-        return await asyncio.gather(
-            *(
-                self._send_partition(producer, p, len(p.msgs))
-                for p in chunk.parts
-                if p.done < len(p.msgs)
-            ),
-            return_exceptions=True,
-        )
-
-    async def _encode_step(self, chunk: _Chunk, end: int) -> None:
-        """Encode ``chunk.batches[chunk.encoded:end]`` (in a worker thread when there are
-        many, so the event loop and the sends in flight keep running) and append them to
-        their partitions' messages, on the loop."""
-        start = chunk.encoded
-        if end <= start:
-            return
-        todo = chunk.batches[start:end]
-        if len(todo) < _INLINE_ENCODE:
-            encoded = self._encode(todo, chunk.partitions)
-        else:
-            encoded = await asyncio.to_thread(self._encode, todo, chunk.partitions)
-        if chunk.encoded != start:  # pragma: no cover - exports of one sink never overlap
-            raise RuntimeError("the Kafka sink encoded one chunk twice at once")
-        for partition, msg, index in encoded:
-            part = chunk.by_partition.get(partition)
-            if part is None:
-                part = chunk.by_partition[partition] = _PartitionSend(partition)
-                chunk.parts.append(part)
-            part.msgs.append(msg)
-            part.owners.append(start + index)
-        chunk.encoded = end
-
-    def _encode(
-        self, batches: Sequence[EventBatch], partitions: list[int]
-    ) -> list[tuple[int, _Msg, int]]:
-        """Per batch: its partition, its message and its index in ``batches``."""
+    def _encode(self, batches: Sequence[EventBatch], partitions: list[int]) -> _Chunk:
         n = len(partitions)
         if n != self._routes_for:
             self._routes.clear()
             self._routes_for = n
         routes = self._routes
-        out: list[tuple[int, _Msg, int]] = []
+        by_partition: dict[int, _PartitionSend] = {}
         codec, schema_id = self.codec, self.schema_registry_id
         base = self._base_headers
         for index, b in enumerate(batches):
@@ -756,19 +691,20 @@ class KafkaSink(Sink):
                 algos = set(names)
                 algo = next(iter(algos)) if len(algos) == 1 else ",".join(sorted(algos))
                 headers = [*base, (HEADER_HASH_ALGO, algo.encode())]
-            out.append((partition, (key, value, headers, b.ts_ns // 1_000_000), index))
-        return out
+            part = by_partition.get(partition)
+            if part is None:
+                part = by_partition[partition] = _PartitionSend(partition)
+            part.msgs.append((key, value, headers, b.ts_ns // 1_000_000))
+            part.owners.append(index)
+        return _Chunk(batches, list(by_partition.values()))
 
-    async def _send_partition(
-        self, producer: AIOKafkaProducer, part: _PartitionSend, limit: int
-    ) -> None:
-        """Send ``part.msgs[done:limit]`` in order, one builder in flight, until acknowledged."""
+    async def _send_partition(self, producer: AIOKafkaProducer, part: _PartitionSend) -> None:
         msgs = part.msgs
-        while part.done < limit:
+        while part.done < len(msgs):
             if part.inflight is None:
                 builder = producer.create_batch()
                 end = part.done
-                while end < limit:
+                while end < len(msgs):
                     key, value, headers, ts = msgs[end]
                     if builder.append(key=key, value=value, timestamp=ts, headers=headers) is None:
                         break
