@@ -179,6 +179,7 @@ async def test_deferred_batches_through_kafka(kafka: KafkaEnv) -> None:
     async with Pipeline([sink], config(overflow="block")) as pipe:
         await asyncio.to_thread(lambda: [pipe.submit(d) for d in stream])
         assert await pipe.flush(10)
+    assert not any(d.materialized for d in stream)  # encoded from their columns
     want = [d.materialize() for d in stream]
     total = sum(len(b.events) for b in want)
     reader = await TopicReader(kafka.bootstrap, topic, 2).start()
