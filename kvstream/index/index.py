@@ -337,6 +337,8 @@ class PrefixIndex:
                 st.old_incarnation_batches += 1
                 return
             self._new_incarnation(s, inc)
+        if not skipped_ids and self._apply_plain(s, cols, st):
+            return
         skipped = set(skipped_ids) if skipped_ids else None
         groups = s.groups
         tokens = _TokenFeed(cols) if self._tokens else None
@@ -404,6 +406,79 @@ class PrefixIndex:
                 nxt += 1
                 st.skipped_events += 1
             s.next_id = nxt
+
+    def _apply_plain(self, s: _Source, cols: ColumnBatch, st: SourceStats) -> bool:
+        """Apply the batch an engine sends most: stores and removals in layer groups the
+        worker has, each in the algorithm it has, ids following on, nothing that can rebind a
+        group's block size, and (token-keyed) each store's token ids laid out in the columns.
+        One lean pass, the same state and counters as :meth:`apply`'s loop; False (nothing
+        changed) for any other batch, which that loop takes."""
+        ids = cols.event_ids
+        n = len(ids)
+        first = s.next_id
+        if not n or first is None or ids[0] != first or ids[-1] != first + n - 1:
+            return False
+        kinds = cols.kinds
+        n_stored = kinds.count(STORED)
+        if n_stored + kinds.count(REMOVED) != n:
+            return False
+        layout = cols.token_layout
+        if self._tokens and (layout is None or cols.has_blocks or len(layout) != n_stored):
+            return False
+        payloads = cols.payloads
+        gids = cols.group_ids
+        groups = s.groups
+        seen: dict[int, list[Any]] = {}  # layer group -> [its _Group, blocks stored into it]
+        for code, gid, algo, data in zip(kinds, gids, cols.hash_algos, payloads, strict=True):
+            entry = seen.get(gid)
+            if entry is None:
+                g = groups.get(gid)
+                if g is None:
+                    return False
+                entry = seen[gid] = [g, 0]
+            g = entry[0]
+            if algo != g.hash_algo:
+                return False
+            if code == STORED:
+                if data[3] > g.max_block_tokens:
+                    return False
+                entry[1] += len(data[1])
+        if ids != list(range(first, first + n)) or (layout is not None and None in layout):
+            return False
+        s.next_id = first + n
+        st.events += n
+        st.stored_events += n_stored
+        st.stored_blocks += sum(stored for _, stored in seen.values())
+        st.removed_events += n - n_stored
+        removed_blocks = 0
+        if self._tokens:
+            assert layout is not None
+            view = memoryview(cols.tokens)
+            j = 0
+            for code, gid, data in zip(kinds, gids, payloads, strict=True):
+                table = seen[gid][0].table
+                if code == STORED:
+                    at, sizes = layout[j]
+                    j += 1
+                    span = view[4 * at : 4 * (at + sum(sizes))]
+                    table.store_tokens(data[0], data[1], data[2], span, sizes, LOCAL_HASH_SEED, st)
+                    if table.present > seen[gid][0].limit:
+                        self._over_capacity(s, seen[gid][0])
+                else:
+                    removed_blocks += len(data[0])
+                    table.remove(data[0], data[1], st)
+        else:
+            for code, gid, data in zip(kinds, gids, payloads, strict=True):
+                table = seen[gid][0].table
+                if code == STORED:
+                    table.store_hashes(data[0], data[1], data[2], st)
+                    if table.present > seen[gid][0].limit:
+                        self._over_capacity(s, seen[gid][0])
+                else:
+                    removed_blocks += len(data[0])
+                    table.remove(data[0], data[1], st)
+        st.removed_blocks += removed_blocks
+        return True
 
     def apply_many(self, batches: Iterable[EventBatch | ColumnBatch]) -> int:
         """Apply batches (models or columns) in order; returns how many."""
