@@ -254,7 +254,7 @@ def test_captured_vllm_033_frames_take_the_one_pass_paths() -> None:
 def _columns_of(stream: EngineStream, cols: Any) -> Any:
     return (
         (cols.event_ids, cols.kinds, cols.group_ids, cols.window_sizes, cols.payloads),
-        (cols.stored_extra, cols.tokens, cols.ts_ns, cols.hash_algos),
+        (cols.stored_extra, cols.tokens, cols.ts_ns, cols.hash_algos, cols.token_layout),
         (stream.state(), stream.events),
     )
 

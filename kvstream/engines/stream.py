@@ -301,6 +301,7 @@ class EngineStream:
             self._removed_column(cols, run_key, removed)
         cols.hash_algos = [algo] * len(ids)
         cols.tokens = b"".join(raws)
+        cols.token_layout = _token_layout_of(extra)
         self.events += len(ids)
         return cols
 
@@ -520,6 +521,7 @@ class EngineStream:
         cols.window_sizes = windows
         cols.payloads = payloads
         cols.stored_extra = extra
+        cols.token_layout = _token_layout_of(extra)
         self._next_id = next_id
         self._windows = known
         self.events += len(ids)
@@ -709,6 +711,17 @@ def batch_rank(payload: bytes) -> tuple[int | None, Any]:
     if typed is None:
         raise ValueError("not a typed engine batch")
     return typed.data_parallel_rank, typed
+
+
+def _token_layout_of(extra: list[StoredExtra]) -> list[tuple[int, list[int]] | None]:
+    """The :attr:`ColumnBatch.token_layout` of a publisher's columns: each stored event's
+    first token (its tokens lie in order in ``tokens``) and block sizes, when it is plain."""
+    out: list[tuple[int, list[int]] | None] = []
+    at = 0
+    for sizes, attrs in extra:
+        out.append((at, sizes) if attrs is None else None)
+        at += sum(sizes)
+    return out
 
 
 def _ts_ns(ts: float) -> int:

@@ -458,7 +458,7 @@ class PrefixIndex:
             for code, gid, data in zip(kinds, gids, payloads, strict=True):
                 table = seen[gid][0].table
                 if code == STORED:
-                    at, sizes = layout[j]
+                    at, sizes = layout[j]  # type: ignore[misc]  # no None: checked above
                     j += 1
                     span = view[4 * at : 4 * (at + sum(sizes))]
                     table.store_tokens(data[0], data[1], data[2], span, sizes, LOCAL_HASH_SEED, st)
