@@ -223,12 +223,13 @@ def test_the_demo_removes_its_temp_dir_and_keeps_out(tmp_path: Path) -> None:
 
 
 def test_version_flag_lists_every_native_extension_and_python_m_runs_the_cli() -> None:
+    from kvstream._native import EXTENSIONS
     from kvstream.cli.native_info import NATIVE_MODULES
 
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
 
     built = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert sorted(NATIVE_MODULES) == sorted(m["name"] for m in built["ext-modules"])
+    assert sorted(EXTENSIONS.values()) == sorted(m["name"] for m in built["ext-modules"])
     res = subprocess.run(
         [sys.executable, "-m", "kvstream", "--version"],
         capture_output=True, text=True, cwd=ROOT, check=False,
@@ -236,11 +237,13 @@ def test_version_flag_lists_every_native_extension_and_python_m_runs_the_cli() -
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith("kvstream 0.1.0 (writes event schema v")
-    assert lines[1].startswith("native extensions: ")
-    named = {line.split(":")[0].strip() for line in lines[2:]}
+    assert lines[1].startswith(f"native core: {len(EXTENSIONS)} extension modules, ")
+    roles = {line.strip() for line in lines[2:] if not line.startswith("    ")}
+    assert roles == {f"{ext} ({role})" for role, ext in EXTENSIONS.items()}
+    named = {line.split(":")[0].strip() for line in lines[2:] if line.startswith("    ")}
     assert named == {m.removeprefix("kvstream.") for m in NATIVE_MODULES}
     off = kvstream("--version", env={"KVSTREAM_NO_NATIVE": "1"})
-    assert "native extensions: 0 of" in off.stdout
+    assert " 0 of " in off.stdout.splitlines()[1]
     assert off.stdout.count("off (KVSTREAM_NO_NATIVE)") == len(NATIVE_MODULES)
 
 

@@ -7,17 +7,18 @@ tested against its Python twin in test_encoder_native.py.)
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
+from kvstream._native import load
 from kvstream.codec import tokens
 
-native: Any = pytest.importorskip("kvstream.codec._tokens_native")
+native: Any = native_part("kvstream.codec._tokens_native")
 
 
 def _ids(seed: int, n: int, kind: str) -> bytes:
@@ -62,4 +63,4 @@ def test_planes_encode_refuses_partial_ids(bad: bytes) -> None:
 @pytest.mark.native
 def test_native_module_is_the_one_loaded() -> None:
     assert tokens.NATIVE
-    assert importlib.import_module("kvstream.codec._tokens_native") is native
+    assert load("kvstream.codec._tokens_native") is native

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import struct
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstream._native import import_part
 from kvstream.codec import tokens
 from kvstream.codec.tokens import (
     TOKEN_ENCODINGS,
@@ -155,7 +155,7 @@ def test_numpy_varints_match_the_documented_format(ids: list[int], delta: bool) 
 @settings(max_examples=300, deadline=None)
 @given(ids=token_lists, delta=st.booleans())
 def test_native_varints_equal_numpy(ids: list[int], delta: bool) -> None:
-    native = importlib.import_module("kvstream.codec._tokens_native")
+    native = import_part("kvstream.codec._tokens_native")
     raw = _raw(ids)
     data = native.varint_encode(raw, delta)
     assert data == tokens._varint_encode_np(raw, delta)

@@ -20,11 +20,12 @@ import pytest
 from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream._types import TokenIds
 from kvstream.hashing import accel, get_hasher
 
-native = pytest.importorskip("kvstream.hashing._chainnative")
+native = native_part("kvstream.hashing._chainnative")
 if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
@@ -30,7 +31,7 @@ from kvstream.hashing.sglang import SglangSha256Hasher
 from kvstream.hashing.vllm import VllmSha256CborHasher
 from kvstream.hashing.vllm_pickle import VllmSha256PickleHasher
 
-native = pytest.importorskip("kvstream.hashing._chainnative")
+native = native_part("kvstream.hashing._chainnative")
 if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 from v1_vectors import DIGEST, V1_CHAINS
 
 from kvstream._types import TokenIds
@@ -30,7 +31,7 @@ from kvstream.hashing import ChainState, cache_salt_id, get_hasher, split_blocks
 from kvstream.hashing import trtllm as trtllm_mod
 from kvstream.hashing.trtllm import V1BlockKeyHasher
 
-native = pytest.importorskip("kvstream.hashing._v1native")
+native = native_part("kvstream.hashing._v1native")
 if not trtllm_mod.NATIVE_AVAILABLE:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream.codec import AvroCodec
 from kvstream.events.model import (
@@ -29,7 +30,7 @@ from kvstream.index import table as table_module
 from kvstream.index.domain import MaskMap, prefix_depths
 from kvstream.index.sources import decode_message
 
-native = pytest.importorskip("kvstream.index._table_native")
+native = native_part("kvstream.index._table_native")
 
 ALGO = "blake3_64"
 DOMAIN = DomainKey(ALGO, 4, 0)

@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream.index import domain as domain_module
 from kvstream.index.domain import MaskMap, prefix_depths
 from kvstream.index.types import DomainKey
 
-native = pytest.importorskip("kvstream.index._table_native")
+native = native_part("kvstream.index._table_native")
 #: the C maps: the extension's, and the index core's (keys inline) when built
 C_MAPS = [native.MaskMap] + ([domain_module._INDEX_MASKS] if domain_module._INDEX_MASKS else [])
 c_maps = pytest.mark.parametrize("cmap", C_MAPS, ids=lambda t: t.__module__)

@@ -30,7 +30,33 @@ def _run(code: str, **env: str) -> str:
 
 def test_every_module_pyproject_builds_is_known_to_the_loader() -> None:
     built = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert sorted(native.MODULES) == sorted(m["name"] for m in built["ext-modules"])
+    # one extension per role, and every part in the role the loader looks for it in
+    assert sorted(native.EXTENSIONS.values()) == sorted(m["name"] for m in built["ext-modules"])
+    assert set(native.MODULES.values()) == set(native.EXTENSIONS)
+    sources = {m["name"]: m["sources"] for m in built["ext-modules"]}
+    for part, role in native.MODULES.items():
+        source = (
+            "kvstream/_native/src/index_table.c"
+            if part == "kvstream._native._index"
+            else (part.replace(".", "/") + ".c")
+        )
+        assert source in sources[native.EXTENSIONS[role]], part
+
+
+def test_each_part_is_a_submodule_of_its_role() -> None:
+    import importlib
+    import sys
+
+    for part, role in native.MODULES.items():
+        try:
+            got = native.import_part(part)
+        except ImportError:
+            pytest.skip(f"{native.EXTENSIONS[role]} is not built")
+        assert got.__name__ == part
+        assert sys.modules[part] is got  # where a pickled type's module is looked up
+        assert importlib.import_module(native.EXTENSIONS[role]).__name__ == native.EXTENSIONS[role]
+    with pytest.raises(KeyError):
+        native.import_part("kvstream.nothing._native")
 
 
 def test_this_build_has_every_native_module() -> None:
@@ -83,6 +109,7 @@ def test_the_switch_is_honoured_everywhere() -> None:
 def absent(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     name = "kvstream._native._not_a_module"
     monkeypatch.setitem(native.MODULES, name, "test")
+    monkeypatch.setitem(native.EXTENSIONS, "test", "kvstream._native._not_an_extension")
     monkeypatch.delenv("KVSTREAM_NO_NATIVE", raising=False)
     monkeypatch.delenv("KVSTREAM_REQUIRE_NATIVE", raising=False)
     yield name

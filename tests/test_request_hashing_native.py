@@ -21,6 +21,7 @@ from blake3 import blake3
 from engine_hash_cases import case_blocks, case_kwargs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream._types import TokenIds
 from kvstream.errors import HashingError
@@ -29,7 +30,7 @@ from kvstream.hashing.native import Blake3Hasher
 from kvstream.hashing.trtllm import V2Sha256Hasher
 from kvstream.hashing.vllm import VllmSha256CborHasher
 
-native = pytest.importorskip("kvstream.hashing._chainnative")
+native = native_part("kvstream.hashing._chainnative")
 if not accel.NATIVE_CHAINS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

@@ -11,11 +11,12 @@ import pickle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream.index import table as table_module
 from kvstream.index.table import GroupTable
 
-native = pytest.importorskip("kvstream.index._table_native")
+native = native_part("kvstream.index._table_native")
 Column = native.Column
 
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)

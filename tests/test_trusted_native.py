@@ -26,6 +26,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 from pydantic import BaseModel
 
 from kvstream._types import TokenIds
@@ -43,8 +44,8 @@ from kvstream.events.model import (
     StoredBlock,
 )
 
-native = pytest.importorskip("kvstream.events._trusted_native")
-wire = pytest.importorskip("kvstream.engines._wire_native")
+native = native_part("kvstream.events._trusted_native")
+wire = native_part("kvstream.engines._wire_native")
 if not trusted_mod.NATIVE_AVAILABLE:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

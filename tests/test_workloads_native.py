@@ -17,12 +17,13 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_parts import native_part
 
 from kvstream.errors import ConfigError
 from kvstream.workloads import MooncakeTokens, TraceRow
 from kvstream.workloads import mooncake as mooncake_mod
 
-native = pytest.importorskip("kvstream.workloads._mooncake_native")
+native = native_part("kvstream.workloads._mooncake_native")
 if not mooncake_mod.NATIVE_PROMPTS:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
     pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 

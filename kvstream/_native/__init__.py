@@ -1,8 +1,10 @@
 """kvstream's native core: the one loader and the one switch for its C extension modules.
 
-Every C extension kvstream ships is listed in :data:`MODULES` (pyproject.toml's
-``ext-modules`` builds them; a test checks the two agree) and imported through
-:func:`load`, never directly, so that:
+kvstream ships one C extension module per role (:data:`EXTENSIONS`: hashing, codec/wire,
+index, workloads; pyproject.toml's ``ext-modules`` builds them, a test checks the two agree).
+Each carries its parts, the native twins of Python modules, listed in :data:`MODULES` by the
+name their users load them under; a part is loaded through :func:`load`, never imported
+directly, so that:
 
 - ``KVSTREAM_NO_NATIVE=1`` (any value but empty or ``0``) turns every one of them off, and
   each user falls back to its pure-Python twin (same results, tested for parity);
@@ -26,27 +28,38 @@ from types import ModuleType
 from typing import Final
 
 __all__ = [
+    "EXTENSIONS",
     "MODULES",
     "NativeBuildError",
     "NativeMissingWarning",
     "disabled",
+    "import_part",
     "load",
     "report",
     "required",
 ]
 
-#: Every extension module, by role, as pyproject.toml's ``ext-modules`` lists them.
+#: Every native part, by the name its users load it under, and its role: the extension module
+#: (pyproject.toml's ``ext-modules``, one per role) that carries it as a submodule.
 MODULES: Final[dict[str, str]] = {
     "kvstream.hashing._v1native": "hashing",
     "kvstream.hashing._chainnative": "hashing",
-    "kvstream.events._trusted_native": "events",
-    "kvstream.engines._wire_native": "wire",
+    "kvstream.events._trusted_native": "codec",
+    "kvstream.engines._wire_native": "codec",
     "kvstream.codec._tokens_native": "codec",
     "kvstream.codec._columns_native": "codec",
     "kvstream.index._table_native": "index",
     "kvstream.index._match_native": "index",
     "kvstream._native._index": "index",
     "kvstream.workloads._mooncake_native": "workloads",
+}
+
+#: Each role's extension module.
+EXTENSIONS: Final[dict[str, str]] = {
+    "hashing": "kvstream._native._hashing",
+    "codec": "kvstream._native._codec",
+    "index": "kvstream._native._index",
+    "workloads": "kvstream._native._workloads",
 }
 
 _REBUILD: Final = "pip install --force-reinstall --no-deps kvstream (with a C compiler present)"
@@ -94,10 +107,11 @@ def load(name: str) -> ModuleType | None:
     if disabled():
         _status[name] = "off (KVSTREAM_NO_NATIVE)"
     else:
+        extension = EXTENSIONS[MODULES[name]]
         try:
-            mod = import_module(name)
+            mod = import_part(name)
         except ImportError as exc:
-            why = "not built" if getattr(exc, "name", None) == name else f"failed: {exc}"
+            why = "not built" if getattr(exc, "name", None) == extension else f"failed: {exc}"
             _status[name] = why
             if required():
                 raise NativeBuildError(
@@ -114,6 +128,19 @@ def load(name: str) -> ModuleType | None:
             _status[name] = "active"
     _loaded[name] = mod
     return mod
+
+
+def import_part(name: str) -> ModuleType:
+    """The native part ``name`` (a key of :data:`MODULES`), imported through its role's
+    extension module whatever the switch says: for tests and tools that hold a part against
+    its twin. ImportError when the extension did not build; library code uses :func:`load`."""
+    extension = import_module(EXTENSIONS[MODULES[name]])
+    if extension.__name__ == name:  # the index core is its role's module
+        return extension
+    part = getattr(extension, name.rpartition(".")[2], None)
+    if not isinstance(part, ModuleType):
+        raise ImportError(f"{extension.__name__} has no part {name}", name=name)
+    return part
 
 
 def report() -> dict[str, str]:

@@ -189,14 +189,20 @@ def version() -> None:
 def full_version() -> None:
     """``kvstream --version``: :func:`version`'s line, then each optional C extension and
     whether this installation loads it (:mod:`kvstream.cli.native_info`)."""
+    from kvstream._native import EXTENSIONS, MODULES
     from kvstream.cli.native_info import native_status
 
     version()
     status = native_status()
     active = sum(s == "active" for s in status.values())
-    typer.echo(f"native extensions: {active} of {len(status)} active")
-    for name, state in status.items():
-        typer.echo(f"  {name.removeprefix('kvstream.')}: {state}")
+    typer.echo(
+        f"native core: {len(EXTENSIONS)} extension modules, {active} of {len(status)} parts active"
+    )
+    for role, extension in EXTENSIONS.items():
+        typer.echo(f"  {extension} ({role})")
+        for name, state in status.items():
+            if MODULES[name] == role:
+                typer.echo(f"    {name.removeprefix('kvstream.')}: {state}")
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Which C extension modules this installation uses (``kvstream --version``, the ``native``
+"""Which native parts this installation uses (``kvstream --version``, the ``native``
 label of ``kvstream_build_info``): a view of :func:`kvstream._native.report`, the one loader
 every user of a native module goes through (``KVSTREAM_NO_NATIVE`` honoured there).
 """
@@ -11,7 +11,7 @@ from kvstream._native import MODULES, report
 
 __all__ = ["NATIVE_MODULES", "active_native", "native_status"]
 
-#: Every extension, as pyproject.toml's ``ext-modules`` lists them (a test checks).
+#: Every native part (each in its role's extension module, kvstream._native.EXTENSIONS).
 NATIVE_MODULES: Final = tuple(MODULES)
 
 
@@ -22,5 +22,5 @@ def native_status() -> dict[str, str]:
 
 
 def active_native() -> list[str]:
-    """The short names (``hashing._v1native``) of the extensions in use."""
+    """The short names (``hashing._v1native``) of the native parts in use."""
     return [name.removeprefix("kvstream.") for name, s in native_status().items() if s == "active"]

@@ -1529,7 +1529,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_columns_native",
+    PyModuleDef_HEAD_INIT, "kvstream.codec._columns_native",
     "EventBatch records (schema v3/v4) straight into columns (see _columns_native.c).", -1,
     methods,
 };

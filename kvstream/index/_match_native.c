@@ -632,7 +632,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_match_native",
+    PyModuleDef_HEAD_INIT, "kvstream.index._match_native",
     "The index's result records, and PrefixIndex.match's and Router.route's per-worker "
     "results in C.",
     -1, methods,

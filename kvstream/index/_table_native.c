@@ -989,7 +989,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_table_native",
+    PyModuleDef_HEAD_INIT, "kvstream.index._table_native",
     "Column, MaskMap and the prefix search of the pure-Python index tables (optional).", -1,
     methods,
 };

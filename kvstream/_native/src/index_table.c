@@ -1862,11 +1862,17 @@ static PyTypeObject TabType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_index", "The index's native core (see kvstream.index.table).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "kvstream._native._index",
+    "The index's native core (see kvstream.index.table), with its parts _table_native and "
+    "_match_native.",
+    -1, NULL,
 };
 
-PyMODINIT_FUNC
-PyInit__index(void)
+/* The module; PyInit__index (role_index.c) adds the index's other native parts to it. */
+PyObject *kvs_index_core(void);
+
+PyObject *
+kvs_index_core(void)
 {
     if (PyType_Ready(&TabType) < 0 || PyType_Ready(&MMType) < 0 || tokens_ready() < 0)
         return NULL;
