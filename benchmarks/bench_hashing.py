@@ -509,9 +509,10 @@ def run_request_bench(
 
 
 def _sha_ni() -> bool:
-    from kvstream.hashing import _chainnative
+    from kvstream._native import load
 
-    return bool(_chainnative.has_sha_ni())
+    chain = load("kvstream.hashing._chainnative")
+    return chain is not None and bool(chain.has_sha_ni())
 
 
 def _hash(rh: RequestHasher, algo: str, tpb: int, req: HashRequest, q: list[int]) -> Any:
