@@ -341,6 +341,35 @@ class EngineStream:
         if got is None:
             return None
         ts, _rank, ids, kinds, groups, windows, payloads, extra, tokens, next_id, layout = got
+        cols = self._new_columns(
+            ts,
+            ids=ids,
+            kinds=kinds,
+            groups=groups,
+            windows=windows,
+            payloads=payloads,
+            extra=extra,
+            tokens=tokens,
+            layout=layout,  # every stored event in them is plain
+        )
+        self._took(next_id, known, len(ids))
+        return cols
+
+    def _new_columns(
+        self,
+        ts: float,
+        *,
+        ids: list[int],
+        kinds: list[int],
+        groups: list[int],
+        windows: list[int],
+        payloads: list[Any],
+        extra: list[StoredExtra],
+        tokens: bytes,
+        layout: list[tuple[int, list[int]] | None] | None = None,
+    ) -> ColumnBatch:
+        """A publisher's columns of this stream's current incarnation, with the token
+        layouts of its plain stored events (``layout``, or computed from ``extra``)."""
         cols = ColumnBatch(
             self.instance_id,
             attention_dp_rank=self.rank,
@@ -356,11 +385,14 @@ class EngineStream:
         cols.window_sizes = windows
         cols.payloads = payloads
         cols.stored_extra = extra
-        cols.token_layout = layout  # a consumer (the index) finds each event's tokens there
-        self._next_id = next_id
-        self._windows = known
-        self.events += len(ids)
+        cols.token_layout = _token_layout_of(extra) if layout is None else layout
         return cols
+
+    def _took(self, next_id: int, windows: dict[int, int], events: int) -> None:
+        """Commit a converted batch: ids go on from ``next_id``, the groups' windows."""
+        self._next_id = next_id
+        self._windows = windows
+        self.events += events
 
     def _fast_columns(self, batch: Any, native: Any) -> ColumnBatch:
         # The checks of vllm._decode_fast/_fast_event and the conversion of convert_columns,
@@ -506,25 +538,17 @@ class EngineStream:
             raise _NotFast from None
         if run:
             flush(run, run_key)
-        cols = ColumnBatch(
-            self.instance_id,
-            attention_dp_rank=self.rank,
-            incarnation=self.source.incarnation,
-            ts_ns=_ts_ns(batch.ts),
-            schema_version=CURRENT_SCHEMA_VERSION,
+        cols = self._new_columns(
+            batch.ts,
+            ids=ids,
+            kinds=kinds,
+            groups=groups,
+            windows=windows,
+            payloads=payloads,
+            extra=extra,
             tokens=b"".join(raws),
         )
-        cols.event_ids = ids
-        cols.kinds = kinds
-        cols.hash_algos = [self.hash_algo] * len(ids)
-        cols.group_ids = groups
-        cols.window_sizes = windows
-        cols.payloads = payloads
-        cols.stored_extra = extra
-        cols.token_layout = _token_layout_of(extra)
-        self._next_id = next_id
-        self._windows = known
-        self.events += len(ids)
+        self._took(next_id, known, len(ids))
         return cols
 
     def _removed_column(

@@ -123,20 +123,22 @@ class EngineSource(EventSource):
             item = await self.subscriber.next(left)
             if item is None:
                 return None
-            out = self._handle(item)
+            out = self._take(item)
             if out is not None:
-                self.stats.batches += 1
                 return out
 
     def read_ready(self) -> SourceItem | None:
-        while True:
-            item = self.subscriber.next_ready()
-            if item is None:
-                return None
-            out = self._handle(item)
+        while (item := self.subscriber.next_ready()) is not None:
+            out = self._take(item)
             if out is not None:
-                self.stats.batches += 1
                 return out
+        return None
+
+    def _take(self, item: Frame | Gap | Restart | BadFrame) -> SourceItem | None:
+        out = self._handle(item)
+        if out is not None:
+            self.stats.batches += 1
+        return out
 
     def _stream(self, rank: int) -> EngineStream:
         stream = self.streams.get(rank)
