@@ -22,6 +22,7 @@ from kvstream._types import TokenIds, TokenIdsView
 from kvstream.codec import AvroCodec, encoder
 from kvstream.codec.downgrade import events_for_version
 from kvstream.codec.encoder import encode_batch_body
+from kvstream.codec.tokens import TOKEN_ENCODINGS
 from kvstream.errors import EncodeError
 from kvstream.events.model import (
     EventBatch,
@@ -37,18 +38,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 #: (version, token encoding) pairs encode_batch_body accepts.
-SETTINGS = [(v, "planes") for v in (1, 2, 3)] + [
-    (4, enc)
-    for enc in (
-        "auto",
-        "planes",
-        "varint",
-        "delta_varint",
-        "planes+zstd",
-        "varint+zstd",
-        "delta_varint+zstd",
-    )
-]
+SETTINGS = [(v, "planes") for v in (1, 2, 3)] + [(4, enc) for enc in TOKEN_ENCODINGS]
 _PREFIX = b"\xc3\x01" + bytes(range(8))
 
 
