@@ -1,8 +1,10 @@
-"""PrefixIndex.match's per-worker results built in C (``kvstream.index._match_native.fill``)
-equal the Python loop's: lower tiers, stale, repeated and unknown candidates included."""
+"""PrefixIndex.match's per-worker results built in C (``kvstream.index._match_native.fill``
+and ``zeros``) equal the Python loops': lower tiers, stale, repeated and unknown candidates
+included."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -10,8 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from index_support import Producer, tokens
 
-from kvstream.index import PrefixIndex, WorkerKey
+from kvstream.index import DomainKey, PrefixIndex, WorkerKey
 from kvstream.index import index as index_module
+from kvstream.index.matching import WorkerMatch
+from kvstream.index.record import Record
 
 pytestmark = pytest.mark.skipif(index_module._fill is None, reason="the C extension is not built")
 
@@ -51,8 +55,10 @@ def test_c_results_equal_the_python_loop(seed: int, monkeypatch: pytest.MonkeyPa
     queries = [*prompts, tokens(30, seed=99)]
     native = [idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries]
     assert index_module._fill is not None
+    assert index_module._zeros is not None
     with monkeypatch.context() as mp:  # undone before hypothesis' next example
         mp.setattr(index_module, "_fill", None)
+        mp.setattr(index_module, "_zeros", None)
         idx._plans.clear()
         idx._last_plan = None
         python = [
@@ -86,6 +92,64 @@ def test_fill_rejects_malformed_input() -> None:
         fill([], [(0,)], {}, tuple, 1, 1, "a", 1.0)
     with pytest.raises(KeyError):
         fill([], [(0, 1)], {}, tuple, 1, 1, "a", 1.0)
+
+
+class _InitRecord(Record):
+    """A result class with its own ``__init__``: the C loops must call it, not bypass it."""
+
+    __slots__ = ()
+    worker: object
+    matched_blocks: int
+    weighted_blocks: float
+    request_blocks: int
+    tokens_per_block: int
+    hash_algo: str
+    trusted: bool
+    note: str
+
+    def __init__(self, *args: object) -> None:
+        _INIT_CALLS.append(args)
+
+
+_INIT_CALLS: list[tuple[object, ...]] = []
+
+
+def test_zeros_builds_what_the_constructor_builds() -> None:
+    """Directly allocated records equal the constructor's, GC tracking included, and a class
+    that overrides ``__init__`` is called rather than bypassed."""
+    idx, _, keys = _build(7)
+    plan = idx._plan(0, [*keys, keys[0]], None, None)
+    assert index_module._zeros is not None
+    n_of = dict.fromkeys(plan.dkeys, 9)
+    direct: list[object] = [None] * plan.size
+    index_module._zeros(direct, plan.slots, WorkerMatch, n_of)
+    expected: list[object] = [None] * plan.size
+    for key, _, dk, trusted, note, pos, more in plan.slots.values():
+        m = WorkerMatch(key, 0, 0.0, 9, dk.tokens_per_block, dk.hash_algo, trusted, note)
+        for i in (pos, *more):
+            expected[i] = m
+    assert direct == expected
+    for got, want in zip(direct, expected, strict=True):
+        if got is not None:
+            assert type(got) is WorkerMatch
+            assert gc.is_tracked(got) == gc.is_tracked(want)
+    called: list[object] = [None] * plan.size
+    _INIT_CALLS.clear()
+    index_module._zeros(called, plan.slots, _InitRecord, n_of)
+    assert len(_INIT_CALLS) == len(plan.slots)
+    assert all(type(m) is _InitRecord for m in called if m is not None)
+
+
+def test_zeros_rejects_malformed_input() -> None:
+    zeros = index_module._zeros
+    assert zeros is not None
+    with pytest.raises(TypeError):
+        zeros([], {0: (1, 2)}, WorkerMatch, {})
+    with pytest.raises(KeyError):
+        zeros([None], {0: ("k", None, "dom", True, "", 0, [])}, WorkerMatch, {})
+    dom = DomainKey("blake3_64", 16, 0)
+    with pytest.raises(IndexError):
+        zeros([], {0: ("k", None, dom, True, "", 0, [])}, WorkerMatch, {dom: 1})
 
 
 @settings(

@@ -21,6 +21,15 @@
  * and at ``out[i]`` for every ``i`` in ``more``. Pairs whose table has lower-tier blocks are
  * returned (in order) for the caller to weigh block by block (``GroupTable.weighted``).
  *
+ *   zeros(out, rows, new, n_of) -> None
+ *
+ * Every candidate's result when the request matches nothing: ``new(key, 0, 0.0, n, tpb, algo,
+ * trusted, note)`` per plan row, ``n`` the request's blocks in its domain (``n_of``).
+ *
+ * Both build a result with the record type's own allocation when ``new`` is a Record class
+ * that overrides neither ``__new__`` nor ``__init__`` (what calling it would do, without
+ * parsing an argument tuple), and call ``new`` otherwise.
+ *
  * (and ``score``, below: Router.route's per-worker scores).
  *
  * This is the loop of kvstream/index/index.py's PrefixIndex.match without the interpreter's
@@ -180,6 +189,51 @@ fail:
     Py_DECREF(names);
     Py_DECREF(defaults);
     return NULL;
+}
+
+/* Whether ``new`` builds its records with record_new alone (a Record subclass that overrides
+ * neither __new__ nor __init__) and has exactly ``n`` fields: then record_make may stand in
+ * for calling it. 1 yes, 0 no, -1 on error. */
+static int
+record_direct(PyObject *new, Py_ssize_t n)
+{
+    if (!PyType_Check(new) || !PyType_IsSubtype((PyTypeObject *)new, &RecordType))
+        return 0;
+    PyTypeObject *type = (PyTypeObject *)new;
+    if (type->tp_new != record_new || type->tp_init != PyBaseObject_Type.tp_init)
+        return 0;
+    PyObject *names, *defaults;
+    if (record_layout(type, &names, &defaults) < 0)
+        return -1;
+    int ok = PyTuple_GET_SIZE(names) == n;
+    Py_DECREF(names);
+    Py_DECREF(defaults);
+    return ok;
+}
+
+/* A record of ``type`` holding the ``n`` values ``items`` (borrowed; every field given),
+ * exactly as record_new would build it from them: what ``type(*items)`` returns when
+ * record_direct(type, n) holds, without parsing an argument tuple. */
+static PyObject *
+record_make(PyTypeObject *type, PyObject *const *items, Py_ssize_t n)
+{
+    Record *self = (Record *)type->tp_alloc(type, n);
+    if (self == NULL)
+        return NULL;
+    int acyclic = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        self->item[i] = Py_NewRef(items[i]);
+        if (acyclic) {
+            acyclic = is_acyclic(items[i]);
+            if (acyclic < 0) {
+                Py_DECREF(self);
+                return NULL;
+            }
+        }
+    }
+    if (acyclic && PyObject_GC_IsTracked((PyObject *)self))
+        PyObject_GC_UnTrack(self);
+    return (PyObject *)self;
 }
 
 static void
@@ -413,6 +467,42 @@ static PyTypeObject FieldType = {
 
 /* ------------------------------------------------------------------ fill */
 
+/* Store ``m`` (a new reference, always consumed) at ``out[pos]`` and at ``out[i]`` for every
+ * ``i`` in ``more`` of the plan row ``(key, table, domain, trusted, note, pos, more)``. */
+static int
+place(PyObject *out, PyObject *row, PyObject *m)
+{
+    Py_ssize_t size = PyList_GET_SIZE(out);
+    Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
+    if (pos == -1 && PyErr_Occurred())
+        goto fail;
+    if (pos < 0 || pos >= size) {
+        PyErr_SetString(PyExc_IndexError, "a plan row's position is outside out");
+        goto fail;
+    }
+    PyObject *more = PyTuple_GET_ITEM(row, 6);
+    if (!PyList_Check(more)) {
+        PyErr_SetString(PyExc_TypeError, "a plan row's further positions are a list");
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(more); k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(more, k));
+        if (i == -1 && PyErr_Occurred())
+            goto fail;
+        if (i < 0 || i >= size) {
+            PyErr_SetString(PyExc_IndexError, "a plan row's position is outside out");
+            goto fail;
+        }
+        Py_INCREF(m);
+        PyList_SetItem(out, i, m); /* steals the new reference, drops the old item */
+    }
+    PyList_SetItem(out, pos, m); /* steals m */
+    return 0;
+fail:
+    Py_DECREF(m);
+    return -1;
+}
+
 static PyObject *s_lower;
 
 static PyObject *
@@ -431,10 +521,12 @@ fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "fill(): out and found must be lists, rows a dict");
         return NULL;
     }
+    int direct = record_direct(new, 8);
+    if (direct < 0)
+        return NULL;
     PyObject *left = PyList_New(0);
     if (left == NULL)
         return NULL;
-    Py_ssize_t size = PyList_GET_SIZE(out);
     Py_ssize_t count = PyList_GET_SIZE(found);
     for (Py_ssize_t j = 0; j < count; j++) {
         PyObject *pair = PyList_GET_ITEM(found, j);
@@ -475,46 +567,90 @@ fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyTuple_GET_ITEM(row, 0), depth, weighted, n, tpb, algo,
             PyTuple_GET_ITEM(row, 3), PyTuple_GET_ITEM(row, 4),
         };
-        PyObject *m = PyObject_Vectorcall(new, call, 8, NULL);
+        PyObject *m = direct ? record_make((PyTypeObject *)new, call, 8)
+                             : PyObject_Vectorcall(new, call, 8, NULL);
         Py_DECREF(weighted);
         if (m == NULL)
             goto fail;
-        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
-        if (pos == -1 && PyErr_Occurred()) {
-            Py_DECREF(m);
+        if (place(out, row, m) < 0)
             goto fail;
-        }
-        if (pos < 0 || pos >= size) {
-            Py_DECREF(m);
-            PyErr_SetString(PyExc_IndexError, "fill(): a row's position is outside out");
-            goto fail;
-        }
-        PyObject *more = PyTuple_GET_ITEM(row, 6);
-        if (!PyList_Check(more)) {
-            Py_DECREF(m);
-            PyErr_SetString(PyExc_TypeError, "fill(): a row's further positions are a list");
-            goto fail;
-        }
-        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(more); k++) {
-            Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(more, k));
-            if (i == -1 && PyErr_Occurred()) {
-                Py_DECREF(m);
-                goto fail;
-            }
-            if (i < 0 || i >= size) {
-                Py_DECREF(m);
-                PyErr_SetString(PyExc_IndexError, "fill(): a row's position is outside out");
-                goto fail;
-            }
-            Py_INCREF(m);
-            PyList_SetItem(out, i, m); /* steals the new reference, drops the old item */
-        }
-        PyList_SetItem(out, pos, m); /* steals m */
     }
     return left;
 fail:
     Py_DECREF(left);
     return NULL;
+}
+
+static PyObject *s_algo, *s_tpb, *s_weighted, *s_trusted;
+
+/* zeros(out, rows, new, n_of) -> None
+ *
+ * _Plan.zero_row's loop: for every plan row ``(key, table, domain, trusted, note, pos, more)``
+ * of the dict ``rows``, ``new(key, 0, 0.0, n_of[domain], domain.tokens_per_block,
+ * domain.hash_algo, trusted, note)`` stored at ``out[pos]`` and at ``out[i]`` for every ``i``
+ * in ``more``. */
+static PyObject *
+zeros(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "zeros() takes 4 arguments");
+        return NULL;
+    }
+    PyObject *out = args[0], *rows = args[1], *new = args[2], *n_of = args[3];
+    if (!PyList_Check(out) || !PyDict_Check(rows) || !PyDict_Check(n_of)) {
+        PyErr_SetString(PyExc_TypeError, "zeros(): out must be a list, rows and n_of dicts");
+        return NULL;
+    }
+    int direct = record_direct(new, 8);
+    if (direct < 0)
+        return NULL;
+    PyObject *zero = PyLong_FromLong(0), *fzero = PyFloat_FromDouble(0.0);
+    PyObject *dom = NULL, *n = NULL, *tpb = NULL, *algo = NULL;
+    PyObject *result = NULL;
+    if (zero == NULL || fzero == NULL)
+        goto done;
+    PyObject *slot, *row;
+    Py_ssize_t it = 0;
+    while (PyDict_Next(rows, &it, &slot, &row)) {
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 7) {
+            PyErr_SetString(PyExc_TypeError, "zeros(): a plan row is a 7-tuple");
+            goto done;
+        }
+        PyObject *d = PyTuple_GET_ITEM(row, 2);
+        if (d != dom) { /* rows of one domain come together: look it up once per run */
+            Py_XSETREF(dom, Py_NewRef(d));
+            Py_CLEAR(tpb);
+            Py_CLEAR(algo);
+            n = PyDict_GetItemWithError(n_of, d); /* borrowed: n_of outlives the call */
+            if (n == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, d);
+                goto done;
+            }
+            tpb = PyObject_GetAttr(d, s_tpb);
+            if (tpb == NULL)
+                goto done;
+            algo = PyObject_GetAttr(d, s_algo);
+            if (algo == NULL)
+                goto done;
+        }
+        PyObject *call[8] = {
+            PyTuple_GET_ITEM(row, 0), zero, fzero, n, tpb, algo,
+            PyTuple_GET_ITEM(row, 3), PyTuple_GET_ITEM(row, 4),
+        };
+        PyObject *m = direct ? record_make((PyTypeObject *)new, call, 8)
+                             : PyObject_Vectorcall(new, call, 8, NULL);
+        if (m == NULL || place(out, row, m) < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(zero);
+    Py_XDECREF(fzero);
+    Py_XDECREF(dom);
+    Py_XDECREF(tpb);
+    Py_XDECREF(algo);
+    return result;
 }
 
 /* score(matches, pending, blocks, requests, base, n_tokens, factor, default_tpb, new)
@@ -525,7 +661,6 @@ fail:
  * (m.weighted_blocks * tpb if m.trusted else 0.0), 0.0) / tpb``, ``cost = factor * prefill +
  * base[i]`` and the score ``new(m, requests[i], blocks[i], prefill, cost, pending[i])``, in
  * the same double arithmetic as Python's. */
-static PyObject *s_tpb, *s_weighted, *s_trusted;
 
 static PyObject *
 score(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -628,6 +763,8 @@ static PyMethodDef methods[] = {
      "-> (scores, costs)"},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(out, found, rows, new, n, tpb, algo, w0) -> pairs left to weigh"},
+    {"zeros", (PyCFunction)(void (*)(void))zeros, METH_FASTCALL,
+     "zeros(out, rows, new, n_of) -> None: every candidate's result when none matches"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -643,13 +780,14 @@ PyInit__match_native(void)
 {
     s_lower = PyUnicode_InternFromString("lower");
     s_tpb = PyUnicode_InternFromString("tokens_per_block");
+    s_algo = PyUnicode_InternFromString("hash_algo");
     s_weighted = PyUnicode_InternFromString("weighted_blocks");
     s_trusted = PyUnicode_InternFromString("trusted");
     s_fields = PyUnicode_InternFromString("__record_fields__");
     s_defaults = PyUnicode_InternFromString("__record_defaults__");
     s_qualname = PyUnicode_InternFromString("__qualname__");
     s_dictoffset = PyUnicode_InternFromString("__dictoffset__");
-    if (s_lower == NULL || s_tpb == NULL || s_weighted == NULL || s_trusted == NULL
+    if (s_lower == NULL || s_tpb == NULL || s_algo == NULL || s_weighted == NULL || s_trusted == NULL
         || s_fields == NULL || s_defaults == NULL || s_qualname == NULL || s_dictoffset == NULL)
         return NULL;
     if (frozen_error == NULL) {

@@ -37,6 +37,12 @@ def fill(
     algo: str,
     w0: float,
 ) -> list[tuple[int, int]]: ...
+def zeros(
+    out: list[Any],
+    rows: dict[int, tuple[Any, ...]],
+    new: Callable[..., Any],
+    n_of: dict[Any, int],
+) -> None: ...
 def score(
     matches: Sequence[Any],
     pending: Sequence[Any],

@@ -95,8 +95,12 @@ __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
 
 if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
     from kvstream.index._match_native import fill as _fill
+
+    _zeros: Callable[[list[Any], dict[int, Any], Callable[..., Any], dict[Any, int]], None] | None
 else:
-    _fill = getattr(load_native("kvstream.index._match_native"), "fill", None)
+    _match_native = load_native("kvstream.index._match_native")
+    _fill = getattr(_match_native, "fill", None)
+    _zeros = getattr(_match_native, "zeros", None)
 
 
 #: engine-keyed tables: the native type when built (chosen once, at import), else the twin
@@ -1298,16 +1302,20 @@ class _Plan:
         for i, m in self.fixed:
             out[i] = m
         n_of = dict(zip(self.dkeys, lens, strict=True))
-        for key, _, dk, trusted, note, pos, more in self.slots.values():
-            m = new_worker_match(
-                key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
-            )
-            out[pos] = m
-            for i in more:
-                out[i] = m
+        if _zeros is not None:  # the loop below in C
+            _zeros(out, self.slots, new_worker_match, n_of)
+        else:
+            for key, _, dk, trusted, note, pos, more in self.slots.values():
+                m = new_worker_match(
+                    key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
+                )
+                out[pos] = m
+                for i in more:
+                    out[i] = m
         row: list[WorkerMatch] = out  # type: ignore[assignment]
         if len(self.zeros) >= max(_PLANS_MAX, _ZERO_CELLS // max(self.size, 1)):
-            self.zeros.clear()
+            # the oldest row only: clearing them all would free thousands of results at once
+            del self.zeros[next(iter(self.zeros))]
         self.zeros[lens] = row
         return row
 
