@@ -371,6 +371,7 @@ planes_encode(PyObject *self, PyObject *arg)
 }
 
 #include "_batch_body.h"
+#include "_columns_body.h"
 
 static PyMethodDef methods[] = {
     {"varint_encode", varint_encode, METH_VARARGS,
@@ -389,6 +390,13 @@ static PyMethodDef methods[] = {
     {"encode_body", encode_body, METH_VARARGS,
      "encode_body(prefix, batch, events, version, token_encoding) -> bytes | None: the Avro "
      "body of a model batch (kvstream.codec.encoder._encode_py), None where it declines."},
+    {"columns_setup", columns_setup, METH_VARARGS,
+     "columns_setup(attention_values, default_hash_algo, v1_kinds, attr_fields): what "
+     "encode_columns needs (see kvstream.codec.column_encoder)."},
+    {"encode_columns", encode_columns, METH_VARARGS,
+     "encode_columns(prefix, cols, version, token_encoding, lossy) -> bytes | None: the Avro "
+     "body of publisher columns (kvstream.codec.column_encoder._encode_columns_py), None "
+     "where it declines."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -407,7 +415,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC
 PyInit__tokens_native(void)
 {
-    if (body_intern() < 0)
+    if (body_intern() < 0 || columns_intern() < 0)
         return NULL;
     return PyModule_Create(&moduledef);
 }

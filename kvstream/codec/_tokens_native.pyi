@@ -1,7 +1,7 @@
 """Type stub of the optional C extension ``kvstream.codec._tokens_native``
 (``_tokens_native.c``).
 
-The token encodings of schema v4 and the model batch encoder in C;
+The token encodings of schema v4, and the model batch and column encoders in C;
 :mod:`kvstream.codec.tokens` (numpy) and :mod:`kvstream.codec.encoder` (``_encode_py``) hold
 the references, property-tested equal.
 """
@@ -40,3 +40,17 @@ def encode_body(
 ) -> bytes | None:
     """A model batch's Avro body after ``prefix`` (``encoder._encode_py``), or None where a
     value is not as the models guarantee (the caller then runs the Python path)."""
+
+def columns_setup(
+    attention_values: tuple[str, str], default_hash_algo: str, v1_kinds: int, attr_fields: Any
+) -> None:
+    """What ``encode_columns`` needs: the AttentionKind values, schema v1's hash algorithm and
+    kinds (a bit mask of kind codes), and the stored-attribute helper
+    (``kvstream.codec.column_encoder._native_encode`` passes them)."""
+
+def encode_columns(
+    prefix: bytes, cols: Any, version: int, token_encoding: str, lossy: bool
+) -> bytes | None:
+    """Publisher columns' Avro body after ``prefix`` (``column_encoder._encode_columns_py``),
+    or None where a value is not as the columns' contract says or the Python path would raise
+    (the caller then runs the Python path)."""

@@ -17,9 +17,10 @@ model path's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
+from kvstream._native import load as load_native
 from kvstream.codec.binary import encode_bytes, encode_long
 from kvstream.codec.downgrade import EXTRA_KEYS_SINCE, KINDS_BY_VERSION, PACKED_TOKENS_SINCE
 from kvstream.codec.encoder import (
@@ -46,10 +47,12 @@ from kvstream.codec.encoder import (
     check_token_encoding,
     encode_batch_body,
 )
+from kvstream.codec.encoder import (
+    _NATIVE_ENCODE as _NATIVE_BODY,
+)
 from kvstream.codec.tokens import encode_tokens
 from kvstream.errors import EncodeError
 from kvstream.events.columns import (
-    CLEARED,
     CREATED,
     KIND_NAMES,
     LOST,
@@ -65,6 +68,12 @@ __all__ = ["encode_columns_body"]
 
 _ATTENTION: Final = {AttentionKind.FULL.value: b"\x02", AttentionKind.SLIDING_WINDOW.value: b"\x04"}
 _V1_KINDS: Final = frozenset(KIND_NAMES.index(k) for k in KINDS_BY_VERSION[1])
+
+
+def _kind_name(eid: int, kind: int) -> str:
+    if type(kind) is not int or not 0 <= kind < len(KIND_NAMES):
+        raise EncodeError(f"event {eid}: unknown event kind code {kind!r}")
+    return KIND_NAMES[kind]
 
 
 def _extra_keys_problem(attrs: StoredAttrs | None, version: int) -> str | None:
@@ -86,6 +95,9 @@ def _kept(cols: ColumnBatch, version: int, lossy: bool) -> list[int] | None:
         return None
     extra = cols.stored_extra
     assert extra is not None
+    n_stored = cols.kinds.count(STORED)
+    if len(extra) < n_stored:
+        raise EncodeError(f"columns hold {len(extra)} stored extras for {n_stored} stored events")
     stored = iter(extra)
     attrs_of = [next(stored)[1] if k == STORED else None for k in cols.kinds]
     if version >= 2:
@@ -100,7 +112,7 @@ def _kept(cols: ColumnBatch, version: int, lossy: bool) -> list[int] | None:
         zip(cols.event_ids, cols.kinds, cols.hash_algos, strict=True)
     ):
         if kind not in _V1_KINDS:
-            problem = f"schema v{version} has no '{KIND_NAMES[kind]}' events"
+            problem = f"schema v{version} has no '{_kind_name(eid, kind)}' events"
         elif algo != DEFAULT_HASH_ALGO:
             problem = (
                 f"schema v{version} has no hash_algo field; its readers would take "
@@ -208,7 +220,7 @@ def _events(
             continue
         if kept is not None and i not in kept:
             continue
-        name = KIND_NAMES[kind]
+        name = _kind_name(eid, kind)
         out += (encode_long(eid), envelopes[name, window, algo, gid])
         if kind == REMOVED:
             hashes, level = payload
@@ -230,8 +242,6 @@ def _events(
         elif kind == LOST:
             first, count, reason = payload
             out += (encode_long(first), encode_long(count), _STRING[reason])
-        elif kind != CLEARED:
-            raise EncodeError(f"event {eid}: unknown event kind code {kind!r}")
         out.append(frames[name][1])
 
 
@@ -271,6 +281,42 @@ def _kept_tokens(cols: ColumnBatch, kept: Sequence[int]) -> bytes:
     return b"".join(parts)
 
 
+def _stored_attr_bytes(
+    attrs: StoredAttrs | None, level: int | list[int], n: int, version: int
+) -> bytes:
+    """The block attribute fields of a stored event of ``n`` blocks whose attributes are not
+    the plain default run (the C encoder's helper, as :func:`_events` writes them)."""
+    if attrs is None:
+        attrs = _level_attrs(level, n)
+    if _is_default(attrs):
+        return _DEFAULT_ATTR_FIELDS[version]
+    out: list[bytes] = []
+    _attr_fields(attrs, version, out)
+    return b"".join(out)
+
+
+_NativeEncode = Callable[[bytes, ColumnBatch, int, str, bool], "bytes | None"]
+
+
+def _native_encode() -> _NativeEncode | None:
+    mod: Any = load_native("kvstream.codec._tokens_native")
+    if mod is None or _NATIVE_BODY is None:  # the model encoder's setup is shared
+        return None
+    v1_kinds = sum(1 << k for k in _V1_KINDS)
+    mod.columns_setup(
+        (AttentionKind.FULL.value, AttentionKind.SLIDING_WINDOW.value),
+        DEFAULT_HASH_ALGO,
+        v1_kinds,
+        _stored_attr_bytes,
+    )
+    encode: _NativeEncode = mod.encode_columns
+    return encode
+
+
+#: The C encoder (``_tokens_native.encode_columns``), or None (pure Python).
+_NATIVE_ENCODE: _NativeEncode | None = _native_encode()
+
+
 def encode_columns_body(
     cols: ColumnBatch,
     version: int,
@@ -282,7 +328,11 @@ def encode_columns_body(
     """The schemaless Avro body of the batch ``cols`` stands for, under schema ``version``,
     after ``prefix``: byte for byte :func:`~kvstream.codec.encoder.encode_batch_body` of
     ``cols.to_batch()`` (same arguments, same EncodeErrors), without building that model when
-    ``cols.stored_extra`` is set."""
+    ``cols.stored_extra`` is set.
+
+    One C call writes the body where the extension is built; anything it does not expect (or
+    any error) sends the columns through the Python twin (:func:`_encode_columns_py`), so
+    results and errors are the same either way."""
     if cols.stored_extra is None and STORED in cols.kinds:
         return encode_batch_body(
             cols.to_batch(), version, lossy=lossy, prefix=prefix, token_encoding=token_encoding
@@ -292,11 +342,28 @@ def encode_columns_body(
     check_token_encoding(version, token_encoding)
     if cols.stored_extra is None:
         cols.stored_extra = []
-    kept = _kept(cols, version, lossy)
+    if version < PACKED_TOKENS_SINCE:
+        token_encoding = "planes"
+    native = _NATIVE_ENCODE
+    if native is not None and type(prefix) is bytes:
+        try:
+            body = native(prefix, cols, version, token_encoding, lossy)
+        except Exception:  # the Python path raises what these columns raise there
+            body = None
+        if body is not None:
+            return body
+    return _encode_columns_py(cols, version, lossy, prefix, token_encoding)
+
+
+def _encode_columns_py(
+    cols: ColumnBatch, version: int, lossy: bool, prefix: bytes, token_encoding: str
+) -> bytes:
+    """:func:`encode_columns_body` in Python (``stored_extra`` set, arguments checked): the
+    twin of the C ``encode_columns``, and the path for what it declines."""
     try:
+        kept = _kept(cols, version, lossy)
         tokens = encode_tokens(
-            cols.tokens if kept is None else _kept_tokens(cols, kept),
-            token_encoding if version >= PACKED_TOKENS_SINCE else "planes",
+            cols.tokens if kept is None else _kept_tokens(cols, kept), token_encoding
         )
         out: list[bytes] = []
         _events(
@@ -319,5 +386,5 @@ def encode_columns_body(
         return b"".join(head)
     except EncodeError:
         raise
-    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+    except (AttributeError, TypeError, ValueError, LookupError, OverflowError) as exc:
         raise EncodeError(f"cannot encode batch: {type(exc).__name__}: {exc}") from exc
