@@ -73,3 +73,22 @@ def test_dynamo_chain_raw_equals_folding_extend(
     got = h.chain_raw(state, raw, tpb, start=start, every=every)
     assert got == BlockHasher._chain_raw(h, state, raw, tpb, start, every)
     assert got[0] == h.chain_bytes(split_blocks(ids, tpb), **scope)[start:]
+
+
+@pytest.mark.parametrize("algo", available_hashers())
+def test_the_unscoped_root_is_computed_once_and_hashes_as_a_fresh_one(algo: str) -> None:
+    """``root()`` of an unscoped request is memoised per hasher (with its C arguments): the
+    same object every call, equal to the root computed afresh, and a chain from it equals
+    the chain from an equal root that is not the memoised object."""
+    from kvstream.hashing.scope import EMPTY_SCOPE
+
+    h = get_hasher(algo)
+    root = h.root()
+    assert h.root() is root
+    assert h.root(None, None, None, None) is root
+    fresh = h._root(EMPTY_SCOPE)
+    assert fresh == root
+    raw = bytes(range(256)) * 3
+    for tpb in (4, 16):
+        assert h.chain_raw(root, raw, tpb, every=2) == h.chain_raw(fresh, raw, tpb, every=2)
+        assert h.chain_raw(root, raw, tpb) == h.chain_raw(root, raw, tpb)

@@ -145,6 +145,9 @@ def scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
     return out
 
 
+_NOT_MEMOISED: Any = object()
+
+
 class BlockHasher(ABC):
     """One block-hash algorithm, bound to its algorithm-level parameters. Immutable.
 
@@ -194,7 +197,11 @@ class BlockHasher(ABC):
         hash raises HashingError rather than silently hashing without it.
         """
         if scope is None and not fields and len(args) <= 4 and args.count(None) == len(args):
-            return self._root(EMPTY_SCOPE)  # the common unscoped request, in few steps
+            # the common unscoped request: a hasher is immutable, so its root is computed once
+            root: ChainState | None = self.__dict__.get("_unscoped_root")
+            if root is None:
+                root = self.__dict__["_unscoped_root"] = self._root(EMPTY_SCOPE)
+            return root
         return self._root(self._scope(scope, args, fields))
 
     def _scope(
@@ -384,7 +391,13 @@ class BlockHasher(ABC):
             return self._chain_raw(state, raw, tokens_per_block, start, every)
         if type(state) is not ChainState or state.algo != self.name:
             self._check_state(state)
-        args = self._c_args(state, tokens_per_block)
+        if state is self.__dict__.get("_unscoped_root"):  # its C arguments, computed once
+            memo = self.__dict__.setdefault("_unscoped_c_args", {})
+            args = memo.get(tokens_per_block, _NOT_MEMOISED)
+            if args is _NOT_MEMOISED:
+                args = memo[tokens_per_block] = self._c_args(state, tokens_per_block)
+        else:
+            args = self._c_args(state, tokens_per_block)
         if args is None:
             return self._chain_raw(state, raw, tokens_per_block, start, every)
         parent, offset, first, tail = args
