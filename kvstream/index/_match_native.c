@@ -23,8 +23,9 @@
  *
  *   zeros(out, rows, new, n_of) -> None
  *
- * Every candidate's result when the request matches nothing: ``new(key, 0, 0.0, n, tpb, algo,
- * trusted, note)`` per plan row, ``n`` the request's blocks in its domain (``n_of``).
+ * The result of every candidate that holds nothing of the request (its ``out[pos]`` still
+ * None): ``new(key, 0, 0.0, n, tpb, algo, trusted, note)`` per such plan row, ``n`` the
+ * request's blocks in its domain (``n_of``).
  *
  * Both build a result with the record type's own allocation when ``new`` is a Record class
  * that overrides neither ``__new__`` nor ``__init__`` (what calling it would do, without
@@ -585,10 +586,10 @@ static PyObject *s_algo, *s_tpb, *s_weighted, *s_trusted;
 
 /* zeros(out, rows, new, n_of) -> None
  *
- * _Plan.zero_row's loop: for every plan row ``(key, table, domain, trusted, note, pos, more)``
- * of the dict ``rows``, ``new(key, 0, 0.0, n_of[domain], domain.tokens_per_block,
- * domain.hash_algo, trusted, note)`` stored at ``out[pos]`` and at ``out[i]`` for every ``i``
- * in ``more``. */
+ * For every plan row ``(key, table, domain, trusted, note, pos, more)`` of the dict ``rows``
+ * whose ``out[pos]`` is None (a candidate no match placed), ``new(key, 0, 0.0, n_of[domain],
+ * domain.tokens_per_block, domain.hash_algo, trusted, note)`` stored at ``out[pos]`` and at
+ * ``out[i]`` for every ``i`` in ``more``: _Plan.zero_row's loop for the rows left. */
 static PyObject *
 zeros(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -616,6 +617,15 @@ zeros(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "zeros(): a plan row is a 7-tuple");
             goto done;
         }
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 5));
+        if (pos == -1 && PyErr_Occurred())
+            goto done;
+        if (pos < 0 || pos >= PyList_GET_SIZE(out)) {
+            PyErr_SetString(PyExc_IndexError, "a plan row's position is outside out");
+            goto done;
+        }
+        if (PyList_GET_ITEM(out, pos) != Py_None)
+            continue; /* matched */
         PyObject *d = PyTuple_GET_ITEM(row, 2);
         if (d != dom) { /* rows of one domain come together: look it up once per run */
             Py_XSETREF(dom, Py_NewRef(d));

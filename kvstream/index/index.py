@@ -922,10 +922,11 @@ class PrefixIndex:
             if block_hashes is None
             else (len(given),) * len(dkeys)
         )
-        out = plan.zeros.get(lens)
-        if out is None:
-            out = plan.zero_row(lens)
-        out = out.copy()
+        if _zeros is not None:  # the candidates nobody holds get their results last, in C
+            out = plan.blank()
+        else:
+            row = plan.zeros.get(lens)
+            out = (plan.zero_row(lens) if row is None else row).copy()
         w0 = weights[0]
         rows = plan.slots
         domains = self._domains
@@ -957,6 +958,8 @@ class PrefixIndex:
             ctx = (weights, w0, new, n, tpb, algo)
             for slot, d in depth.items():
                 _place(out, rows[slot], chains[pick[slot]], d, ctx)
+        if _zeros is not None:
+            _zeros(out, rows, new, dict(zip(dkeys, lens, strict=True)))
         return new_match_result(tuple(out), _count_tokens(tokens))
 
     def _plan(
@@ -1281,7 +1284,7 @@ class _Plan:
     that cannot match
     (``fixed``: position and their result), and the slots to search per domain."""
 
-    __slots__ = ("by_domain", "dkeys", "fixed", "size", "slots", "zeros")
+    __slots__ = ("_blank", "by_domain", "dkeys", "fixed", "size", "slots", "zeros")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -1292,26 +1295,33 @@ class _Plan:
             int, tuple[WorkerKey, GroupTable, DomainKey, bool, str, int, list[int]]
         ] = {}
         self.fixed: list[tuple[int, WorkerMatch]] = []
+        self._blank: list[WorkerMatch | None] | None = None
         #: request lengths per domain (``by_domain`` order) -> every candidate's result when
         #: it matches nothing (results are immutable: shared between calls)
         self.zeros: dict[tuple[int, ...], list[WorkerMatch]] = {}
 
+    def blank(self) -> list[Any]:
+        """A new list of the results, with only the fixed ones in place (None elsewhere)."""
+        if self._blank is None:
+            self._blank = [None] * self.size
+            for i, m in self.fixed:
+                self._blank[i] = m
+        return self._blank.copy()
+
     def zero_row(self, lens: tuple[int, ...]) -> list[WorkerMatch]:
-        """The results of a request with ``lens`` blocks per domain that nobody holds."""
+        """The results of a request with ``lens`` blocks per domain that nobody holds (the
+        Python path's; the C path builds only the results nobody matched, ``_zeros``)."""
         out: list[WorkerMatch | None] = [None] * self.size
         for i, m in self.fixed:
             out[i] = m
         n_of = dict(zip(self.dkeys, lens, strict=True))
-        if _zeros is not None:  # the loop below in C
-            _zeros(out, self.slots, new_worker_match, n_of)
-        else:
-            for key, _, dk, trusted, note, pos, more in self.slots.values():
-                m = new_worker_match(
-                    key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
-                )
-                out[pos] = m
-                for i in more:
-                    out[i] = m
+        for key, _, dk, trusted, note, pos, more in self.slots.values():
+            m = new_worker_match(
+                key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
+            )
+            out[pos] = m
+            for i in more:
+                out[i] = m
         row: list[WorkerMatch] = out  # type: ignore[assignment]
         if len(self.zeros) >= max(_PLANS_MAX, _ZERO_CELLS // max(self.size, 1)):
             # the oldest row only: clearing them all would free thousands of results at once
