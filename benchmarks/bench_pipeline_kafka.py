@@ -12,7 +12,9 @@ stopped by PID), same partitions, ``acks=all``:
   ``flush()`` returns (every ack in). Encoding is part of it: its batches are fresh models,
   never encoded before: ``--models flush`` (default) what the managers' ``flush_events()``
   returns (a second run of the same fleet; blocks are views of their chain's bytes),
-  ``--models deferred`` what their ``flush_events_deferred()`` batches materialise into.
+  ``--models deferred`` their ``flush_events_deferred()`` batches themselves (the cache
+  manager's hand-off: the pipeline gives them to the Kafka sink as columns, no model built),
+  ``--models deferred-models`` the models those batches materialise into.
 * ``aiokafka send()``, ``aiokafka send_batch``: the sink's messages (key, value, headers,
   partition), encoded before the timer, through ``AIOKafkaProducer.send`` per message and
   through ``create_batch``/``send_batch`` per partition (builders of ``max_batch_bytes``);
@@ -29,7 +31,7 @@ Goal (issue 23): pipeline >= 0.8x the better raw aiokafka row.
 
 Usage: python benchmarks/bench_pipeline_kafka.py [--rounds 5] [--workers 64]
        [--batches-per-worker 40] [--partitions 4] [--compression none|gzip|lz4|zstd]
-       [--models flush|deferred]
+       [--models flush|deferred|deferred-models]
        [--bootstrap HOST:PORT (an existing broker instead of tansu)]
 """
 
@@ -54,6 +56,7 @@ from kvstream.sinks.kafka import HEADER_HASH_ALGO, KafkaSink, partition_for, sou
 
 from kvstream.codec import AvroCodec
 from kvstream.codec.columnar import decode_columns_message
+from kvstream.events.deferred import DeferredBatch
 from kvstream.events.model import EventBatch
 from kvstream.pipeline import Pipeline, PipelineConfig
 
@@ -94,10 +97,13 @@ def expected_ids(batches: list[EventBatch]) -> dict[bytes, list[int]]:
 
 
 async def pipeline_row(
-    bootstrap: str, topic: str, batches: list[EventBatch], producer_options: dict[str, Any]
+    bootstrap: str,
+    topic: str,
+    batches: list[EventBatch] | list[DeferredBatch],
+    n_ev: int,
+    producer_options: dict[str, Any],
 ) -> float:
     sink = KafkaSink(bootstrap, topic, producer_options=producer_options)
-    n_ev = count_events(batches)
     cfg = PipelineConfig.load(
         defaults={"max_queue_batches": len(batches) + 1, "max_queue_events": n_ev + 1}
     )
@@ -273,7 +279,8 @@ async def run(args: argparse.Namespace, bootstrap: str) -> int:
         else:
             deferred = fleet_batches(**size)
             for_raw = fresh_models(deferred)
-            for_pipe = fresh_models(deferred)  # never encoded before the pipeline row
+            # deferred: the hand-off as the managers made it; else models never encoded before
+            for_pipe = deferred if args.models == "deferred" else fresh_models(deferred)
             del deferred
         msgs = messages(for_raw, args.partitions)
         want = expected_ids(for_raw)
@@ -285,7 +292,7 @@ async def run(args: argparse.Namespace, bootstrap: str) -> int:
             topic = f"bench-{r}-{names.index(name)}"
             await create_topic(bootstrap, topic, args.partitions)
             if name == "pipeline":
-                dt = await pipeline_row(bootstrap, topic, for_pipe, options)
+                dt = await pipeline_row(bootstrap, topic, for_pipe, n_ev, options)
             else:
                 dt = await RAW_ROWS[name](bootstrap, topic, msgs, options)
             await read_back(bootstrap, topic, args.partitions, want)
@@ -332,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models",
         default="flush",
-        choices=["flush", "deferred"],
-        help="the pipeline's batches: flush_events() models (default) or the models "
-        "flush_events_deferred() batches materialise into",
+        choices=["flush", "deferred", "deferred-models"],
+        help="the pipeline's batches: flush_events() models (default), the "
+        "flush_events_deferred() batches themselves, or the models they materialise into",
     )
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting tansu")
     args = ap.parse_args(argv)

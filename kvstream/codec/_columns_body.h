@@ -544,3 +544,244 @@ columns_setup(PyObject *self, PyObject *args)
     C.ready = 1;
     Py_RETURN_NONE;
 }
+
+/* ------------------------------------------------------------------------------ deferred rows */
+
+/*
+ *   deferred_rows(records, start, columns, raws, block_run, default_algo, default_group) -> int
+ *       the loop of kvstream.events.deferred_columns.deferred_columns over records[start:]
+ *       for the records it reads straight (stored events of a plain BlockRun, non-empty
+ *       removed events): each one's row appended to columns (event_ids, kinds, hash_algos,
+ *       group_ids, window_sizes, payloads, stored_extra: the ColumnBatch's lists) and its
+ *       token bytes to raws, exactly as the Python loop appends them. Returns the index of
+ *       the first record it leaves to Python (nothing of it appended), or len(records).
+ *       Records are read through the dict API, BlockRun and TokenIds through attributes.
+ */
+
+static PyObject *s_data_key, *s_type_key, *s_blocks_key, *s_hashes, *s_attrs, *s_tokens_attr,
+    *s_parent_key, *s_block_hashes_key, *s_cache_level_key, *s_event_id_key, *s_hash_algo_key,
+    *s_group_key, *s_window_key, *s_stored_str, *s_removed_str, *i_stored, *i_removed, *i_zero;
+
+static int
+deferred_intern(void)
+{
+#define I(var, text)                                                                          \
+    if ((var = PyUnicode_InternFromString(text)) == NULL)                                     \
+        return -1;
+    I(s_data_key, "data") I(s_type_key, "type") I(s_blocks_key, "blocks") I(s_hashes, "hashes")
+    I(s_attrs, "attrs") I(s_tokens_attr, "tokens") I(s_parent_key, "parent_hash")
+    I(s_block_hashes_key, "block_hashes") I(s_cache_level_key, "cache_level")
+    I(s_event_id_key, "event_id") I(s_hash_algo_key, "hash_algo")
+    I(s_group_key, "layer_group_id") I(s_window_key, "window_size") I(s_stored_str, "stored")
+    I(s_removed_str, "removed")
+#undef I
+    if ((i_stored = PyLong_FromLong(K_STORED)) == NULL ||
+        (i_removed = PyLong_FromLong(K_REMOVED)) == NULL || (i_zero = PyLong_FromLong(0)) == NULL)
+        return -1;
+    return 0;
+}
+
+/* d[key] borrowed, or NULL (d not an exact dict, key missing, or an error: cleared). */
+static PyObject *
+dict_item(PyObject *d, PyObject *key)
+{
+    if (!PyDict_CheckExact(d))
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL)
+        PyErr_Clear();
+    return v;
+}
+
+/* Whether the str s equals the interned `want` (exact str only). */
+static int
+is_str(PyObject *s, PyObject *want)
+{
+    if (s == want)
+        return 1;
+    return PyUnicode_CheckExact(s) && PyUnicode_Compare(s, want) == 0;
+}
+
+/* The token source and block count of one entry of a BlockRun's tokens (a TokenIds, or
+ * (packed TokenIds, k)); 0 when the entry is left to Python. */
+static int
+run_entry(PyObject *t, PyObject **src, Py_ssize_t *k)
+{
+    *src = t;
+    *k = 1;
+    if (!PyTuple_Check(t))
+        return 1;
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2 ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(t, 1)))
+        return 0;
+    *src = PyTuple_GET_ITEM(t, 0);
+    *k = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+    if (*k <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* The payload and stored extra of a plain stored record's BlockRun, its token bytes appended
+ * to raws; 0 when the record is left to Python (nothing appended), -1 on an error. */
+static int
+deferred_stored(PyObject *data, PyObject *run, PyObject *raws, PyObject **payload,
+                PyObject **extra)
+{
+    PyObject *hashes = NULL, *attrs = NULL, *tokens = NULL, *sizes = NULL, *hash_list = NULL;
+    Py_ssize_t raws0 = PyList_GET_SIZE(raws), n_blocks = 0;
+    int r = 0;
+    PyObject *parent = dict_item(data, s_parent_key);
+    if (parent == NULL)
+        return 0;
+    if ((hashes = PyObject_GetAttr(run, s_hashes)) == NULL ||
+        (attrs = PyObject_GetAttr(run, s_attrs)) == NULL ||
+        (tokens = PyObject_GetAttr(run, s_tokens_attr)) == NULL) {
+        r = declined() == BODY_FAIL ? -1 : 0;
+        goto out;
+    }
+    if (!PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) == 0 || !PyDict_CheckExact(attrs) ||
+        PyDict_GET_SIZE(attrs) != 0 || !PyList_CheckExact(tokens) ||
+        PyList_GET_SIZE(tokens) == 0)
+        goto out;
+    Py_ssize_t nt = PyList_GET_SIZE(tokens);
+    /* first pass: every entry readable, each one's bytes appended to raws */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tokens); i++) {
+        PyObject *src, *raw;
+        Py_ssize_t k;
+        if (!run_entry(PyList_GET_ITEM(tokens, i), &src, &k))
+            goto out;
+        if ((raw = PyObject_GetAttr(src, s_raw)) == NULL) {
+            r = declined() == BODY_FAIL ? -1 : 0;
+            goto out;
+        }
+        int bad = !PyBytes_CheckExact(raw) || k > PY_SSIZE_T_MAX - n_blocks;
+        if (!bad && PyList_Append(raws, raw) < 0)
+            r = -1;
+        Py_DECREF(raw);
+        if (bad || r < 0)
+            goto out;
+        n_blocks += k;
+    }
+    if (PyList_GET_SIZE(tokens) != nt || PyList_GET_SIZE(raws) != raws0 + nt)
+        goto out; /* changed under us (attribute code): Python decides */
+    /* second pass: the block sizes (one int object per run entry, shared by its k blocks) */
+    if ((sizes = PyList_New(n_blocks)) == NULL) {
+        r = -1;
+        goto out;
+    }
+    for (Py_ssize_t i = 0, b = 0; i < nt; i++) {
+        PyObject *src;
+        Py_ssize_t k;
+        run_entry(PyList_GET_ITEM(tokens, i), &src, &k); /* checked above */
+        PyObject *size =
+            PyLong_FromSsize_t(PyBytes_GET_SIZE(PyList_GET_ITEM(raws, raws0 + i)) / k >> 2);
+        if (size == NULL) {
+            r = -1;
+            goto out;
+        }
+        for (Py_ssize_t j = 0; j < k; j++, b++) {
+            Py_INCREF(size);
+            PyList_SET_ITEM(sizes, b, size);
+        }
+        Py_DECREF(size);
+    }
+    if ((hash_list = PyList_GetSlice(hashes, 0, PyList_GET_SIZE(hashes))) == NULL) {
+        r = -1;
+        goto out;
+    }
+    *payload = PyTuple_Pack(4, parent, hash_list, i_zero, PyList_GET_ITEM(sizes, 0));
+    *extra = *payload == NULL ? NULL : PyTuple_Pack(2, sizes, Py_None);
+    if (*extra == NULL) {
+        Py_CLEAR(*payload);
+        r = -1;
+        goto out;
+    }
+    r = 1;
+out:
+    if (r != 1 && PyList_GET_SIZE(raws) > raws0 &&
+        PyList_SetSlice(raws, raws0, PyList_GET_SIZE(raws), NULL) < 0)
+        r = -1; /* nothing of a record left to Python stays appended */
+    Py_XDECREF(hashes);
+    Py_XDECREF(attrs);
+    Py_XDECREF(tokens);
+    Py_XDECREF(sizes);
+    Py_XDECREF(hash_list);
+    return r;
+}
+
+static PyObject *
+deferred_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *records, *columns, *raws, *block_run, *default_algo, *default_group;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!nO!O!OOO:deferred_rows", &PyList_Type, &records, &start,
+                          &PyTuple_Type, &columns, &PyList_Type, &raws, &block_run,
+                          &default_algo, &default_group))
+        return NULL;
+    if (PyTuple_GET_SIZE(columns) != 7) {
+        PyErr_SetString(PyExc_ValueError, "deferred_rows: seven column lists expected");
+        return NULL;
+    }
+    PyObject **col = &PyTuple_GET_ITEM(columns, 0);
+    for (int c = 0; c < 7; c++)
+        if (!PyList_Check(col[c])) {
+            PyErr_SetString(PyExc_TypeError, "deferred_rows: the columns must be lists");
+            return NULL;
+        }
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < PyList_GET_SIZE(records); i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i), *payload = NULL, *extra = NULL, *kind;
+        PyObject *data = dict_item(rec, s_data_key);
+        PyObject *type = data == NULL ? NULL : dict_item(data, s_type_key);
+        PyObject *eid = dict_item(rec, s_event_id_key), *window = dict_item(rec, s_window_key);
+        if (type == NULL || eid == NULL || window == NULL)
+            break;
+        PyObject *algo = dict_item(rec, s_hash_algo_key), *group = dict_item(rec, s_group_key);
+        if (PyErr_Occurred())
+            return NULL;
+        if (is_str(type, s_stored_str)) {
+            PyObject *run = dict_item(data, s_blocks_key);
+            if (run == NULL || (PyObject *)Py_TYPE(run) != block_run)
+                break;
+            Py_INCREF(rec); /* held: attribute reads may run Python code */
+            int r = deferred_stored(data, run, raws, &payload, &extra);
+            Py_DECREF(rec);
+            if (r < 0)
+                return NULL;
+            if (r == 0)
+                break;
+            kind = i_stored;
+        }
+        else if (is_str(type, s_removed_str)) {
+            PyObject *hashes = dict_item(data, s_block_hashes_key);
+            PyObject *level = dict_item(data, s_cache_level_key);
+            if (hashes == NULL || level == NULL || seq_len(hashes) <= 0)
+                break;
+            PyObject *list = PySequence_List(hashes);
+            if (list == NULL)
+                return NULL;
+            payload = PyTuple_Pack(2, list, level);
+            Py_DECREF(list);
+            if (payload == NULL)
+                return NULL;
+            kind = i_removed;
+        }
+        else
+            break;
+        PyObject *row[6] = {eid, kind, algo ? algo : default_algo, group ? group : default_group,
+                            window, payload};
+        int bad = 0;
+        for (int c = 0; c < 6 && !bad; c++)
+            bad = PyList_Append(col[c], row[c]) < 0;
+        if (!bad && extra != NULL)
+            bad = PyList_Append(col[6], extra) < 0;
+        Py_DECREF(payload);
+        Py_XDECREF(extra);
+        if (bad)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}

@@ -397,6 +397,10 @@ static PyMethodDef methods[] = {
      "encode_columns(prefix, cols, version, token_encoding, lossy) -> bytes | None: the Avro "
      "body of publisher columns (kvstream.codec.column_encoder._encode_columns_py), None "
      "where it declines."},
+    {"deferred_rows", deferred_rows, METH_VARARGS,
+     "deferred_rows(records, start, columns, raws, block_run, default_algo, default_group) -> "
+     "int: deferred_columns' loop over the records it reads straight (see "
+     "kvstream.events.deferred_columns); the index of the first record left to Python."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -415,7 +419,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC
 PyInit__tokens_native(void)
 {
-    if (body_intern() < 0 || columns_intern() < 0)
+    if (body_intern() < 0 || columns_intern() < 0 || deferred_intern() < 0)
         return NULL;
     return PyModule_Create(&moduledef);
 }

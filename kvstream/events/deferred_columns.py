@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from kvstream._native import load as load_native
 from kvstream.events.columns import REMOVED, STORED, ColumnBatch, publish_columns
 from kvstream.events.deferred import BlockRun, model_input
 from kvstream.events.emitter_checks import _I64_MAX
@@ -58,6 +59,33 @@ def deferred_columns(
     )
     raws: list[bytes] = []
     out.stored_extra = extra = []
+    event_ids, hash_algos, group_ids = out.event_ids, out.hash_algos, out.group_ids
+    window_sizes, kinds, payloads = out.window_sizes, out.kinds, out.payloads
+    native = _native_rows()
+    if native is None:
+        _rows(out, raws, source, records)
+    else:
+        if type(records) is not list:  # the emitter's deque: indexing it is not O(1)
+            records = list(records)
+        columns = (event_ids, kinds, hash_algos, group_ids, window_sizes, payloads, extra)
+        i, n = 0, len(records)
+        while i < n:  # C appends what it reads straight; the record it leaves, Python
+            i = native(records, i, columns, raws, BlockRun, _DEFAULT_ALGO, _DEFAULT_GROUP)
+            if i < n:
+                _rows(out, raws, source, records[i : i + 1])
+                i += 1
+    out.tokens = b"".join(raws)
+    return out
+
+
+def _rows(
+    out: ColumnBatch, raws: list[bytes], source: SourceId, records: Sequence[dict[str, Any]]
+) -> None:
+    """The rows of ``records`` appended to ``out``'s columns and their token bytes to
+    ``raws``: the Python loop (the C ``deferred_rows`` does the same for the records it reads
+    straight)."""
+    extra = out.stored_extra
+    assert extra is not None
     event_ids, hash_algos, group_ids = out.event_ids, out.hash_algos, out.group_ids
     window_sizes, kinds, payloads = out.window_sizes, out.kinds, out.payloads
     for rec in records:
@@ -95,8 +123,21 @@ def deferred_columns(
         window_sizes.append(rec["window_size"])
         kinds.append(code)
         payloads.append(payload)
-    out.tokens = b"".join(raws)
-    return out
+
+
+def _native_rows() -> Any:
+    """The C ``deferred_rows`` (in the codec extension), or None (pure Python)."""
+    global _NATIVE_ROWS  # noqa: PLW0603  (set once; tests patch it to force Python)
+    if _NATIVE_ROWS is _UNSET:
+        mod: Any = load_native("kvstream.codec._tokens_native")
+        _NATIVE_ROWS = getattr(mod, "deferred_rows", None)
+    return _NATIVE_ROWS
+
+
+_UNSET: Final[Any] = object()
+#: deferred_columns' loop in C for the records it reads straight (None: Python; unset until
+#: :func:`_native_rows` first runs: the extension lives in the codec package)
+_NATIVE_ROWS: Any = _UNSET
 
 
 def _append_validated(
