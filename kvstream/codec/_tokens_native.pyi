@@ -54,3 +54,16 @@ def encode_columns(
     """Publisher columns' Avro body after ``prefix`` (``column_encoder._encode_columns_py``),
     or None where a value is not as the columns' contract says or the Python path would raise
     (the caller then runs the Python path)."""
+
+def deferred_rows(
+    records: list[Any],
+    start: int,
+    columns: tuple[list[Any], ...],
+    raws: list[bytes],
+    block_run: type,
+    default_algo: str,
+    default_group: int,
+) -> int:
+    """``deferred_columns``' loop over ``records[start:]`` for the records it reads straight
+    (plain stored runs, non-empty removals), appended to the seven column lists and ``raws``;
+    the index of the first record left to Python (nothing of it appended)."""
