@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 from blake3 import blake3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -207,6 +208,14 @@ TestTokenParity = TokenParity.TestCase
 TestDynamoParity = DynamoParity.TestCase
 
 
+def reference_key(parent: bytes, payload: bytes, scoped: bool) -> bytes:
+    """``kvstream_tokens_v2`` from the reference libraries: XXH3-128 (canonical bytes) of a
+    plain payload, BLAKE3 derive-key of a scoped one."""
+    if scoped:
+        return blake3(parent + payload, derive_key_context=KEY_CONTEXT).digest(16)
+    return xxhash.xxh3_128(parent + payload).digest()
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     payload=st.one_of(
@@ -215,25 +224,47 @@ TestDynamoParity = DynamoParity.TestCase
     ),
     scoped=st.booleans(),
 )
-def test_keys_are_blake3_of_the_parent_key_and_payload(payload: bytes, scoped: bool) -> None:
-    """BLAKE3 (plain, and derive-key for scoped payloads) of any length, one chunk or many."""
+def test_keys_follow_the_v2_definition(payload: bytes, scoped: bool) -> None:
+    """XXH3-128 of plain payloads, BLAKE3 derive-key of scoped ones, of any length (on the
+    stack or not, one BLAKE3 chunk or many)."""
     t = Native(1)
     t.store_payloads(None, [b"h" * 8], 0, [payload], [scoped], SourceStats())
-    ctx = {"derive_key_context": KEY_CONTEXT} if scoped else {}
-    assert t.key_of(b"h" * 8) == blake3(ROOT_KEY + payload, **ctx).digest(16)
+    assert t.key_of(b"h" * 8) == reference_key(ROOT_KEY, payload, scoped)
 
 
 @pytest.mark.parametrize(
     "n",
-    # one block, the first block's end (48 bytes after the key), each later block's end, the
-    # chunk's end (1008 = 1024 - 16), then many chunks
-    [1, 47, 48, 49, 111, 112, 113, 128, 175, 176, 177, 1007, 1008, 1009, 2032, 3057, 8192],
+    # BLAKE3's block and chunk ends for scoped payloads (48 bytes after the key, then every
+    # 64; the chunk's at 1008 = 1024 - 16), the stack buffer's end for plain ones (1024)
+    [
+        1,
+        47,
+        48,
+        49,
+        111,
+        112,
+        113,
+        128,
+        175,
+        176,
+        177,
+        1007,
+        1008,
+        1009,
+        1023,
+        1024,
+        1025,
+        2032,
+        3057,
+        8192,
+    ],
 )
-def test_keys_at_chunk_boundaries(n: int) -> None:
+@pytest.mark.parametrize("scoped", [False, True])
+def test_keys_at_buffer_and_chunk_boundaries(n: int, scoped: bool) -> None:
     payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
     t = Native(1)
-    t.store_payloads(None, [b"h" * 8], 0, [payload], None, SourceStats())
-    assert t.key_of(b"h" * 8) == blake3(ROOT_KEY + payload).digest(16)
+    t.store_payloads(None, [b"h" * 8], 0, [payload], [scoped], SourceStats())
+    assert t.key_of(b"h" * 8) == reference_key(ROOT_KEY, payload, scoped)
 
 
 def test_dynamo_keys_chain_local_hashes() -> None:

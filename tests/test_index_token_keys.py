@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 from blake3 import blake3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -620,19 +621,34 @@ def test_partial_blocks_are_kept_but_never_matched() -> None:
 def test_canonical_keys_follow_their_definition() -> None:
     t = toks(9, seed=5)
     raw = b"".join(x.to_bytes(4, "little") for x in t[:8])
-    k0 = blake3(ROOT_KEY + raw[:16]).digest()[:16]
-    k1 = blake3(k0 + raw[16:32]).digest()[:16]
+    k0 = xxhash.xxh3_128(ROOT_KEY + raw[:16]).digest()
+    k1 = xxhash.xxh3_128(k0 + raw[16:32]).digest()
     assert request_keys(raw, 4) == [k0, k1]
-    assert request_keys(raw, 8) == [blake3(ROOT_KEY + raw).digest()[:16]]
+    assert request_keys(raw, 8) == [xxhash.xxh3_128(ROOT_KEY + raw).digest()]
     # a salted first block is a scoped one: CBOR [tokens, lora, salt, mm, extra ids, other]
     scoped = b"\x86\x50" + raw[:16] + b"\xf6\x61s\x80\xf6\x80"
     s0 = blake3(ROOT_KEY + scoped, derive_key_context=KEY_CONTEXT).digest()[:16]
     salted = request_keys(raw, 4, cache_salt="s")
-    assert salted == [s0, blake3(s0 + raw[16:32]).digest()[:16]]
+    assert salted == [s0, xxhash.xxh3_128(s0 + raw[16:32]).digest()]
     kvs = Engine("kvs", "blake3_64", 4, "kvstream")
     idx = start([kvs])
     idx.apply(kvs.batch(kvs.stored(t, Scope(salt="s"))))
     assert idx.block_key(kvs.key, kvs.hashes(t, Scope(salt="s"))[1]) == salted[1]
+
+
+def test_v2_keys_are_pinned() -> None:
+    """``kvstream_tokens_v2`` computed once and written down: a change to the definition
+    must come with a new name (keys.py), not pass unnoticed."""
+    raw = b"".join(i.to_bytes(4, "little") for i in range(32))
+    assert CANONICAL_ALGO == "kvstream_tokens_v2"
+    assert [k.hex() for k in request_keys(raw, 16)] == [
+        "16d310809c3605d60b49a1755bdbc8b2",
+        "f5d6d115dc50f02d9a2cecb9b5456d8b",
+    ]
+    kvs = Engine("kvs", "blake3_64", 16, "kvstream")
+    idx = start([kvs])
+    idx.apply(kvs.batch(kvs.stored(list(range(32)))))
+    assert idx.block_key(kvs.key, kvs.hashes(list(range(32)))[1]) == request_keys(raw, 16)[1]
 
 
 # ---------------------------------------------------------------------------------- snapshots
@@ -652,9 +668,9 @@ def test_snapshots_restore_equal_to_a_rebuilt_index(tmp_path: Path) -> None:
     for b in stream:
         first.apply(b)
     data = encode_snapshot(first, {"offset": len(stream)})
-    assert data[len(MAGIC) : len(MAGIC) + 2] == b"\x02\x00"  # version 2
+    assert data[len(MAGIC) : len(MAGIC) + 2] == b"\x03\x00"  # version 3: v2 keys
     snap = decode_snapshot(data)
-    assert snap.version == 2
+    assert snap.version == 3
     assert snap.index.key_mode is KeyMode.TOKENS
     assert snap.index.canonical_state() == first.canonical_state()
     full = PrefixIndex(key_mode="tokens")
@@ -685,7 +701,7 @@ def test_snapshot_versions() -> None:
     import hashlib
 
     forged += hashlib.sha256(bytes(forged)).digest()
-    with pytest.raises(SnapshotError, match="version-1 snapshot cannot hold a token-keyed"):
+    with pytest.raises(SnapshotError, match="version-1 snapshot cannot hold a tokens-keyed"):
         decode_snapshot(bytes(forged))
     # a key that contradicts its table is refused, not loaded
     kvs = engines[3]
@@ -698,6 +714,51 @@ def test_snapshot_versions() -> None:
     body += hashlib.sha256(bytes(body)).digest()
     with pytest.raises(SnapshotError):
         decode_snapshot(bytes(body))
+
+
+def _reversion(data: bytes, version: int, **header: Any) -> bytes:
+    """``data`` (a snapshot) as format ``version``, header fields set (None: removed), with a
+    valid digest: what an earlier release wrote, or a forged file."""
+    import hashlib
+    import json
+    import struct
+
+    hs = struct.Struct("<8sHI")
+    magic, _, hlen = hs.unpack_from(data)
+    head = json.loads(data[hs.size : hs.size + hlen])
+    for k, v in header.items():
+        if v is None:
+            head.pop(k, None)
+        else:
+            head[k] = v
+    raw = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
+    body = hs.pack(magic, version, len(raw)) + raw + data[hs.size + hlen : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_v1_keyed_snapshot_is_refused_with_a_clear_error() -> None:
+    """A token-keyed snapshot written before kvstream_tokens_v2 (version 2, no ``keys``)
+    holds keys this release never computes: it is refused, never loaded to match nothing."""
+    tok = start(fleet())
+    data = encode_snapshot(tok)
+    assert decode_snapshot(data).index.canonical_state() == tok.canonical_state()
+    old = _reversion(data, 2, keys=None)
+    with pytest.raises(
+        SnapshotError, match=r"kvstream_tokens_v1 keys.*kvstream_tokens_v2.*rebuild"
+    ):
+        decode_snapshot(old)
+    with pytest.raises(SnapshotError, match="snapshot keys are 'kvstream_tokens_v1'"):
+        decode_snapshot(_reversion(data, 3, keys="kvstream_tokens_v1"))
+    with pytest.raises(SnapshotError, match="snapshot keys are None"):
+        decode_snapshot(_reversion(data, 3, keys=None))
+    # a Dynamo-keyed index is version 2, as before, and an earlier one (no ``keys``) loads
+    dyn = start(fleet(), mode="dynamo")
+    data = encode_snapshot(dyn)
+    assert data[len(MAGIC) : len(MAGIC) + 2] == b"\x02\x00"
+    for d in (data, _reversion(data, 2, keys=None)):
+        assert decode_snapshot(d).index.canonical_state() == dyn.canonical_state()
+    with pytest.raises(SnapshotError, match="version-3 snapshot cannot hold a dynamo-keyed"):
+        decode_snapshot(_reversion(data, 3))
 
 
 # ---------------------------------------------------------------------------------- property

@@ -8,12 +8,14 @@ key space, and a request is hashed once per block size, whoever holds its blocks
 engine's hash stays the id that ``removed``/``updated`` events name (see
 :mod:`kvstream.index.token_table`).
 
-Definition (``kvstream_tokens_v1``; any change needs a new name)::
+Definition (``kvstream_tokens_v2``; any change needs a new name)::
 
     ROOT = 16 zero bytes                         the parent key of a chain's first block
 
     plain block  (token ids only: no LoRA, no salt, no multimodal or other extra keys)
-        key = BLAKE3(parent_key || each token id as u32 little-endian)[:16]
+        key = XXH3-128(parent_key || each token id as u32 little-endian)
+              (seed 0, the 16 bytes in XXH3's canonical big-endian form, what
+              ``xxhash.xxh3_128_digest`` returns)
 
     scoped block (anything else)
         key = BLAKE3-derive_key(context "kvstream.index token block key v1",
@@ -39,7 +41,19 @@ rest of the chain through the parent keys, as in vLLM and TensorRT-LLM. Layer gr
 separated by the index (one domain per group), not by the key.
 
 Keys are 128-bit: collisions are negligible for any fleet, and a collision could only
-mis-route a request, never corrupt a cache (engines verify with their own hashes).
+mis-route a request, never corrupt a cache (engines verify with their own hashes). Nothing
+here needs a cryptographic hash: the keys are never secret and an engine checks its own.
+
+``kvstream_tokens_v1`` (:data:`LEGACY_ALGOS`) was the same chain with plain keys
+``BLAKE3(parent_key || tokens)[:16]``. Three BLAKE3 compressions per 32-token block, each
+waiting on the one before since every key chains from its parent's, were a fifth of
+token-keyed ingest and the whole of its gap to the Dynamo-keyed mode (issue 22 §3); XXH3-128
+of the same 144 bytes costs about a tenth as much. Scoped blocks, rare and costly for other
+reasons (CBOR), keep their BLAKE3 derive-key definition, whose context separates them from
+plain ones. Keys of the two definitions differ for every block, so a v1 index cannot be
+converted (its nodes keep no tokens): :mod:`kvstream.index.snapshot` refuses a v1
+token-keyed snapshot with a :class:`~kvstream.index.errors.SnapshotError`, and the index
+is rebuilt by replaying its source.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from blake3 import blake3
+from xxhash import xxh3_128_digest
 
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
@@ -64,6 +79,7 @@ __all__ = [
     "KEY_SIZE",
     "ROOT_KEY",
     "KeyMode",
+    "LEGACY_ALGOS",
     "LoraScope",
     "block_payload",
     "chain_key",
@@ -82,7 +98,9 @@ __all__ = [
 ]
 
 #: The name under which token-keyed domains appear (``DomainKey.hash_algo``).
-CANONICAL_ALGO: Final = "kvstream_tokens_v1"
+CANONICAL_ALGO: Final = "kvstream_tokens_v2"
+#: Earlier definitions of the canonical chain (module docstring); nothing keys by them now.
+LEGACY_ALGOS: Final = ("kvstream_tokens_v1",)
 #: The name under which Dynamo-keyed domains appear (``key_mode="dynamo"``).
 DYNAMO_ALGO: Final = "dynamo_local_v1"
 #: Bytes of a key.
@@ -142,7 +160,7 @@ def chain_key(parent: bytes, payload: bytes, scoped: bool) -> bytes:
     raw tokens of a plain block or the CBOR scope of a scoped one."""
     if scoped:
         return blake3(parent + payload, derive_key_context=KEY_CONTEXT).digest(KEY_SIZE)
-    return blake3(parent + payload).digest(KEY_SIZE)
+    return xxh3_128_digest(parent + payload)
 
 
 def _scoped(
@@ -285,9 +303,9 @@ def request_keys(
     out: list[bytes] = []
     append = out.append
     if lora is None and cache_salt is None and mm is None:
-        b3 = blake3
+        xxh = xxh3_128_digest
         for i in range(0, end, step):
-            key = b3(key + raw[i : i + step]).digest(KEY_SIZE)
+            key = xxh(key + raw[i : i + step])
             append(key)
         return out
     for n, i in enumerate(range(0, end, step)):

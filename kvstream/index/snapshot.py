@@ -4,20 +4,24 @@ A consumer that restarts loads the snapshot and resumes reading its source from 
 positions, instead of replaying the whole stream; the restored index equals one rebuilt from
 the start (``PrefixIndex.canonical_state()`` compares equal).
 
-File format (versions 1 and 2), all integers little-endian::
+File format (versions 1 to 3), all integers little-endian::
 
     magic    8 bytes  b"KVSIDX\\r\\n"
-    version  u16      1 (an engine-keyed index) or 2 (a token-keyed one)
+    version  u16      1 (an engine-keyed index), 2 (a Dynamo-keyed one; before
+                      ``kvstream_tokens_v2``, also a token-keyed one) or 3 (a token-keyed
+                      index whose keys are ``kvstream_tokens_v2``)
     hlen     u32      length of the header
     header   hlen     UTF-8 JSON: format version, creation time, source positions, user
-                      metadata, the index's per-worker state (with its ``key_mode``) and the
-                      list of tables with their node counts (and, version 2, pending counts)
+                      metadata, the index's per-worker state (with its ``key_mode``), the
+                      list of tables with their node counts (and, versions 2 and 3, pending
+                      counts), and (versions 2 and 3) ``keys``: the key definition of the
+                      tables' canonical keys (:attr:`KeyMode.domain_algo`)
     tables            per table, in header order:
                         n bytes     hash lengths
                         sum(len)    hashes, concatenated
                         8n bytes    parent index per node (i64; -1 root, -2 unknown)
                         8n bytes    packed tier reference counts per node (u64)
-                      version 2 only, then:
+                      versions 2 and 3, then:
                         n bytes     canonical key lengths (0: not known yet, else 16)
                         sum(len)    canonical keys, concatenated
                         4m bytes    node index of each of the m pending payloads (u32)
@@ -26,9 +30,13 @@ File format (versions 1 and 2), all integers little-endian::
                         sum(len)    payloads, concatenated
     digest   32 bytes SHA-256 of everything before it
 
-Version 2 differs only by the token-keyed tables, so an engine-keyed index is still written
-as version 1 (readable by every release); a version-1 reader refuses a token-keyed snapshot
-by its version instead of misreading it.
+Versions 2 and 3 differ from 1 only by the token-keyed tables, so an engine-keyed index is
+still written as version 1 (readable by every release), and a reader refuses a snapshot of a
+newer version instead of misreading it. Version 3 exists so that a release computing
+``kvstream_tokens_v1`` keys refuses a ``kvstream_tokens_v2`` snapshot (its requests would
+match nothing); this release refuses a version-2 token-keyed snapshot, whose v1 keys cannot
+be converted (keyed nodes keep no tokens), with a :class:`SnapshotError` that says to rebuild
+the index from its source.
 
 Writes are atomic (a temporary file in the same directory, fsync, rename, fsync of the
 directory), so a crash leaves the previous snapshot intact; the temporary files of writers
@@ -55,7 +63,7 @@ from typing import Any, Final
 
 from kvstream.index.errors import SnapshotError
 from kvstream.index.index import PrefixIndex
-from kvstream.index.keys import KeyMode
+from kvstream.index.keys import CANONICAL_ALGO, LEGACY_ALGOS, KeyMode
 from kvstream.index.stats import SourceStats
 from kvstream.index.token_table import is_token_table
 from kvstream.index.types import WorkerKey
@@ -72,8 +80,8 @@ __all__ = [
 
 MAGIC: Final = b"KVSIDX\r\n"
 #: The newest format this module reads and writes (engine-keyed indexes are written as 1).
-FORMAT_VERSION: Final = 2
-_VERSIONS: Final = (1, 2)
+FORMAT_VERSION: Final = 3
+_VERSIONS: Final = (1, 2, 3)
 _DIGEST: Final = 32
 _HEAD: Final = struct.Struct("<8sHI")
 _I32: Final = 2**31 - 1
@@ -120,7 +128,7 @@ def encode_snapshot(
     tables_meta = []
     chunks: list[bytes] = []
     keyed = index.key_mode.token_keyed
-    version = 2 if keyed else 1
+    version = _version_of(index.key_mode)
     for worker, gid, table in index.tables():
         hashes, parents, refs = table.dump_nodes()
         meta_t: dict[str, Any] = {
@@ -154,6 +162,8 @@ def encode_snapshot(
         "index": index.export_state(),
         "tables": tables_meta,
     }
+    if keyed:
+        header["keys"] = index.key_mode.domain_algo
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     body = b"".join([_HEAD.pack(MAGIC, version, len(head)), head, *chunks])
     return body + hashlib.sha256(body).digest()
@@ -367,6 +377,38 @@ def _blobs(body: bytes, pos: int, n: int) -> tuple[list[bytes], int]:
     return out, pos
 
 
+def _version_of(mode: KeyMode) -> int:
+    """The format version a ``mode``-keyed index is written as (module doc)."""
+    if mode is KeyMode.TOKENS:
+        return 3
+    return 2 if mode.token_keyed else 1
+
+
+def _check_key_definition(version: int, mode: KeyMode, keys: Any) -> None:
+    """SnapshotError unless a ``version`` snapshot of a ``mode``-keyed index, whose header
+    names the key definition ``keys`` (None: absent), holds keys this release computes."""
+    if version == 2 and mode is KeyMode.TOKENS:
+        old = keys if isinstance(keys, str) else LEGACY_ALGOS[-1]
+        raise SnapshotError(
+            f"this snapshot's token-keyed index holds {old} keys; this release keys blocks "
+            f"by {CANONICAL_ALGO} (kvstream.index.keys) and cannot convert them (keyed "
+            "blocks keep no tokens): rebuild the index by replaying its source without the "
+            "snapshot"
+        )
+    if not mode.token_keyed:
+        return
+    if version != _version_of(mode):
+        raise SnapshotError(
+            f"a version-{version} snapshot cannot hold a {mode.value}-keyed index (corrupt header)"
+        )
+    # written by every release that wrote version 3; Dynamo-keyed ones before had none
+    if keys != mode.domain_algo and not (keys is None and version == 2):
+        raise SnapshotError(
+            f"snapshot keys are {keys!r}, expected {mode.domain_algo} for a "
+            f"{mode.value}-keyed index"
+        )
+
+
 def decode_snapshot(
     data: bytes, *, hasher_params: Mapping[str, Mapping[str, Any]] | None = None
 ) -> Snapshot:
@@ -394,11 +436,9 @@ def decode_snapshot(
     pos += hlen
     header = _check_header(raw_header)
     groups = _check_index_state(header.get("index"))
-    keyed = KeyMode(header["index"].get("key_mode", KeyMode.ENGINE.value)).token_keyed
-    if keyed and version < 2:
-        raise SnapshotError(
-            f"a version-{version} snapshot cannot hold a token-keyed index (corrupt header)"
-        )
+    mode = KeyMode(header["index"].get("key_mode", KeyMode.ENGINE.value))
+    keyed = mode.token_keyed
+    _check_key_definition(version, mode, header.get("keys"))
     tables: dict[tuple[WorkerKey, int], tuple[Any, ...]] = {}
     for i, t in enumerate(header["tables"]):
         pos = _read_table(body, pos, i, t, keyed, groups, tables)

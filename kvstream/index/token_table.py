@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeGuard
 
-from blake3 import blake3
+from xxhash import xxh3_128_digest
 
 from kvstream._native import load as load_native
 from kvstream.events.model import StoredBlock
@@ -288,7 +288,7 @@ class TokenGroupTable(GroupTable):
         kmap_set = self.kmap.setdefault
         masks = self.masks
         slot = self.slot
-        b3 = blake3
+        xxh = xxh3_128_digest
         dyn = self.dynamo
         one = level if isinstance(level, int) else None
         p, ok, pkey = self._parent(parent_hash, st)
@@ -352,7 +352,7 @@ class TokenGroupTable(GroupTable):
                 elif sc:
                     pkey = chain_key(pkey, payload, True)
                 else:
-                    pkey = b3(pkey + payload).digest(KEY_SIZE)
+                    pkey = xxh(pkey + payload)
                 ckeys[n] = pkey
                 if kmap_set(pkey, n) != n:
                     self._set_key(n, pkey)  # a second node with this key

@@ -6,8 +6,9 @@
  * and the reference of every rule here, is kvstream.index.token_table.TokenGroupTable:
  *
  * - a block's key chains from its parent's key and its payload: Dynamo's key
- *   (XXH3(parent key || local hash) || local hash) in ``dynamo`` tables, else BLAKE3 of
- *   parent key || payload (derive-key mode for scoped payloads), the first 16 bytes;
+ *   (XXH3(parent key || local hash) || local hash) in ``dynamo`` tables, else
+ *   ``kvstream_tokens_v2``: XXH3-128 of parent key || payload (canonical bytes) for a plain
+ *   payload, the first 16 bytes of BLAKE3 derive-key of the same for a scoped one;
  * - a block stored under a parent whose key is unknown keeps its payload pending, and gets
  *   its key when the chain above gets one (when it could become rooted);
  * - a store without tokens (a payload of b"") is a placeholder: it adds a reference to a block
@@ -55,22 +56,27 @@ compute_key(Tab *t, const uint8_t *parent, const uint8_t *payload, Py_ssize_t pl
         memcpy(out + DYN_LOCAL, payload, DYN_LOCAL);
         return 0;
     }
-    const uint32_t *kw = scoped ? scoped_key_words : B3P_IV;
-    uint32_t mode = scoped ? B3P_DERIVE_KEY_MATERIAL : 0;
-    if (CKEY_BYTES + plen <= B3P_CHUNK_LEN) { /* one chunk: the usual block of tokens */
-        b3p_hash_prefixed16(kw, mode, parent, payload, (size_t)plen, out);
+    if (scoped && CKEY_BYTES + plen <= B3P_CHUNK_LEN) {
+        b3p_hash_prefixed16(scoped_key_words, B3P_DERIVE_KEY_MATERIAL, parent, payload,
+                            (size_t)plen, out);
         return 0;
     }
+    /* parent || payload in one buffer: on the stack for blocks up to 256 tokens */
     size_t len = CKEY_BYTES + (size_t)plen;
-    uint8_t *msg = PyMem_Malloc(len);
+    uint8_t small[CKEY_BYTES + 1024];
+    uint8_t *msg = len <= sizeof small ? small : PyMem_Malloc(len);
     if (msg == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     memcpy(msg, parent, CKEY_BYTES);
     memcpy(msg + CKEY_BYTES, payload, (size_t)plen);
-    b3p_hash(kw, mode, msg, len, out, CKEY_BYTES);
-    PyMem_Free(msg);
+    if (scoped)
+        b3p_hash(scoped_key_words, B3P_DERIVE_KEY_MATERIAL, msg, len, out, CKEY_BYTES);
+    else /* kvstream_tokens_v2: XXH3-128, canonical (big-endian) bytes */
+        XXH128_canonicalFromHash((XXH128_canonical_t *)out, XXH3_128bits(msg, len));
+    if (msg != small)
+        PyMem_Free(msg);
     return 0;
 }
 
