@@ -63,7 +63,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from blake3 import blake3
-from xxhash import xxh3_128_digest
 
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.model import StoredBlock
@@ -71,6 +70,7 @@ from kvstream.hashing import cbor
 from kvstream.hashing.accel import native_chains, pack_request
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
+from kvstream.hashing.xxh3 import xxh3_128
 
 __all__ = [
     "CANONICAL_ALGO",
@@ -160,7 +160,7 @@ def chain_key(parent: bytes, payload: bytes, scoped: bool) -> bytes:
     raw tokens of a plain block or the CBOR scope of a scoped one."""
     if scoped:
         return blake3(parent + payload, derive_key_context=KEY_CONTEXT).digest(KEY_SIZE)
-    return xxh3_128_digest(parent + payload)
+    return xxh3_128(parent + payload)
 
 
 def _scoped(
@@ -303,7 +303,7 @@ def request_keys(
     out: list[bytes] = []
     append = out.append
     if lora is None and cache_salt is None and mm is None:
-        xxh = xxh3_128_digest
+        xxh = xxh3_128
         for i in range(0, end, step):
             key = xxh(key + raw[i : i + step])
             append(key)

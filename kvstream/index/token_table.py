@@ -32,11 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeGuard
 
-from xxhash import xxh3_128_digest
-
 from kvstream._native import load as load_native
 from kvstream.events.model import StoredBlock
 from kvstream.hashing.dynamo import link_hash, local_hash
+from kvstream.hashing.xxh3 import xxh3_128
 from kvstream.index.keys import (
     KEY_SIZE,
     ROOT_KEY,
@@ -288,7 +287,7 @@ class TokenGroupTable(GroupTable):
         kmap_set = self.kmap.setdefault
         masks = self.masks
         slot = self.slot
-        xxh = xxh3_128_digest
+        xxh = xxh3_128
         dyn = self.dynamo
         one = level if isinstance(level, int) else None
         p, ok, pkey = self._parent(parent_hash, st)
