@@ -221,6 +221,7 @@ class Commit(ManagerState):
             return
         step = 4 * self._tpb
         extra = req.event_extra
+        trusted = None if extra else self._trusted_chain
         if req.mm_items:  # per-block multimodal keys: one stored() per block
             gone = set(skipped)
             for i in range(lo, hi):
@@ -246,7 +247,9 @@ class Commit(ManagerState):
                 packed = TokenIds.from_bytes(
                     tokens[(start - tokens_base) * step : (end - tokens_base) * step]
                 )
-                if end - start == 1:  # a decode step: the single-block call is cheaper
+                if trusted is not None:
+                    trusted(gid, parent, hashes[start:end], packed)
+                elif end - start == 1:  # a decode step: the single-block call is cheaper
                     rec.stored(
                         gid, parent_hash=parent, block_hash=hashes[start], token_ids=packed, **extra
                     )

@@ -56,6 +56,7 @@ from kvstream.cache.block_pool import BlockPool
 from kvstream.cache.config import CacheConfig
 from kvstream.cache.errors import CacheInvariantError
 from kvstream.cache.kv_io import KVIO
+from kvstream.cache.manager_state import TrustedChain
 from kvstream.cache.request import GroupMatch, RequestState
 from kvstream.cache.stats import CacheStats, GroupStats
 from kvstream.cache.storage import KVStorage, resolve_device
@@ -105,6 +106,13 @@ class KVCacheManager(KVIO):
             else:
                 recorder = NULL_RECORDER
         self._recorder: EventRecorder = recorder
+        # Chains of new blocks go to the emitter without its per-hash checks when it is our
+        # own EventEmitter (not a subclass) publishing hashes of our hasher's width.
+        self._trusted_chain: TrustedChain | None = (
+            recorder.stored_chain_trusted
+            if type(recorder) is EventEmitter and recorder.accepts_trusted(self._hasher.width)
+            else None
+        )
         self._windows = [g.window_size for g in config.groups]
         self._swa = [i for i, w in enumerate(self._windows) if w is not None]
         self._layers: list[tuple[int, int]] = [

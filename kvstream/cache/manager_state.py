@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvstream._types import TokenIds
 from kvstream.cache.block import Block
@@ -35,7 +35,10 @@ from kvstream.hashing.blocks import coerce_tokens
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ManagerState"]
+__all__ = ["ManagerState", "TrustedChain"]
+
+#: ``EventEmitter.stored_chain_trusted``: (group, parent hash, hashes, packed tokens).
+TrustedChain: TypeAlias = Callable[[int, "bytes | None", list[bytes], TokenIds], None]
 
 
 class ManagerState:
@@ -47,6 +50,8 @@ class ManagerState:
     _hasher: BlockHasher
     _tpb: int
     _recorder: EventRecorder
+    #: The recorder's stored_chain_trusted when it is an EventEmitter of our hash width.
+    _trusted_chain: TrustedChain | None
     _windows: list[int | None]
     _swa: list[int]
     _layers: list[tuple[int, int]]

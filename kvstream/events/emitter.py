@@ -480,7 +480,71 @@ class EventEmitter:
             return
         if width is not None:
             self._width = width
+        self._record_chain(g, parent_hash, hashes, token_ids, attrs)
+
+    def stored_chain_trusted(
+        self,
+        layer_group_id: int,
+        parent_hash: bytes | None,
+        block_hashes: list[bytes],
+        token_ids: TokenIds,
+    ) -> None:
+        """:meth:`stored_chain` with the default block attributes, for a caller that
+        vouches for its arguments: the cache manager, whose own hasher (of this emitter's
+        ``hash_algo``) made the hashes.
+
+        The caller's contract: ``block_hashes`` is a non-empty list of ``bytes`` of the
+        emitter's hash width (pinned: :meth:`accepts_trusted` is True) and ``parent_hash``
+        one too, or None. What is recorded is exactly what :meth:`stored_chain` records for
+        the same arguments (dedup, pending-removal flush, coalescing, ids, counters); only
+        the per-hash type and width checks are skipped (two passes over the hashes, as long
+        as the recording itself). The group and the token count are still checked
+        (EmitterError, nothing recorded)."""
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        n = len(block_hashes)
+        if len(token_ids._raw) != n * g.token_bytes or not n:
+            raise EmitterError(
+                f"token_ids: {len(token_ids)} tokens for {n} blocks of layer group {g.gid}'s "
+                f"tokens_per_block={g.tokens_per_block} (a chain holds full blocks only)"
+            )
+        self._record_chain(g, parent_hash, block_hashes, token_ids, None)
+
+    def accepts_trusted(self, hash_width: int) -> bool:
+        """True when :meth:`stored_chain_trusted` may be given hashes of ``hash_width``
+        bytes: the emitter's width is known (pinned) and equal to it."""
+        return self._width == hash_width
+
+    def _record_chain(
+        self,
+        g: _Group,
+        parent_hash: bytes | None,
+        hashes: list[bytes],
+        token_ids: TokenIds,
+        attrs: dict[str, Any] | None,
+    ) -> None:
+        # stored_chain's recording, its arguments valid (n >= 1, the width pinned).
+        n = len(hashes)
         announced = g.announced
+        if n == 1:  # a decode step's block: what stored() records, without set passes
+            h = hashes[0]
+            if h in announced:
+                self._dup_stores += 1
+                return
+            if g.pending:
+                self._flush_group_removals(g)
+            run = g.target
+            if run is None or parent_hash != g.last_hash:
+                run = self._open_run(g, parent_hash)
+            if attrs is not None:
+                run.attrs[len(run.hashes)] = attrs
+            run.hashes.append(h)
+            run.tokens.append(token_ids)
+            g.last_hash = h
+            announced.add(h)
+            self._blocks_stored += 1
+            return
         before = len(announced)
         if announced.isdisjoint(hashes):
             # The common case, all in C: every block new (none announced, none repeated).
