@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from index_support import Producer, tokens
 
 from kvstream.index import DomainKey, PrefixIndex, WorkerKey
-from kvstream.index import index as index_module
+from kvstream.index import match_plan as index_module
 from kvstream.index.matching import WorkerMatch
 from kvstream.index.record import Record
 
@@ -60,7 +60,6 @@ def test_c_results_equal_the_python_loop(seed: int, monkeypatch: pytest.MonkeyPa
         mp.setattr(index_module, "_fill", None)
         mp.setattr(index_module, "_zeros", None)
         idx._plans.clear()
-        idx._last_plan = None
         python = [
             idx.match(q, workers=w, tier_weights=(1.0, 0.25)) for w in shapes for q in queries
         ]

@@ -194,7 +194,6 @@ def test_zero_rows_of_many_request_lengths_equal_a_fresh_index() -> None:
         prompt = tokens(n, seed=n % 3)
         got = idx.match(prompt, workers=cands)
         idx._plans.clear()  # a plan built anew: no zero rows
-        idx._last_plan = None
         assert got == idx.match(prompt, workers=list(cands))
         assert got.matches[0].request_blocks == (n - 1) // 4
 

@@ -51,9 +51,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvstream._native import load as load_native
 from kvstream.errors import ConfigError, HashingError
 from kvstream.events.columns import (
     CLEARED,
@@ -78,13 +77,13 @@ from kvstream.index.keys import (
     request_mm,
     request_raw,
 )
+from kvstream.index.match_plan import MatchPlan, PlanCache, count_tokens
 from kvstream.index.matching import (
     HashRequest,
     MatchResult,
     RequestHasher,
     WorkerMatch,
     new_match_result,
-    new_worker_match,
 )
 from kvstream.index.stats import IndexStats, SourceStats
 from kvstream.index.table import GroupTable, native_table_type
@@ -92,16 +91,6 @@ from kvstream.index.token_table import TokenGroupTable, is_token_table, token_ta
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
-
-if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
-    from kvstream.index._match_native import fill as _fill
-
-    _zeros: Callable[[list[Any], dict[int, Any], Callable[..., Any], dict[Any, int]], None] | None
-else:
-    _match_native = load_native("kvstream.index._match_native")
-    _fill = getattr(_match_native, "fill", None)
-    _zeros = getattr(_match_native, "zeros", None)
-
 
 #: engine-keyed tables: the native type when built (chosen once, at import), else the twin
 _ENGINE_TABLE: Callable[[int], GroupTable] = native_table_type() or GroupTable
@@ -314,12 +303,9 @@ class PrefixIndex:
         #: bumped by every change of what match() plans from (workers, groups, domains,
         #: trust); plans of an older epoch are dropped
         self._epoch = 0
-        self._plans: dict[tuple[Any, ...], _Plan] = {}
-        self._plans_epoch = 0
+        self._plans = PlanCache()
         #: hash algorithm -> why requests cannot be hashed with it ("" when they can)
         self._unhashable: dict[str, str] = {}
-        #: (candidate tuple, layer group, algorithm, block size, plan) of the last match()
-        self._last_plan: tuple[Any, int, str | None, int | None, _Plan] | None = None
 
     # ------------------------------------------------------------------ ingest
 
@@ -922,45 +908,8 @@ class PrefixIndex:
             if block_hashes is None
             else (len(given),) * len(dkeys)
         )
-        if _zeros is not None:  # the candidates nobody holds get their results last, in C
-            out = plan.blank()
-        else:
-            row = plan.zeros.get(lens)
-            out = (plan.zero_row(lens) if row is None else row).copy()
-        w0 = weights[0]
-        rows = plan.slots
-        domains = self._domains
-        new = new_worker_match
-        for k, n in zip(dkeys, lens, strict=True):
-            chains = chains_of[k]
-            dom = domains[k]
-            allowed = by_domain[k]
-            tpb = k.tokens_per_block
-            algo = k.hash_algo
-            if len(chains) == 1:  # one chain: the common case, kept tight
-                hs = chains[0]
-                found = dom.slot_depths(hs, allowed)
-                if _fill is not None and type(found) is list:
-                    # the loop below in C, but for tables with lower tiers (left to it)
-                    found = _fill(out, found, rows, new, n, tpb, algo, w0)
-                ctx = (weights, w0, new, n, tpb, algo)
-                for slot, d in found:
-                    _place(out, rows[slot], hs, d, ctx)
-                continue
-            # one chain per LoRA scope (token mode): each worker's deepest
-            depth: dict[int, int] = {}
-            pick: dict[int, int] = {}
-            for i, chain in enumerate(chains):
-                for slot, d in dom.slot_depths(chain, allowed):
-                    if d > depth.get(slot, 0):
-                        depth[slot] = d
-                        pick[slot] = i
-            ctx = (weights, w0, new, n, tpb, algo)
-            for slot, d in depth.items():
-                _place(out, rows[slot], chains[pick[slot]], d, ctx)
-        if _zeros is not None:
-            _zeros(out, rows, new, dict(zip(dkeys, lens, strict=True)))
-        return new_match_result(tuple(out), _count_tokens(tokens))
+        out = plan.results(chains_of, lens, self._domains, weights)
+        return new_match_result(tuple(out), count_tokens(tokens))
 
     def _plan(
         self,
@@ -968,40 +917,17 @@ class PrefixIndex:
         workers: Sequence[WorkerKey | tuple[str, int | None]] | None,
         hash_algo: str | None,
         tokens_per_block: int | None,
-    ) -> _Plan:
+    ) -> MatchPlan:
         """What :meth:`match` needs of its candidates, cached until the index's workers,
         groups, domains or trust change (an epoch bump)."""
-        last = self._last_plan
-        if (
-            last is not None
-            and last[0] is workers
-            and last[1] == layer_group_id
-            and last[2] == hash_algo
-            and last[3] == tokens_per_block
-            and self._plans_epoch == self._epoch
-        ):
-            return last[4]
-        if self._plans_epoch != self._epoch:
-            self._plans.clear()
-            self._last_plan = None
-            self._plans_epoch = self._epoch
-        if workers is None:
-            cands = None
-            ck: tuple[Any, ...] = (layer_group_id, None, hash_algo, tokens_per_block)
-        else:
-            cands = [WorkerKey(w[0], w[1]) for w in workers]
-            ck = (layer_group_id, tuple(cands), hash_algo, tokens_per_block)
-        plan = self._plans.get(ck)
-        if plan is None:
-            plan = self._build_plan(layer_group_id, cands, hash_algo, tokens_per_block)
-            if len(self._plans) >= _PLANS_MAX:
-                self._plans.clear()
-            self._plans[ck] = plan
-        if type(workers) is tuple and all(type(w) is WorkerKey for w in workers):
-            # an immutable candidate list (a router's): the next call with this very tuple
-            # skips the key building above (the memo holds it, so its id is not reused)
-            self._last_plan = (workers, layer_group_id, hash_algo, tokens_per_block, plan)
-        return plan
+        return self._plans.get(
+            self._epoch,
+            workers,
+            lambda cands: self._build_plan(layer_group_id, cands, hash_algo, tokens_per_block),
+            layer_group_id=layer_group_id,
+            hash_algo=hash_algo,
+            tokens_per_block=tokens_per_block,
+        )
 
     def _build_plan(
         self,
@@ -1009,10 +935,10 @@ class PrefixIndex:
         cands: list[WorkerKey] | None,
         hash_algo: str | None,
         tokens_per_block: int | None,
-    ) -> _Plan:
+    ) -> MatchPlan:
         if cands is None:
             cands = [s.key for s in self._sources.values()]
-        plan = _Plan(len(cands))
+        plan = MatchPlan(len(cands))
         by_domain = plan.by_domain
         for pos, w in enumerate(cands):
             s = self._sources.get((w.instance_id, w.dp_rank))
@@ -1271,91 +1197,3 @@ class PrefixIndex:
 
 
 _DEFAULT_REQUEST = HashRequest()
-_PLANS_MAX = 64
-#: results a plan keeps in its zero rows (rows of every request length seen, up to this many
-#: results in all: a replay's requests have a few hundred lengths)
-_ZERO_CELLS = 8192
-
-
-class _Plan:
-    """The candidates of one :meth:`PrefixIndex.match` call shape (layer group, workers,
-    expected algorithm and block size) as of one index epoch: per matchable worker slot
-    ``(key, table, domain key, trusted, note, position, further positions)``, the candidates
-    that cannot match
-    (``fixed``: position and their result), and the slots to search per domain."""
-
-    __slots__ = ("_blank", "by_domain", "dkeys", "fixed", "size", "slots", "zeros")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.by_domain: dict[DomainKey, int] = {}
-        self.dkeys: list[DomainKey] = []
-        #: slot -> (key, table, domain, trusted, note, position, further positions)
-        self.slots: dict[
-            int, tuple[WorkerKey, GroupTable, DomainKey, bool, str, int, list[int]]
-        ] = {}
-        self.fixed: list[tuple[int, WorkerMatch]] = []
-        self._blank: list[WorkerMatch | None] | None = None
-        #: request lengths per domain (``by_domain`` order) -> every candidate's result when
-        #: it matches nothing (results are immutable: shared between calls)
-        self.zeros: dict[tuple[int, ...], list[WorkerMatch]] = {}
-
-    def blank(self) -> list[Any]:
-        """A new list of the results, with only the fixed ones in place (None elsewhere)."""
-        if self._blank is None:
-            self._blank = [None] * self.size
-            for i, m in self.fixed:
-                self._blank[i] = m
-        return self._blank.copy()
-
-    def zero_row(self, lens: tuple[int, ...]) -> list[WorkerMatch]:
-        """The results of a request with ``lens`` blocks per domain that nobody holds (the
-        Python path's; the C path builds only the results nobody matched, ``_zeros``)."""
-        out: list[WorkerMatch | None] = [None] * self.size
-        for i, m in self.fixed:
-            out[i] = m
-        n_of = dict(zip(self.dkeys, lens, strict=True))
-        for key, _, dk, trusted, note, pos, more in self.slots.values():
-            m = new_worker_match(
-                key, 0, 0.0, n_of[dk], dk.tokens_per_block, dk.hash_algo, trusted, note
-            )
-            out[pos] = m
-            for i in more:
-                out[i] = m
-        row: list[WorkerMatch] = out  # type: ignore[assignment]
-        if len(self.zeros) >= max(_PLANS_MAX, _ZERO_CELLS // max(self.size, 1)):
-            # the oldest row only: clearing them all would free thousands of results at once
-            del self.zeros[next(iter(self.zeros))]
-        self.zeros[lens] = row
-        return row
-
-
-#: what every worker of one domain's match shares: tier weights, the first weight, the
-#: WorkerMatch constructor, blocks in the request, tokens per block, hash algorithm
-_Ctx = tuple[tuple[float, ...], float, Callable[..., WorkerMatch], int, int, str]
-
-
-def _place(out: list[Any], row: tuple[Any, ...], hs: list[bytes], d: int, ctx: _Ctx) -> None:
-    # One worker's WorkerMatch at depth d, at its position and its duplicates' in ``out``.
-    key, table, _, trusted, note, pos, more = row
-    weights, w0, new, n, tpb, algo = ctx
-    m = new(
-        key,
-        d,
-        table.weighted(hs, d, weights) if table.lower else d * w0,
-        n,
-        tpb,
-        algo,
-        trusted,
-        note,
-    )
-    out[pos] = m
-    for i in more:
-        out[i] = m
-
-
-def _count_tokens(tokens: Any) -> int:
-    try:
-        return len(tokens)
-    except TypeError:
-        return 0
