@@ -49,8 +49,7 @@ it from one task or thread (the consumer's).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstream.errors import ConfigError, HashingError
@@ -86,15 +85,12 @@ from kvstream.index.matching import (
     new_match_result,
 )
 from kvstream.index.stats import IndexStats, SourceStats
-from kvstream.index.table import GroupTable, native_table_type
-from kvstream.index.token_table import TokenGroupTable, is_token_table, token_table_type
+from kvstream.index.table import GroupTable
+from kvstream.index.token_table import is_token_table
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
+from kvstream.index.worker_state import GroupInfo, GroupState, SourceState, WorkerInfo
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
-
-#: engine-keyed tables: the native type when built (chosen once, at import), else the twin
-_ENGINE_TABLE: Callable[[int], GroupTable] = native_table_type() or GroupTable
-_TOKEN_TABLE: Callable[[int, bool], TokenGroupTable] = token_table_type()
 
 
 class _TokenFeed:
@@ -172,101 +168,6 @@ def _publisher_spans(extra: Sequence[StoredExtra]) -> list[tuple[int, int] | Non
     return out
 
 
-class _Group:
-    """One layer group of one worker: advertised metadata and its block table."""
-
-    __slots__ = (
-        "attention_kind",
-        "capacity",
-        "domain",
-        "gid",
-        "hash_algo",
-        "limit",
-        "max_block_tokens",
-        "table",
-        "tokens_per_block",
-        "window_size",
-    )
-
-    def __init__(self, gid: int, bit: int, tokens: bool = False, dynamo: bool = False) -> None:
-        self.gid = gid
-        self.hash_algo: str | None = None
-        self.tokens_per_block: int | None = None
-        self.window_size: int | None = None
-        self.attention_kind: str | None = None
-        self.capacity: tuple[int, ...] = ()
-        #: blocks the group can hold (all tiers); more cached blocks mean missed removals
-        self.limit = 1 << 62
-        self.max_block_tokens = 0
-        self.table = _TOKEN_TABLE(bit, dynamo) if tokens else _ENGINE_TABLE(bit)
-        self.domain: HashDomain | None = None
-
-
-class _Source:
-    """Sequencing state and groups of one worker."""
-
-    __slots__ = (
-        "bit",
-        "groups",
-        "incarnation",
-        "key",
-        "next_id",
-        "pending_clear",
-        "slot",
-        "stale",
-        "stale_reason",
-        "stats",
-    )
-
-    def __init__(self, key: WorkerKey, slot: int) -> None:
-        self.key = key
-        self.slot = slot
-        self.bit = 1 << slot
-        self.incarnation: int | None = None
-        #: The id the next event must have; None: accept any (after an explicit resync).
-        self.next_id: int | None = 0
-        self.stale = False
-        self.stale_reason = ""
-        self.pending_clear: set[int] = set()
-        self.groups: dict[int, _Group] = {}
-        self.stats = SourceStats()
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """What a worker advertised for one layer group, and its block counts."""
-
-    layer_group_id: int
-    hash_algo: str | None
-    tokens_per_block: int | None
-    window_size: int | None
-    attention_kind: str | None
-    num_blocks_per_cache_level: tuple[int, ...]
-    max_block_tokens: int
-    blocks: int
-    ghost_blocks: int
-    rooted_blocks: int
-    domain: DomainKey | None
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """A read-only view of one worker's state in the index."""
-
-    worker: WorkerKey
-    incarnation: int | None
-    next_event_id: int | None
-    stale: bool
-    stale_reason: str
-    groups: tuple[GroupInfo, ...]
-    stats: SourceStats
-
-    @property
-    def trusted(self) -> bool:
-        """True unless stale."""
-        return not self.stale
-
-
 class PrefixIndex:
     """Every worker's cached blocks; see the module docstring for the rules.
 
@@ -296,7 +197,7 @@ class PrefixIndex:
         self._tokens = self.key_mode.token_keyed
         self._dynamo = self.key_mode is KeyMode.DYNAMO
         self.hasher = RequestHasher(hasher_params)
-        self._sources: dict[tuple[str, int | None], _Source] = {}
+        self._sources: dict[tuple[str, int | None], SourceState] = {}
         self._slots: list[WorkerKey] = []
         self._domains: dict[DomainKey, HashDomain] = {}
         self._trusted = 0
@@ -397,7 +298,7 @@ class PrefixIndex:
                 st.skipped_events += 1
             s.next_id = nxt
 
-    def _apply_plain(self, s: _Source, cols: ColumnBatch, st: SourceStats) -> bool:
+    def _apply_plain(self, s: SourceState, cols: ColumnBatch, st: SourceStats) -> bool:
         """Apply the batch an engine sends most: stores and removals in layer groups the
         worker has, each in the algorithm it has, ids following on, nothing that can rebind a
         group's block size, and (token-keyed) each store's token ids laid out in the columns.
@@ -418,7 +319,7 @@ class PrefixIndex:
         payloads = cols.payloads
         gids = cols.group_ids
         groups = s.groups
-        seen: dict[int, list[Any]] = {}  # layer group -> [its _Group, blocks stored into it]
+        seen: dict[int, list[Any]] = {}  # layer group -> [its GroupState, blocks stored into it]
         for code, gid, algo, data in zip(kinds, gids, cols.hash_algos, payloads, strict=True):
             entry = seen.get(gid)
             if entry is None:
@@ -479,23 +380,23 @@ class PrefixIndex:
             n += 1
         return n
 
-    def _add_source(self, key: WorkerKey) -> _Source:
+    def _add_source(self, key: WorkerKey) -> SourceState:
         self._epoch += 1
-        s = _Source(key, len(self._slots))
+        s = SourceState(key, len(self._slots))
         self._slots.append(key)
         self._sources[(key.instance_id, key.dp_rank)] = s
         self._trusted |= s.bit
         return s
 
-    def _add_group(self, s: _Source, gid: int) -> _Group:
+    def _add_group(self, s: SourceState, gid: int) -> GroupState:
         self._epoch += 1
-        g = _Group(gid, s.bit, self._tokens, self._dynamo)
+        g = GroupState(gid, s.bit, self._tokens, self._dynamo)
         s.groups[gid] = g
         if s.stale:
             s.pending_clear.add(gid)
         return g
 
-    def _new_incarnation(self, s: _Source, inc: int) -> None:
+    def _new_incarnation(self, s: SourceState, inc: int) -> None:
         if s.incarnation is not None:
             s.stats.incarnation_changes += 1
             self._purge(s, drop_groups=True)
@@ -505,7 +406,7 @@ class PrefixIndex:
         s.incarnation = inc
         s.next_id = 0
 
-    def _out_of_order(self, s: _Source, eid: int, gid: int, skipped: set[int] | None) -> bool:
+    def _out_of_order(self, s: SourceState, eid: int, gid: int, skipped: set[int] | None) -> bool:
         """Decide on an event (id ``eid``, layer group ``gid``) whose id is not the expected
         one: True to apply it."""
         nxt = s.next_id
@@ -528,7 +429,7 @@ class PrefixIndex:
         self._go_stale(s, f"{what}: expected event {nxt}, got {eid}", gid)
         return True
 
-    def _on_lost(self, s: _Source, eid: int, gid: int, lost: tuple[int, int, str]) -> None:
+    def _on_lost(self, s: SourceState, eid: int, gid: int, lost: tuple[int, int, str]) -> None:
         """A lost marker (id ``eid``, group ``gid``) for ``(first id, count, reason)``."""
         first_id, count, reason = lost
         st = s.stats
@@ -546,14 +447,14 @@ class PrefixIndex:
         s.next_id = last + 1
         self._go_stale(s, f"lost {count} events ({reason})", gid)
 
-    def _go_stale(self, s: _Source, reason: str, gid: int) -> None:
+    def _go_stale(self, s: SourceState, reason: str, gid: int) -> None:
         if not s.stale:
             s.stats.stale_transitions += 1
             self._set_trusted(s, False, reason)
         s.pending_clear.update(s.groups)
         s.pending_clear.add(gid)
 
-    def _set_trusted(self, s: _Source, trusted: bool, reason: str) -> None:
+    def _set_trusted(self, s: SourceState, trusted: bool, reason: str) -> None:
         self._epoch += 1
         s.stale = not trusted
         s.stale_reason = reason
@@ -563,7 +464,7 @@ class PrefixIndex:
         else:
             self._trusted &= ~s.bit
 
-    def _on_cleared(self, s: _Source, g: _Group) -> None:
+    def _on_cleared(self, s: SourceState, g: GroupState) -> None:
         s.stats.cleared_events += 1
         g.table.clear()
         self._bind(s, g)
@@ -574,7 +475,7 @@ class PrefixIndex:
                 self._set_trusted(s, True, "")
 
     def _on_created(
-        self, s: _Source, g: _Group, data: tuple[tuple[int, ...], int, str], window: int
+        self, s: SourceState, g: GroupState, data: tuple[tuple[int, ...], int, str], window: int
     ) -> None:
         s.stats.created_events += 1
         self._epoch += 1
@@ -591,7 +492,7 @@ class PrefixIndex:
             g.tokens_per_block = tpb
             self._bind(s, g)
 
-    def _check_block_size(self, s: _Source, g: _Group) -> None:
+    def _check_block_size(self, s: SourceState, g: GroupState) -> None:
         """A block longer than the group's block size (advertised, or the index's default)
         means its hashes were cut differently: the worker's state cannot be trusted."""
         tpb = g.tokens_per_block or self.default_tokens_per_block
@@ -617,7 +518,7 @@ class PrefixIndex:
             return "hash algorithm unknown"
         return self._unhashable.get(g.hash_algo) or "block size not advertised"
 
-    def _over_capacity(self, s: _Source, g: _Group) -> None:
+    def _over_capacity(self, s: SourceState, g: GroupState) -> None:
         s.stats.capacity_overflows += 1
         self._go_stale(
             s,
@@ -626,7 +527,7 @@ class PrefixIndex:
             g.gid,
         )
 
-    def _set_algo(self, s: _Source, g: _Group, algo: str) -> None:
+    def _set_algo(self, s: SourceState, g: GroupState, algo: str) -> None:
         self._epoch += 1
         if g.hash_algo is not None:
             s.stats.hash_algo_changes += 1
@@ -636,7 +537,7 @@ class PrefixIndex:
         g.hash_algo = algo
         self._bind(s, g)
 
-    def _domain_key(self, g: _Group) -> DomainKey | None:
+    def _domain_key(self, g: GroupState) -> DomainKey | None:
         # Engines that never send ``created`` (vLLM, SGLang) say their block size only through
         # their blocks: the largest stored block is a full one.
         tpb = g.tokens_per_block or self.default_tokens_per_block or g.max_block_tokens or None
@@ -661,7 +562,7 @@ class PrefixIndex:
             self._unhashable[algo] = why
         return not why
 
-    def _bind(self, s: _Source, g: _Group) -> None:
+    def _bind(self, s: SourceState, g: GroupState) -> None:
         """Attach the group's table to the domain its metadata names (or detach it)."""
         self._epoch += 1
         key = self._domain_key(g)
@@ -682,7 +583,7 @@ class PrefixIndex:
         dom.members |= s.bit
         g.table.attach(dom.masks)
 
-    def _purge(self, s: _Source, *, drop_groups: bool) -> None:
+    def _purge(self, s: SourceState, *, drop_groups: bool) -> None:
         self._epoch += 1
         s.stats.purges += 1
         for g in s.groups.values():
@@ -695,7 +596,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ control
 
-    def _source(self, worker: WorkerKey | tuple[str, int | None]) -> _Source:
+    def _source(self, worker: WorkerKey | tuple[str, int | None]) -> SourceState:
         s = self._sources.get((worker[0], worker[1]))
         if s is None:
             raise KeyError(f"unknown worker {worker!r}")
@@ -762,7 +663,7 @@ class PrefixIndex:
         )
 
     @staticmethod
-    def _group_info(g: _Group) -> GroupInfo:
+    def _group_info(g: GroupState) -> GroupInfo:
         t = g.table
         return GroupInfo(
             layer_group_id=g.gid,
@@ -1144,7 +1045,7 @@ class PrefixIndex:
             idx._slots.append(WorkerKey(inst, rank))
         for w in state["workers"]:
             key = WorkerKey(w["instance_id"], w["dp_rank"])
-            s = _Source(key, int(w["slot"]))
+            s = SourceState(key, int(w["slot"]))
             if idx._slots[s.slot] != key:
                 raise ValueError(f"slot {s.slot} does not belong to {key}")
             s.incarnation = w["incarnation"]
@@ -1157,7 +1058,7 @@ class PrefixIndex:
             if not s.stale:
                 idx._trusted |= s.bit
             for gd in w["groups"]:
-                g = _Group(int(gd["layer_group_id"]), s.bit, idx._tokens, idx._dynamo)
+                g = GroupState(int(gd["layer_group_id"]), s.bit, idx._tokens, idx._dynamo)
                 g.hash_algo = gd["hash_algo"]
                 g.tokens_per_block = gd["tokens_per_block"]
                 g.window_size = gd["window_size"]
