@@ -30,13 +30,16 @@ class BlockPool:
     Block metadata is created on first use, so a large pool costs nothing up front; every
     operation is O(1). Evictions go to ``recorder.removed`` (the recorder batches them) or,
     when given, to ``on_evict(layer_group_id, blocks, hashes)``, which moves them to a lower
-    tier before their ids are handed out again.
+    tier before their ids are handed out again. ``removed_trusted`` (the manager's own
+    emitter's ``removed_many_trusted``), when given, takes a batch of evictions instead of
+    ``recorder.removed_many``: the tree's hashes need no checks.
     """
 
     __slots__ = (
         "_created",
         "_on_evict",
         "_recorder",
+        "_removed_trusted",
         "_stack",
         "evictions",
         "layer_group_id",
@@ -53,9 +56,11 @@ class BlockPool:
         *,
         linked: bool,
         on_evict: EvictHandler | None = None,
+        removed_trusted: Callable[[int, list[bytes], int | None], None] | None = None,
     ) -> None:
         self.layer_group_id = layer_group_id
         self._on_evict = on_evict
+        self._removed_trusted = removed_trusted
         self.num_blocks = num_blocks
         self._recorder = recorder
         self.tree = PrefixTree(linked=linked)
@@ -137,6 +142,8 @@ class BlockPool:
             elif rec.enabled:
                 if evict == 1:  # the single-block call is cheaper
                     rec.removed(self.layer_group_id, hashes[0], cache_level=0)
+                elif self._removed_trusted is not None:
+                    self._removed_trusted(self.layer_group_id, hashes, 0)
                 else:
                     rec.removed_many(self.layer_group_id, hashes, cache_level=0)
         for b in out:

@@ -100,19 +100,27 @@ class KVCacheManager(KVIO):
             if config.events:
                 if source is None:
                     source = SourceId(instance_id="kvstream-cache", incarnation=clock.time_ns())
+                # dedup=False: the prefix tree (and the tiers) hold exactly what was announced,
+                # so the emitter need not keep a second set of it (tests/test_emitter_trusted_
+                # chain.py holds the batches equal to a deduplicating emitter's).
                 recorder = EventEmitter(
-                    source, hash_algo=self._hasher.name, capacity=config.event_capacity, clock=clock
+                    source,
+                    hash_algo=self._hasher.name,
+                    capacity=config.event_capacity,
+                    clock=clock,
+                    dedup=False,
                 )
             else:
                 recorder = NULL_RECORDER
         self._recorder: EventRecorder = recorder
-        # Chains of new blocks go to the emitter without its per-hash checks when it is our
-        # own EventEmitter (not a subclass) publishing hashes of our hasher's width.
+        # Chains of new blocks and batches of evictions go to the emitter without its
+        # per-hash checks when it is an EventEmitter (not a subclass) publishing hashes of our
+        # hasher's width.
+        trusted = type(recorder) is EventEmitter and recorder.accepts_trusted(self._hasher.width)
         self._trusted_chain: TrustedChain | None = (
-            recorder.stored_chain_trusted
-            if type(recorder) is EventEmitter and recorder.accepts_trusted(self._hasher.width)
-            else None
+            recorder.stored_chain_trusted if trusted else None  # type: ignore[attr-defined]
         )
+        removed_trusted = recorder.removed_many_trusted if trusted else None  # type: ignore[attr-defined]
         self._windows = [g.window_size for g in config.groups]
         self._swa = [i for i, w in enumerate(self._windows) if w is not None]
         self._layers: list[tuple[int, int]] = [
@@ -126,7 +134,14 @@ class KVCacheManager(KVIO):
         self._tiers: Tiers | None = build_tiers(config, recorder, self._storage)
         on_evict = None if self._tiers is None else self._tiers.evict
         self._pools = [
-            BlockPool(i, g.num_blocks, recorder, linked=g.window_size is None, on_evict=on_evict)
+            BlockPool(
+                i,
+                g.num_blocks,
+                recorder,
+                linked=g.window_size is None,
+                on_evict=on_evict,
+                removed_trusted=removed_trusted,
+            )
             for i, g in enumerate(config.groups)
         ]
         self._requests: dict[str, RequestState] = {}

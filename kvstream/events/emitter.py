@@ -194,6 +194,13 @@ class EventEmitter:
     ``clock`` stamps batches; ``announce_partial_blocks`` announces blocks shorter than the
     group's ``tokens_per_block`` instead of skipping them.
 
+    ``dedup=False`` is for a caller that already knows what it announced (the cache
+    manager's own emitter: its prefix tree holds exactly the announced blocks): the caller
+    guarantees that every stored block is not announced in its group and every removed or
+    updated block is, and the emitter keeps no set of announced blocks (the rule "Dedup"
+    is then the caller's; ``duplicate_stores_suppressed`` and the ``unknown_*`` counters stay
+    0). Everything else (coalescing, ids, capacity, argument checks) is unchanged.
+
     Not thread-safe: record and take from one thread.
     """
 
@@ -207,6 +214,7 @@ class EventEmitter:
         capacity: int = 8192,
         clock: Clock = SYSTEM_CLOCK,
         announce_partial_blocks: bool = False,
+        dedup: bool = True,
     ) -> None:
         if not isinstance(source, SourceId):
             raise ConfigError(f"source must be a SourceId, got {type(source).__name__}")
@@ -221,6 +229,7 @@ class EventEmitter:
         self._capacity = capacity
         self._clock = clock
         self._announce_partial = bool(announce_partial_blocks)
+        self._dedup = bool(dedup)
         self._groups: dict[int, _Group] = {}
         self._pending_groups: list[_Group] = []  # groups with pending removals, first-pending order
         self._buf: deque[_Rec] = deque()
@@ -395,10 +404,12 @@ class EventEmitter:
             if not self._announce_partial:
                 self._partial_skipped += 1
                 return
-        announced = g.announced
-        if block_hash in announced:
-            self._dup_stores += 1
-            return
+        if self._dedup:
+            announced = g.announced
+            if block_hash in announced:
+                self._dup_stores += 1
+                return
+            announced.add(block_hash)
         if g.pending:
             self._flush_group_removals(g)
         run = g.target
@@ -409,7 +420,6 @@ class EventEmitter:
         run.hashes.append(block_hash)
         run.tokens.append(token_ids)
         g.last_hash = block_hash
-        announced.add(block_hash)
         self._blocks_stored += 1
 
     def stored_chain(
@@ -526,45 +536,49 @@ class EventEmitter:
     ) -> None:
         # stored_chain's recording, its arguments valid (n >= 1, the width pinned).
         n = len(hashes)
+        if self._dedup:
+            announced = g.announced
+            if n == 1:
+                if hashes[0] in announced:
+                    self._dup_stores += 1
+                    return
+                announced.add(hashes[0])
+            elif not announced.isdisjoint(hashes):
+                self._record_each(g, parent_hash, hashes, token_ids, attrs)
+                return
+            else:  # the common case, all in C: every block new (none announced, none repeated)
+                before = len(announced)
+                announced.update(hashes)
+                if len(announced) - before != n:  # a hash repeats: undo, go one by one
+                    announced.difference_update(hashes)
+                    self._record_each(g, parent_hash, hashes, token_ids, attrs)
+                    return
+        if g.pending:
+            self._flush_group_removals(g)
+        run = g.target
+        if run is None or parent_hash != g.last_hash:
+            run = self._open_run(g, parent_hash)
+        if attrs is not None:
+            base = len(run.hashes)
+            run.attrs.update(zip(range(base, base + n), repeat(attrs)))
+        run.hashes += hashes
+        # (a decode step's one block as stored() records it; a chain packed, cut when built)
+        run.tokens.append(token_ids if n == 1 else (token_ids, n))
+        g.last_hash = hashes[-1]
+        self._blocks_stored += n
+
+    def _record_each(
+        self,
+        g: _Group,
+        parent_hash: bytes | None,
+        hashes: list[bytes],
+        token_ids: TokenIds,
+        attrs: dict[str, Any] | None,
+    ) -> None:
+        # _record_chain block by block (dedup on): some blocks are announced already (or
+        # repeated) and skipped.
+        n = len(hashes)
         announced = g.announced
-        if n == 1:  # a decode step's block: what stored() records, without set passes
-            h = hashes[0]
-            if h in announced:
-                self._dup_stores += 1
-                return
-            if g.pending:
-                self._flush_group_removals(g)
-            run = g.target
-            if run is None or parent_hash != g.last_hash:
-                run = self._open_run(g, parent_hash)
-            if attrs is not None:
-                run.attrs[len(run.hashes)] = attrs
-            run.hashes.append(h)
-            run.tokens.append(token_ids)
-            g.last_hash = h
-            announced.add(h)
-            self._blocks_stored += 1
-            return
-        before = len(announced)
-        if announced.isdisjoint(hashes):
-            # The common case, all in C: every block new (none announced, none repeated).
-            announced.update(hashes)
-            if n == 1 or len(announced) - before == n:
-                if g.pending:
-                    self._flush_group_removals(g)
-                run = g.target
-                if run is None or parent_hash != g.last_hash:
-                    run = self._open_run(g, parent_hash)
-                if attrs is not None:
-                    base = len(run.hashes)
-                    run.attrs.update(zip(range(base, base + n), repeat(attrs)))
-                run.hashes += hashes
-                run.tokens.append((token_ids, n))
-                g.last_hash = hashes[-1]
-                self._blocks_stored += n
-                return
-            announced.difference_update(hashes)  # a hash repeats: undo, go one by one
-        # One by one: some blocks are announced already (or repeated) and skipped.
         raw, tb = token_ids._raw, g.token_bytes
         flush_pending = bool(g.pending)
         run = g.target
@@ -606,13 +620,16 @@ class EventEmitter:
             type(cache_level) is not int or not 0 <= cache_level <= _I32_MAX
         ):
             cache_level = _as_int(cache_level, 0, _I32_MAX, "cache_level")
-        announced = g.announced
-        try:
-            announced.remove(block_hash)
-        except (KeyError, TypeError):  # TypeError: unhashable, so not a hash at all
-            self._check_hash(block_hash, "block_hash")
-            self._unknown_removals += 1
-            return
+        if not self._dedup:
+            if type(block_hash) is not bytes or len(block_hash) != self._width:
+                block_hash = self._check_hash(block_hash, "block_hash")
+        else:
+            try:
+                g.announced.remove(block_hash)
+            except (KeyError, TypeError):  # TypeError: unhashable, so not a hash at all
+                self._check_hash(block_hash, "block_hash")
+                self._unknown_removals += 1
+                return
         pending = g.pending
         if not pending:
             self._pending_groups.append(g)
@@ -638,6 +655,16 @@ class EventEmitter:
             cache_level = _as_int(cache_level, 0, _I32_MAX, "cache_level")
         hashes = block_hashes if type(block_hashes) is list else _hash_list(block_hashes)
         if not hashes:
+            return
+        if not self._dedup:
+            width = self._width
+            if (
+                width is None
+                or set(map(type, hashes)) != _BYTES
+                or set(map(len, hashes)) != {width}
+            ):
+                hashes, self._width = self._hashes_of(hashes, "block_hashes", width)
+            self._pend_removals(g, hashes, cache_level)
             return
         announced = g.announced
         if len(hashes) == 1:  # one eviction: as removed() does it
@@ -669,6 +696,26 @@ class EventEmitter:
             if not known:
                 return
             hashes = known
+        self._pend_removals(g, hashes, cache_level)
+
+    def removed_many_trusted(
+        self, layer_group_id: int, block_hashes: list[bytes], cache_level: int | None
+    ) -> None:
+        """:meth:`removed_many` for a caller that vouches for its arguments (the cache
+        manager's block pool: its prefix tree gave the hashes): a non-empty list of ``bytes``
+        of the emitter's pinned width, and ``cache_level`` None or an int in range. Records
+        exactly what :meth:`removed_many` records; without dedup (``dedup=False``) it skips
+        the per-hash checks, else it is :meth:`removed_many`."""
+        if self._dedup:
+            self.removed_many(layer_group_id, block_hashes, cache_level=cache_level)
+            return
+        g = self._groups.get(layer_group_id)
+        if g is None:
+            raise self._unknown_group(layer_group_id)
+        self._pend_removals(g, block_hashes, cache_level)
+
+    def _pend_removals(self, g: _Group, hashes: list[bytes], cache_level: int | None) -> None:
+        # Hold valid, announced hashes back as g's pending removals (coalesced, see module doc).
         pending = g.pending
         if not pending:
             self._pending_groups.append(g)
@@ -697,7 +744,10 @@ class EventEmitter:
         prio_diff = _diff(priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
         if level_diff is None and prio_diff is None:
             raise EmitterError("updated needs a cache_level or a priority change")
-        if not self._is_announced(g.announced, block_hash):
+        if not self._dedup:
+            if type(block_hash) is not bytes or len(block_hash) != self._width:
+                block_hash = self._check_hash(block_hash, "block_hash")
+        elif not self._is_announced(g.announced, block_hash):
             self._check_hash(block_hash, "block_hash")
             self._unknown_updates += 1
             return
