@@ -519,6 +519,17 @@ class EventEmitter:
                 f"token_ids: {len(token_ids)} tokens for {n} blocks of layer group {g.gid}'s "
                 f"tokens_per_block={g.tokens_per_block} (a chain holds full blocks only)"
             )
+        if n == 1 and not self._dedup and not g.pending:
+            # A decode step's block (the manager's commonest call): _record_chain inlined.
+            h = block_hashes[0]
+            run = g.target
+            if run is None or parent_hash != g.last_hash:
+                run = self._open_run(g, parent_hash)
+            run.hashes.append(h)
+            run.tokens.append(token_ids)
+            g.last_hash = h
+            self._blocks_stored += 1
+            return
         self._record_chain(g, parent_hash, block_hashes, token_ids, None)
 
     def accepts_trusted(self, hash_width: int) -> bool:
