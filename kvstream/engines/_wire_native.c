@@ -386,7 +386,16 @@ error:
  * ``locality: "REMOTE"``; ``unbounded`` the window of a group that named none. Returns
  * ``(ts, rank, event_ids, kinds, group_ids, window_sizes, payloads, stored_extra, tokens,
  * next_id, token_layout)`` with the same values and shapes _fast_columns gives them, and each
- * stored event's (first token's index in tokens, block sizes): every one is plain. */
+ * stored event's (first token's index in tokens, block sizes): every one is plain.
+ *
+ * ``into`` (optional): ``[ids, kinds, groups, windows, payloads, extra, layout, tokens]``, 7
+ * lists and a bytearray holding earlier payloads' columns of the same stream: this payload's
+ * columns are appended to them (token indexes in the layout counting from the bytearray's
+ * start) and ``(ts, rank, next_id)`` returned. On None or an error, the lists, the bytearray
+ * and ``windows`` are as they were before the call: one burst of payloads becomes one batch,
+ * and a payload outside the subset ends it. ``rank`` (optional, after ``into``): the payload
+ * must name that ``data_parallel_rank`` (None: none), else None as for a payload outside
+ * the subset. */
 
 enum { K_STORED = 1, K_REMOVED = 2, K_CLEARED = 4 };
 
@@ -902,13 +911,42 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long run_group = -1;
     Columns c = {0};
     char *tok = NULL;
-    Py_ssize_t tok_len = 0, tok_cap = 0;
+    Py_ssize_t tok_len = 0, tok_cap = 0, tok_base = 0, i0;
+    /* with ``into``: the lists appended to, their lengths before, the windows before */
+    PyObject *into_lists[7] = {NULL}, *tok_out = NULL, *known0 = NULL;
+    Py_ssize_t into_len[7] = {0}, tok_out_len = 0;
     int ok = 0;
 
-    if (nargs != 6 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
+    if (nargs < 6 || nargs > 8 || !PyDict_Check(args[2]) || !PyDict_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "batch_columns(payload, next_id, windows: dict, "
-                                         "levels: dict, external, unbounded)");
+                                         "levels: dict, external, unbounded[, into[, rank]])");
         return NULL;
+    }
+    if (nargs >= 7 && args[6] != Py_None) {
+        PyObject *into = args[6];
+
+        if (!PyList_CheckExact(into) || PyList_GET_SIZE(into) != 8
+            || !PyByteArray_CheckExact(PyList_GET_ITEM(into, 7))) {
+            PyErr_SetString(PyExc_TypeError, "batch_columns: into must be a list of 7 lists "
+                                             "and a bytearray");
+            return NULL;
+        }
+        for (i0 = 0; i0 < 7; i0++) {
+            if (!PyList_CheckExact(PyList_GET_ITEM(into, i0))) {
+                PyErr_SetString(PyExc_TypeError, "batch_columns: into must be a list of 7 "
+                                                 "lists and a bytearray");
+                return NULL;
+            }
+            into_lists[i0] = PyList_GET_ITEM(into, i0);
+            into_len[i0] = PyList_GET_SIZE(into_lists[i0]);
+        }
+        tok_out = PyList_GET_ITEM(into, 7);
+        tok_out_len = PyByteArray_GET_SIZE(tok_out);
+        if (tok_out_len % 4 != 0) {
+            PyErr_SetString(PyExc_ValueError, "batch_columns: into's tokens are not uint32s");
+            return NULL;
+        }
+        tok_base = tok_out_len / 4;
     }
     c.next_id = PyLong_AsLongLong(args[1]);
     if (c.next_id == -1 && PyErr_Occurred())
@@ -917,8 +955,12 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     levels = args[3];
     external = args[4];
     c.unbounded = args[5];
-    if (open_buffer(args[0], &view, &r) < 0)
+    if (tok_out != NULL && (known0 = PyDict_Copy(c.known)) == NULL)
         return NULL;
+    if (open_buffer(args[0], &view, &r) < 0) {
+        Py_XDECREF(known0);
+        return NULL;
+    }
     n_top = array_header(&r);
     if (n_top != 2 && n_top != 3)
         goto done;
@@ -941,9 +983,18 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     n_events = array_header(&r);
     if (n_events < 0 || n_events > r.end - r.p)
         goto done;
-    if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0)) || !(c.groups = PyList_New(0))
-        || !(c.windows = PyList_New(0)) || !(c.payloads = PyList_New(0))
-        || !(c.extra = PyList_New(0)) || !(c.layout = PyList_New(0)))
+    if (tok_out != NULL) {
+        c.ids = Py_NewRef(into_lists[0]);
+        c.kinds = Py_NewRef(into_lists[1]);
+        c.groups = Py_NewRef(into_lists[2]);
+        c.windows = Py_NewRef(into_lists[3]);
+        c.payloads = Py_NewRef(into_lists[4]);
+        c.extra = Py_NewRef(into_lists[5]);
+        c.layout = Py_NewRef(into_lists[6]);
+    } else if (!(c.ids = PyList_New(0)) || !(c.kinds = PyList_New(0))
+               || !(c.groups = PyList_New(0)) || !(c.windows = PyList_New(0))
+               || !(c.payloads = PyList_New(0)) || !(c.extra = PyList_New(0))
+               || !(c.layout = PyList_New(0)))
         goto error;
     for (e = 0; e < n_events; e++) {
         EventFields ev;
@@ -1185,7 +1236,7 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (append_new(c.extra, PyTuple_Pack(2, sizes, Py_None)) < 0)
                 goto stored_error;
             {
-                PyObject *at = PyLong_FromSsize_t(tok_len / 4 - n_tok);
+                PyObject *at = PyLong_FromSsize_t(tok_base + tok_len / 4 - n_tok);
 
                 if (at == NULL || append_new(c.layout, PyTuple_Pack(2, at, sizes)) < 0) {
                     Py_XDECREF(at);
@@ -1216,8 +1267,25 @@ batch_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (r.p != r.end)
         goto done;
+    if (nargs == 8) { /* the rank the caller's burst names: another one ends it */
+        int same = PyObject_RichCompareBool(rank, args[7], Py_EQ);
+
+        if (same < 0)
+            goto error;
+        if (!same)
+            goto done;
+    }
     if (flush_run(&c, &run, run_group, run_level) < 0)
         goto error;
+    if (tok_out != NULL) {
+        if (PyByteArray_Resize(tok_out, tok_out_len + tok_len) < 0)
+            goto error;
+        if (tok_len)
+            memcpy(PyByteArray_AS_STRING(tok_out) + tok_out_len, tok, tok_len);
+        result = Py_BuildValue("(dOL)", ts, rank, c.next_id);
+        ok = result != NULL;
+        goto cleanup;
+    }
     tokens = PyBytes_FromStringAndSize(tok, tok_len);
     if (tokens == NULL)
         goto error;
@@ -1233,6 +1301,25 @@ error:
     result = NULL;
 cleanup:
     (void)ok;
+    if (tok_out != NULL && (result == NULL || result == Py_None)) {
+        /* nothing of this payload stays in ``into`` nor in the windows */
+        PyObject *exc_type, *exc_value, *exc_tb;
+
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        for (i0 = 0; i0 < 7; i0++)
+            if (PyList_GET_SIZE(into_lists[i0]) > into_len[i0]
+                && PyList_SetSlice(into_lists[i0], into_len[i0],
+                                   PyList_GET_SIZE(into_lists[i0]), NULL) < 0)
+                PyErr_Clear();
+        if (PyByteArray_GET_SIZE(tok_out) != tok_out_len
+            && PyByteArray_Resize(tok_out, tok_out_len) < 0)
+            PyErr_Clear();
+        PyDict_Clear(c.known);
+        if (PyDict_Update(c.known, known0) < 0)
+            PyErr_Clear();
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    Py_XDECREF(known0);
     PyBuffer_Release(&view);
     PyMem_Free(tok);
     Py_XDECREF(run);
@@ -1252,8 +1339,8 @@ static PyMethodDef methods[] = {
      "removed_run(events, start, removed_type, levels): a run of removal events of one group "
      "and level as (end, hashes, group, level), or None."},
     {"batch_columns", (PyCFunction)(void (*)(void))batch_columns, METH_FASTCALL,
-     "batch_columns(payload, next_id, windows, levels, external, unbounded): a batch's "
-     "columns, or None outside the fast subset."},
+     "batch_columns(payload, next_id, windows, levels, external, unbounded[, into[, rank]]): a "
+     "batch's columns (appended to into's), or None outside the fast subset."},
     {"peek_rank", (PyCFunction)peek_rank, METH_O,
      "peek_rank(payload): a batch's data_parallel_rank (None when it has none)."},
     {"u32_array", (PyCFunction)u32_array, METH_O,

@@ -32,8 +32,11 @@ def batch_columns(
     levels: dict[str, int],
     external: int,
     unbounded: int,
+    into: list[Any] | None = None,
+    rank: int | None = ...,
 ) -> (
-    tuple[
+    tuple[float, int | None, int]
+    | tuple[
         float,
         int | None,
         list[int],
@@ -49,4 +52,8 @@ def batch_columns(
     | None
 ):
     """One payload's columns as ``EngineStream._fast_columns`` builds them (``windows``
-    updated in place), or None for a payload outside the one-call subset."""
+    updated in place), or None for a payload outside the one-call subset. With ``into``
+    (``[ids, kinds, groups, windows, payloads, extra, layout]`` lists and a ``bytearray`` of
+    tokens): the columns are appended to those and ``(ts, rank, next_id)`` returned; on None
+    or an error they and ``windows`` are left as they were. ``rank``: the payload must
+    name that ``data_parallel_rank`` (None: none), else None."""

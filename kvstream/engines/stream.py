@@ -69,7 +69,7 @@ from kvstream.events.model import (
 )
 from kvstream.events.trusted import trusted_builder, trusted_stored_blocks
 
-__all__ = ["EngineStream", "batch_rank", "decode_typed"]
+__all__ = ["ColumnBurst", "EngineStream", "batch_rank", "decode_typed"]
 
 _trusted_event = trusted_builder(KVCacheEvent)
 _trusted_stored = trusted_builder(Stored)
@@ -330,6 +330,17 @@ class EngineStream:
         return self.convert_columns(
             decode_payload(payload, width=self.width, dialect=dialect, split_tokens=False)
         )
+
+    def burst(self, *rank: int | None) -> ColumnBurst | None:
+        """An accumulator of this stream's next engine payloads into one column batch
+        (:class:`ColumnBurst`); None when the one-call C reader is not there or the stream's
+        hashes are not 8 bytes (then read each with :meth:`payload_columns`). ``rank``
+        (optional): the burst takes only payloads that name that ``data_parallel_rank``
+        (None: none)."""
+        native = _vllm.native_readers()
+        if self.width != 8 or native is None:
+            return None
+        return ColumnBurst(self, native.batch_columns, *rank)
 
     def _native_columns(self, payload: bytes, native: Any) -> ColumnBatch | None:
         # What _fast_columns gives, read from the bytes in one C call for the payloads every
@@ -693,6 +704,76 @@ class EngineStream:
                 "data": _trusted_stored(stored),
             }
         )
+
+
+class ColumnBurst:
+    """Consecutive engine payloads of one :class:`EngineStream` read into one column batch,
+    for a reader that drained several at once (:meth:`EngineStream.burst`).
+
+    :meth:`add` takes a payload when the one-call C reader takes it (exactly the events
+    :meth:`EngineStream.payload_columns` gives it, the event ids following on from one payload
+    to the next) and refuses it otherwise, leaving the burst as it was (read that payload
+    with ``payload_columns`` after :meth:`finish`). :meth:`finish` returns the batch and
+    commits the stream's state (next event id, layer-group windows); nothing of the stream
+    changes before it. Applying the batch gives the index the state the payloads one by one
+    give it (one batch in the index's ``batches`` counter instead of :attr:`count`).
+    """
+
+    __slots__ = ("_call", "_into", "_known", "_next_id", "_rank", "_stream", "_ts", "count")
+
+    def __init__(self, stream: EngineStream, call: Callable[..., Any], *rank: int | None) -> None:
+        """``call``: the C reader (``_wire_native.batch_columns``); ``rank``: see
+        :meth:`EngineStream.burst`."""
+        self._stream = stream
+        self._call = call
+        self._rank = rank  # () or (the rank every payload must name,)
+        self._known = dict(stream._windows)
+        self._next_id = stream._next_id
+        #: ids, kinds, groups, windows, payloads, extra, layout, then the tokens
+        self._into: list[Any] = [[], [], [], [], [], [], [], bytearray()]
+        self._ts = 0.0
+        #: payloads taken
+        self.count = 0
+
+    def add(self, payload: bytes) -> bool:
+        """Take ``payload`` (True), or refuse it with nothing changed (False)."""
+        got = self._call(
+            payload,
+            self._next_id,
+            self._known,
+            MEDIUM_LEVELS,
+            _EXTERNAL,
+            UNBOUNDED_WINDOW,
+            self._into,
+            *self._rank,
+        )
+        if got is None:
+            return False
+        if not self.count:
+            self._ts = got[0]
+        self._next_id = got[2]
+        self.count += 1
+        return True
+
+    def finish(self) -> ColumnBatch:
+        """The batch of the payloads taken (at least one), the stream's state committed."""
+        if not self.count:
+            raise ValueError("ColumnBurst.finish: no payload taken")
+        ids, kinds, groups, windows, payloads, extra, layout, tokens = self._into
+        stream = self._stream
+        cols = stream._new_columns(
+            self._ts,
+            ids=ids,
+            kinds=kinds,
+            groups=groups,
+            windows=windows,
+            payloads=payloads,
+            extra=extra,
+            tokens=bytes(tokens),
+            layout=layout,
+        )
+        stream._took(self._next_id, self._known, len(ids))
+        return cols
 
 
 def _split(wire: WireBatch) -> WireBatch:

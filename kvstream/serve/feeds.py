@@ -135,13 +135,13 @@ class Feed:
                 continue
             # what else is ready now is applied in the same turn (no await per batch), up
             # to _READY_BATCHES, then the loop's other tasks get theirs
-            ready = 0
+            ready = 0  # the source's batches (an engine source reads a burst into one item)
             while item is not None:
                 data = item.data
                 apply(data, item.skipped_ids)
                 ids = getattr(data, "event_ids", None)  # columns; a model batch has events
                 self.events += len(ids) if ids is not None else len(getattr(data, "events", ()))
-                ready += 1
+                ready += item.count
                 item = source.read_ready() if ready < _READY_BATCHES else None
             self.batches += ready
             self.last_batch_at = time.monotonic()

@@ -55,9 +55,16 @@ class SourceItem:
     validated event model, built on first access.
     """
 
-    __slots__ = ("_batch", "columns", "skipped_ids")
+    __slots__ = ("_batch", "columns", "count", "skipped_ids")
 
-    def __init__(self, batch: EventBatch | ColumnBatch, skipped_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        batch: EventBatch | ColumnBatch,
+        skipped_ids: tuple[int, ...] = (),
+        count: int = 1,
+    ) -> None:
+        """``count``: how many of the source's own batches this one holds (an engine source
+        reads a drained burst of engine batches into one)."""
         self.columns: ColumnBatch | None
         self._batch: EventBatch | None
         if isinstance(batch, ColumnBatch):
@@ -65,6 +72,7 @@ class SourceItem:
         else:
             self.columns, self._batch = None, batch
         self.skipped_ids = tuple(skipped_ids)
+        self.count = count
 
     @property
     def batch(self) -> EventBatch:

@@ -24,13 +24,16 @@ from typing import Any
 
 from kvstream.engines.endpoint import EngineEndpoint, parse_engine_url
 from kvstream.engines.stream import EngineStream, batch_rank
-from kvstream.engines.vllm import decode_payload
+from kvstream.engines.vllm import decode_payload, native_readers
 from kvstream.engines.zmq_sub import BadFrame, EngineSubscriber, Frame, Gap, Restart
 from kvstream.errors import ConfigError, InteropError
 from kvstream.index.errors import SourceError
 from kvstream.index.sources.base import EventSource, SourceItem
 
 __all__ = ["EngineSource"]
+
+#: engine batches read into one column batch at most (a drained burst; see _burst)
+_BURST_FRAMES = 32
 
 
 class EngineSource(EventSource):
@@ -63,6 +66,8 @@ class EngineSource(EventSource):
         for rank in self._rank_of.values():
             self._stream(rank)
         self._last_seq: dict[int, int] = {}
+        #: an item read ahead by a burst that did not belong to it: the next one delivered
+        self._held: Frame | Gap | Restart | BadFrame | None = None
         start_seqs = None
         if resume_from:
             start_seqs = self._parse_checkpoint(resume_from)
@@ -117,6 +122,9 @@ class EngineSource(EventSource):
     async def read(self, timeout_s: float | None = None) -> SourceItem | None:
         if self.subscriber._ctx is None:
             await self.start()
+        out = self.read_ready()
+        if out is not None:
+            return out
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -128,16 +136,20 @@ class EngineSource(EventSource):
                 return out
 
     def read_ready(self) -> SourceItem | None:
-        while (item := self.subscriber.next_ready()) is not None:
+        while True:
+            item = self._held
+            if item is not None:
+                self._held = None
+            elif (item := self.subscriber.next_ready()) is None:
+                return None
             out = self._take(item)
             if out is not None:
                 return out
-        return None
 
     def _take(self, item: Frame | Gap | Restart | BadFrame) -> SourceItem | None:
         out = self._handle(item)
         if out is not None:
-            self.stats.batches += 1
+            self.stats.batches += out.count
         return out
 
     def _stream(self, rank: int) -> EngineStream:
@@ -155,6 +167,9 @@ class EngineSource(EventSource):
             dialect = self.endpoint.dialect
             try:
                 if self.columns:  # one pass, payload to columns
+                    burst = self._burst(item, stream)
+                    if burst is not None:
+                        return burst
                     return SourceItem(self._columns(item, stream, dialect))
                 wire = decode_payload(
                     item.payload,
@@ -181,6 +196,41 @@ class EngineSource(EventSource):
             return None
         self._malformed(f"rank {item.rank}", item.reason)
         return None
+
+    def _burst(self, item: Frame, stream: EngineStream) -> SourceItem | None:
+        """``item`` and the frames of its socket ready behind it (naming the same rank as it
+        when ``rank_from_events``) as one column batch
+        (:class:`~kvstream.engines.stream.ColumnBurst`: what they give one by one, in one
+        batch), up to the first frame the one-call reader does not take or anything else (a
+        gap, a restart), which the next read delivers. None, with nothing read or changed,
+        when the reader does not take ``item`` itself: the one-frame path then reads (or
+        refuses) it."""
+        if native_readers() is None:  # no one-call reader: nothing to gather
+            return None
+        if self.rank_from_events:
+            try:
+                rank = batch_rank(item.payload)[0]
+            except ValueError:
+                return None
+            target = self._rank_stream(rank, stream)
+            burst = target.burst(rank)  # the frames behind must name the same rank
+        else:
+            target = stream
+            burst = target.burst()
+        if burst is None or not burst.add(item.payload):
+            return None
+        last = item.seq
+        ready = self.subscriber.next_ready
+        while burst.count < _BURST_FRAMES:
+            nxt = ready()
+            if nxt is None:
+                break
+            if not (isinstance(nxt, Frame) and nxt.rank == item.rank and burst.add(nxt.payload)):
+                self._held = nxt
+                break
+            last = nxt.seq
+        self._last_seq[item.rank] = last
+        return SourceItem(self._took(item.rank, target, burst.finish()), count=burst.count)
 
     def _columns(self, item: Frame, stream: EngineStream, dialect: Any) -> Any:
         """One frame's columns, from the stream of the rank the batch names when
