@@ -19,6 +19,10 @@ step on a manager with the null recorder (events off, nothing handed over). Two 
 same rounds: the memory sink as it is (it takes columns: the pipeline turns each deferred
 batch into columns, no model built, as for Kafka), and one that needs models (``on,
 models``: the pipeline materialises every batch there, what every sink got before columns).
+``on, checked``: the columns sink with an ``EventEmitter`` subclass as the recorder, which
+the manager records into through the public, checked calls and which keeps its own set of
+announced blocks (what the manager's own emitter did before its trusted paths and
+``dedup=False``).
 Two steps: *prefill* (admit one 8k-token prompt: hash, match, allocate, commit its blocks;
 then free it, so later prompts evict) and *decode* (append one token to each of 64 running
 requests; a block fills every 16 steps). Fresh prompts every round, the six runs interleaved
@@ -303,24 +307,34 @@ STEP_TPB = 16
 STEP_PROMPT = 8192
 
 
-def _step_manager(events: bool) -> KVCacheManager:
+class PublicPathEmitter(EventEmitter):
+    """An EventEmitter the manager does not trust (a subclass): it records through the
+    public, checked calls and keeps its own set of announced blocks (dedup), as the manager's
+    emitter did before its trusted paths (``on, checked``)."""
+
+
+def _step_manager(events: bool, checked: bool = False) -> KVCacheManager:
     cfg = CacheConfig(
         tokens_per_block=STEP_TPB,
         groups=[LayerGroupSpec(num_layers=32, num_kv_heads=8, head_dim=128, num_blocks=8192)],
         hash_algo="vllm_sha256_cbor_64",
         metadata_only=True,
     )
+    if checked:
+        source = SourceId(instance_id="bench-step")
+        rec = PublicPathEmitter(source, hash_algo=cfg.hash_algo, capacity=cfg.event_capacity)
+        return KVCacheManager(cfg, recorder=rec)
     if events:
         return KVCacheManager(cfg, source=SourceId(instance_id="bench-step"))
     return KVCacheManager(cfg, recorder=NULL_RECORDER)
 
 
 def prefill_steps(
-    events: bool, prompts: list[list[int]], pipe: PipelineThread
+    events: bool, prompts: list[list[int]], pipe: PipelineThread, checked: bool = False
 ) -> tuple[float, float]:
     """(wall, engine-thread CPU) seconds per prefill step (admit one prompt, hand the
     events over, free it)."""
-    mgr = _step_manager(events)
+    mgr = _step_manager(events, checked)
     submit = pipe.pipe.submit
     c0, t0 = time.thread_time(), time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -337,11 +351,15 @@ def prefill_steps(
 
 
 def decode_steps(
-    events: bool, prompts: list[list[int]], steps: int, pipe: PipelineThread
+    events: bool,
+    prompts: list[list[int]],
+    steps: int,
+    pipe: PipelineThread,
+    checked: bool = False,
 ) -> tuple[float, float]:
     """(wall, engine-thread CPU) seconds per decode step (one token appended to each
     running request)."""
-    mgr = _step_manager(events)
+    mgr = _step_manager(events, checked)
     for i, prompt in enumerate(prompts):
         mgr.add_request(f"d{i}", prompt)
     if events:
@@ -368,7 +386,8 @@ def step_costs(rounds: int, prefills: int, running: int, decodes: int) -> None:
     pipes = {"columns": PipelineThread(), "models": PipelineThread(models=True)}
     results: dict[str, list[tuple[float, float]]] = {}
     try:
-        runs = [f"{k} {v}" for k in ("prefill", "decode") for v in ("off", "on", "on, models")]
+        variants = ("off", "on", "on, models", "on, checked")
+        runs = [f"{k} {v}" for k in ("prefill", "decode") for v in variants]
         for r in range(rounds):
             rng = np.random.default_rng(1000 + r)
             system = rng.integers(0, 128_000, 2048).tolist()
@@ -380,11 +399,12 @@ def step_costs(rounds: int, prefills: int, running: int, decodes: int) -> None:
             k = r % len(runs)
             for name in runs[k:] + runs[:k]:
                 on = "on" in name
+                checked = name.endswith("checked")
                 p = pipes["models" if name.endswith("models") else "columns"]
                 if name.startswith("prefill"):
-                    got = prefill_steps(on, prompts, p)
+                    got = prefill_steps(on, prompts, p, checked)
                 else:
-                    got = decode_steps(on, dprompts, decodes, p)
+                    got = decode_steps(on, dprompts, decodes, p, checked)
                 results.setdefault(name, []).append(got)
         delivered = {k: p.sink.batches_in for k, p in pipes.items()}
     finally:
@@ -403,12 +423,12 @@ def step_costs(rounds: int, prefills: int, running: int, decodes: int) -> None:
         print(f"  {kind} ({what})")
         for col, label in ((0, "wall, engine thread"), (1, "CPU of the engine thread")):
             off = [x[col] for x in results[f"{kind} off"]]
-            for variant in ("on", "on, models"):
+            for variant in ("on", "on, models", "on, checked"):
                 on = [x[col] for x in results[f"{kind} {variant}"]]
                 ratios = [a / b for a, b in zip(on, off, strict=True)]
                 print(
                     f"    {label:<26} off {statistics.median(off) * 1e6:8.1f} us, "
-                    f"{variant:<10} {statistics.median(on) * 1e6:8.1f} us, on/off "
+                    f"{variant:<11} {statistics.median(on) * 1e6:8.1f} us, on/off "
                     f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}; "
                     f"goal <= 1.05x)"
                 )
