@@ -593,6 +593,33 @@ dict_item(PyObject *d, PyObject *key)
     return v;
 }
 
+/* The rows' lists and tuples hold only bytes, ints and None (and the rows' own lists of
+ * them): they cannot be part of a reference cycle, so the cyclic GC is told not to track
+ * them (the public PyObject_GC_UnTrack). A deferred batch's columns would otherwise add ~4
+ * tracked containers per event, and at a fleet's rates those trigger full GC passes over
+ * the whole process while they wait to be encoded. Columns are read-only for their readers
+ * (ColumnBatch's contract); a reader that stored a cycle in one would leak it, not crash. */
+static void
+untrack(PyObject *o)
+{
+    if (PyObject_GC_IsTracked(o))
+        PyObject_GC_UnTrack(o);
+}
+
+/* untrack(o), a list or tuple, when every item is untracked (atoms, untracked lists). */
+static void
+untrack_if_atoms(PyObject *o)
+{
+    Py_ssize_t n = seq_len(o);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = seq_item(o, i);
+        if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x))
+            return;
+    }
+    if (n >= 0)
+        untrack(o);
+}
+
 /* Whether the str s equals the interned `want` (exact str only). */
 static int
 is_str(PyObject *s, PyObject *want)
@@ -698,6 +725,10 @@ deferred_stored(PyObject *data, PyObject *run, PyObject *raws, PyObject **payloa
         r = -1;
         goto out;
     }
+    untrack(sizes); /* ints only */
+    untrack_if_atoms(hash_list);
+    untrack_if_atoms(*payload);
+    untrack_if_atoms(*extra);
     r = 1;
 out:
     if (r != 1 && PyList_GET_SIZE(raws) > raws0 &&
@@ -764,9 +795,11 @@ deferred_rows(PyObject *self, PyObject *args)
             if (list == NULL)
                 return NULL;
             payload = PyTuple_Pack(2, list, level);
+            untrack_if_atoms(list);
             Py_DECREF(list);
             if (payload == NULL)
                 return NULL;
+            untrack_if_atoms(payload);
             kind = i_removed;
         }
         else
