@@ -34,8 +34,12 @@ Also measured: a NullRecorder call (events off) against an empty method call wit
 signature and a bare empty method call, and the per-block cost against appending a tuple to a
 list (the cheapest conceivable "recording").
 
+Then the same steps' engine-thread CPU alone (``--paired-rounds``, no pipeline), step by
+step, the three managers rotated within each round: quantiles over the steps, which load on
+a shared machine disturbs less than whole-run means.
+
     python benchmarks/bench_emitter.py [--iterations N] [--chain 16] [--profile]
-        [--step-rounds 7] [--step-only]
+        [--step-rounds 7] [--paired-rounds 9] [--step-only]
 """
 
 from __future__ import annotations
@@ -435,6 +439,69 @@ def step_costs(rounds: int, prefills: int, running: int, decodes: int) -> None:
     print(f"  (batches the memory sinks received: {delivered})")
 
 
+def paired_step_cpu(rounds: int, prefills: int, running: int, decodes: int) -> None:
+    """The engine thread's CPU per step alone (no pipeline: the deferred batch is dropped),
+    measured step by step: ``off``, ``on`` and ``on, checked`` managers rotated within each
+    round on the same fresh prompts; p10 / p25 / median over the steps of all rounds (robust to
+    what other load adds to some steps). Prefill: the steps that evict (the second half);
+    decode: groups of 16 steps, so that each holds one block-filling step."""
+    tpb = STEP_TPB
+    per: dict[str, list[float]] = {}
+    variants = ("off", "on", "on, checked")
+    for r in range(rounds):
+        rng = np.random.default_rng(2000 + r)
+        system = rng.integers(0, 128_000, 2048).tolist()
+        prompts = [
+            system + rng.integers(0, 128_000, STEP_PROMPT - 2048).tolist() for _ in range(prefills)
+        ]
+        dprompts = [system + rng.integers(0, 128_000, 1000).tolist() for _ in range(running)]
+        tokens = rng.integers(0, 128_000, (decodes, running)).tolist()
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            on, checked = v != "off", v.endswith("checked")
+            mgr = _step_manager(on, checked)
+            out = per.setdefault(f"prefill {v}", [])
+            for i, prompt in enumerate(prompts):
+                c0 = time.thread_time_ns()
+                mgr.add_request(f"p{i}", prompt)
+                if on:
+                    mgr.flush_events_deferred()
+                mgr.free_request(f"p{i}")
+                if 2 * i >= len(prompts):
+                    out.append(time.thread_time_ns() - c0)
+            mgr = _step_manager(on, checked)
+            for i, prompt in enumerate(dprompts):
+                mgr.add_request(f"d{i}", prompt)
+            if on:
+                mgr.flush_events_deferred()
+            rids = [f"d{i}" for i in range(running)]
+            out = per.setdefault(f"decode {v}", [])
+            c0 = time.thread_time_ns()
+            for j, row in enumerate(tokens):
+                for rid, tok in zip(rids, row, strict=True):
+                    mgr.append_tokens(rid, (tok,))
+                if on:
+                    mgr.flush_events_deferred()
+                if j % tpb == tpb - 1:
+                    out.append((time.thread_time_ns() - c0) / tpb)
+                    c0 = time.thread_time_ns()
+    print(
+        f"\nengine-thread CPU per step alone (no pipeline), paired per step; {rounds} rounds; "
+        "on/off at p10 / p25 / median of the steps"
+    )
+    for kind in ("prefill", "decode"):
+        qs = {}
+        for v in variants:
+            x = sorted(per[f"{kind} {v}"])
+            qs[v] = (x[len(x) // 10], x[len(x) // 4], x[len(x) // 2])
+        off = qs["off"]
+        print(f"  {kind:<8} off {off[0] / 1e3:7.1f} / {off[1] / 1e3:7.1f} / {off[2] / 1e3:7.1f} us")
+        for v in variants[1:]:
+            q = qs[v]
+            ratios = " / ".join(f"{a / b:.3f}x" for a, b in zip(q, off, strict=True))
+            print(f"    {v:<12} {ratios}  (goal <= 1.05x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=200)
@@ -448,9 +515,17 @@ def main() -> None:
     ap.add_argument("--step-prefills", type=int, default=40, help="8k prompts per round")
     ap.add_argument("--step-decodes", type=int, default=160, help="decode steps per round")
     ap.add_argument("--step-only", action="store_true", help="only the cache-manager step")
+    ap.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=9,
+        help="rounds of the step's engine-thread CPU alone, paired per step (0: skip)",
+    )
     args = ap.parse_args()
     if args.step_rounds:
         step_costs(args.step_rounds, args.step_prefills, 64, args.step_decodes)
+    if args.paired_rounds:
+        paired_step_cpu(args.paired_rounds, args.step_prefills, 64, args.step_decodes)
     if args.step_only:
         return
 
