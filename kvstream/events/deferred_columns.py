@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from kvstream._native import load as load_native
-from kvstream.events.columns import REMOVED, STORED, ColumnBatch, publish_columns
+from kvstream.events.columns import REMOVED, STORED, ColumnBatch, StoredExtra, publish_columns
 from kvstream.events.deferred import BlockRun, model_input
 from kvstream.events.emitter_checks import _I64_MAX
 from kvstream.events.model import CURRENT_SCHEMA_VERSION, EventBatch, KVCacheEvent, SourceId
@@ -58,7 +58,8 @@ def deferred_columns(
         build=build,
     )
     raws: list[bytes] = []
-    out.stored_extra = extra = []
+    extra: list[StoredExtra] = []
+    out.stored_extra = extra
     event_ids, hash_algos, group_ids = out.event_ids, out.hash_algos, out.group_ids
     window_sizes, kinds, payloads = out.window_sizes, out.kinds, out.payloads
     native = _native_rows()
