@@ -520,11 +520,25 @@ class EventEmitter:
                 f"tokens_per_block={g.tokens_per_block} (a chain holds full blocks only)"
             )
         if n == 1 and not self._dedup and not g.pending:
-            # A decode step's block (the manager's commonest call): _record_chain inlined.
+            # A decode step's block (the manager's commonest call): _record_chain, _open_run
+            # and _emit inlined (a decode block's parent is rarely the target's last block).
             h = block_hashes[0]
             run = g.target
             if run is None or parent_hash != g.last_hash:
-                run = self._open_run(g, parent_hash)
+                run = BlockRun()
+                if len(self._buf) >= self._capacity:
+                    self._make_room()
+                self._buf.append(
+                    {
+                        "event_id": self._next_id,
+                        "hash_algo": self._hash_algo,
+                        "layer_group_id": g.gid,
+                        "window_size": g.window_size,
+                        "data": {"type": "stored", "parent_hash": parent_hash, "blocks": run},
+                    }
+                )
+                self._next_id += 1
+                g.target = run
             run.hashes.append(h)
             run.tokens.append(token_ids)
             g.last_hash = h
