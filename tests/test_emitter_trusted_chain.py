@@ -32,9 +32,13 @@ TPB = 2
 HASHES = [bytes([i + 1]) * 8 for i in range(10)]
 
 
-def _emitter(*, dedup: bool = True) -> EventEmitter:
+def _emitter(*, dedup: bool = True, capacity: int = 8192) -> EventEmitter:
     em = EventEmitter(
-        SourceId(instance_id="t"), hash_algo="v2_sha256_64", clock=ManualClock(7), dedup=dedup
+        SourceId(instance_id="t"),
+        hash_algo="v2_sha256_64",
+        clock=ManualClock(7),
+        dedup=dedup,
+        capacity=capacity,
     )
     em.created(0, window_size=64, num_blocks_per_cache_level=[16], tokens_per_block=TPB)
     return em
@@ -145,11 +149,12 @@ def _run_contract(em: EventEmitter, ops: list[tuple[str, int, list[int]]], fast:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_contract_ops(), st.booleans())
+@given(_contract_ops(), st.booleans(), st.sampled_from([2, 3, 8192]))
 def test_no_dedup_under_its_contract_records_what_dedup_records(
-    ops: list[tuple[str, int, list[int]]], fast: bool
+    ops: list[tuple[str, int, list[int]]], fast: bool, capacity: int
 ) -> None:
-    a, b = _emitter(), _emitter(dedup=False)
+    # (small capacities: overflow, lost markers, a dropped coalescing target)
+    a, b = _emitter(capacity=capacity), _emitter(dedup=False, capacity=capacity)
     assert _run_contract(a, ops, fast=False) == _run_contract(b, ops, fast=fast)
     sa, sb = a.stats(), b.stats()
     assert (sa.duplicate_stores_suppressed, sa.unknown_removals_ignored) == (0, 0)
