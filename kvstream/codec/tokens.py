@@ -387,17 +387,17 @@ def encode_tokens(raw: bytes, encoding: str = "auto") -> EncodedTokens:
         if transform not in _TRANSFORMS or comp not in ("", "zstd"):
             raise EncodeError(f"unknown token encoding {encoding!r}; known: {TOKEN_ENCODINGS}")
         return _packed(_TRANSFORMS[transform], raw, n, comp == "zstd")
-    top = int(np.frombuffer(raw, dtype="<u4").max())
-    plane_size = _plane_bytes(n, (top >> 16).bit_length())
     if n > _SAMPLE_WINDOWS * _SAMPLE_WINDOW:
+        top = int(np.frombuffer(raw, dtype="<u4").max())
         step = 4 * (n // _SAMPLE_WINDOWS)
         span = 4 * _SAMPLE_WINDOW
         sample = b"".join(raw[i : i + span] for i in range(0, _SAMPLE_WINDOWS * step, step))
         _, varint_size, delta_size = _varint_sizes_of(sample)
         scale = n / (len(sample) >> 2)
         varint_size, delta_size = int(varint_size * scale), int(delta_size * scale)
-    else:
-        _, varint_size, delta_size = _varint_sizes_of(raw)
+    else:  # the sizes' pass reads every id: its maximum is the batch's
+        top, varint_size, delta_size = _varint_sizes_of(raw)
+    plane_size = _plane_bytes(n, (top >> 16).bit_length())
     transform = "VARINT" if varint_size <= delta_size else "DELTA_VARINT"
     if min(varint_size, delta_size) >= plane_size:
         return EncodedTokens(pack_tokens(raw), count=n)
