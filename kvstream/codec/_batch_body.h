@@ -705,6 +705,34 @@ batch_head(Buf *h, PyObject *prefix, PyObject *batch, PyObject *tok, int version
     return put_zz(h, n_events); /* the events array's count, or 0: the empty array */
 }
 
+
+/* What a body encoder returns for status r: the record (head, then the events' bytes `body`
+ * with the stored events' kind bytes at offsets `kinds` switched to the packed form when
+ * `packed`, then the events array's end when there are n > 0 events), None for BODY_DECLINE,
+ * NULL (exception set) otherwise. */
+static PyObject *
+body_result(int r, const Buf *head, const Buf *body, const Py_ssize_t *kinds,
+            Py_ssize_t n_kinds, int packed, Py_ssize_t n)
+{
+    if (r == BODY_DECLINE)
+        Py_RETURN_NONE;
+    if (r != BODY_OK)
+        return NULL;
+    if (packed)
+        for (Py_ssize_t i = 0; i < n_kinds; i++)
+            body->p[kinds[i]] = (char)STORED_PACKED_BYTE;
+    PyObject *res = PyBytes_FromStringAndSize(NULL, head->len + body->len + (n ? 1 : 0));
+    if (res != NULL) {
+        char *o = PyBytes_AS_STRING(res);
+        memcpy(o, head->p, (size_t)head->len);
+        if (body->len)
+            memcpy(o + head->len, body->p, (size_t)body->len);
+        if (n)
+            o[head->len + body->len] = 0; /* the events array's end */
+    }
+    return res;
+}
+
 static PyObject *
 encode_body(PyObject *self, PyObject *args)
 {
@@ -737,24 +765,7 @@ encode_body(PyObject *self, PyObject *args)
         tok = PyObject_CallFunctionObjArgs(B.encode_tokens, raw, token_encoding, NULL);
         r = tok == NULL ? BODY_FAIL : batch_head(&head, prefix, batch, tok, version, n, &packed);
     }
-    if (r == BODY_OK) {
-        if (packed)
-            for (Py_ssize_t i = 0; i < e.n_kinds; i++)
-                e.body.p[e.kinds[i]] = (char)STORED_PACKED_BYTE;
-        res = PyBytes_FromStringAndSize(NULL, head.len + e.body.len + (n ? 1 : 0));
-        if (res != NULL) {
-            char *o = PyBytes_AS_STRING(res);
-            memcpy(o, head.p, (size_t)head.len);
-            if (e.body.len)
-                memcpy(o + head.len, e.body.p, (size_t)e.body.len);
-            if (n)
-                o[head.len + e.body.len] = 0; /* the events array's end */
-        }
-    }
-    else if (r == BODY_DECLINE) {
-        res = Py_None;
-        Py_INCREF(res);
-    }
+    res = body_result(r, &head, &e.body, e.kinds, e.n_kinds, packed, n);
     Py_XDECREF(raw);
     Py_XDECREF(tok);
     Py_DECREF(e.version_obj);

@@ -485,24 +485,7 @@ encode_columns(PyObject *self, PyObject *args)
         if (r == BODY_OK)
             r = put_zz(&head, n_kept);
     }
-    if (r == BODY_OK) {
-        if (packed)
-            for (Py_ssize_t i = 0; i < e.n_kinds; i++)
-                e.body.p[e.kinds[i]] = (char)STORED_PACKED_BYTE;
-        res = PyBytes_FromStringAndSize(NULL, head.len + e.body.len + (n_kept ? 1 : 0));
-        if (res != NULL) {
-            char *o = PyBytes_AS_STRING(res);
-            memcpy(o, head.p, (size_t)head.len);
-            if (e.body.len)
-                memcpy(o + head.len, e.body.p, (size_t)e.body.len);
-            if (n_kept)
-                o[head.len + e.body.len] = 0; /* the events array's end */
-        }
-    }
-    else if (r == BODY_DECLINE) {
-        res = Py_None;
-        Py_INCREF(res);
-    }
+    res = body_result(r, &head, &e.body, e.kinds, e.n_kinds, packed, n_kept);
     for (int c = 0; c < N_COLS; c++)
         Py_XDECREF(col[c]);
     Py_XDECREF(extra);
