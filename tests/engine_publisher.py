@@ -14,9 +14,26 @@ import socket
 import threading
 from collections import deque
 
+import msgspec
 import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def stored_payload(i: int, rank: int | None = 0, *, lora: int | None = None) -> bytes:
+    """A vLLM engine batch payload, number ``i``: one 4-token ``BlockStored`` whose hash is
+    ``i + 1`` under parent ``i`` (none for the first), of DP ``rank`` and LoRA id ``lora``."""
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [i + 1],
+        "parent_block_hash": i or None,
+        "token_ids": [i, i + 1, i + 2, i + 3],
+        "block_size": 4,
+        "lora_id": lora,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return msgspec.msgpack.encode([float(i), [ev], rank])
 
 
 def free_ports(n: int) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_publisher import TestEnginePublisher, free_ports
+from engine_publisher import TestEnginePublisher, free_ports, stored_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engines_wire_paths import payloads
@@ -194,20 +194,6 @@ def test_captured_frames_in_bursts_give_the_index_what_they_give_one_by_one(mode
 # ------------------------------------------------------------------ EngineSource over ZMQ
 
 
-def _payload(i: int, rank: int | None = 0, *, lora: int | None = None) -> bytes:
-    ev = {
-        "type": "BlockStored",
-        "block_hashes": [i + 1],
-        "parent_block_hash": i or None,
-        "token_ids": [i, i + 1, i + 2, i + 3],
-        "block_size": 4,
-        "lora_id": lora,
-        "medium": "GPU",
-        "lora_name": None,
-    }
-    return msgspec.msgpack.encode([float(i), [ev], rank])
-
-
 async def _drain(src: EngineSource, frames: int, timeout: float = 10.0) -> list[Any]:
     out: list[Any] = []
     loop = asyncio.get_running_loop()
@@ -240,13 +226,13 @@ async def test_engine_source_hands_a_drained_burst_over_as_one_item() -> None:
         )
         await src.start()
         await asyncio.sleep(0.3)
-        frames = [_payload(i) for i in range(10)]
-        frames[4] = _payload(4, lora=3)  # outside the C subset: ends a burst, read alone
-        frames[7] = _payload(7, rank=1)  # another rank: ends a burst, goes to rank 1's stream
+        frames = [stored_payload(i) for i in range(10)]
+        frames[4] = stored_payload(4, lora=3)  # outside the C subset: ends a burst, read alone
+        frames[7] = stored_payload(7, rank=1)  # another rank: ends a burst, goes to rank 1's stream
         for p in frames:
             engine.publish(p)
-        engine.publish(_payload(10), send=False)  # dropped by the PUB: a gap, replayed
-        engine.publish(_payload(11))
+        engine.publish(stored_payload(10), send=False)  # dropped by the PUB: a gap, replayed
+        engine.publish(stored_payload(11))
         await _wait_queued(src, 11)
         items = await _drain(src, 12)
         await src.aclose()
@@ -270,7 +256,7 @@ async def test_engine_source_hands_a_drained_burst_over_as_one_item() -> None:
         by_item.apply(item.columns, item.skipped_ids)
     streams = {r: EngineStream("w", r, "vllm_sha256_cbor_64") for r in (0, 1)}
     rank = 0
-    for p in [*frames, _payload(10), _payload(11)]:
+    for p in [*frames, stored_payload(10), stored_payload(11)]:
         named = msgspec.msgpack.decode(p)[2]
         rank = rank if named is None else named
         by_frame.apply(streams[rank].payload_columns(p))

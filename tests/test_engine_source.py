@@ -13,25 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 import msgspec
 import pytest
 from engine_publisher import TestEnginePublisher, free_ports
+from engine_publisher import stored_payload as payload
 
 from kvstream.events.model import EventBatch, Lost, Stored
 from kvstream.index.sources import open_source
 from kvstream.index.sources.engine import EngineSource
-
-
-def payload(i: int, rank: int = 0) -> bytes:
-    """Engine batch number ``i``: one BlockStored whose hash is ``i + 1``."""
-    ev = {
-        "type": "BlockStored",
-        "block_hashes": [i + 1],
-        "parent_block_hash": i or None,
-        "token_ids": [i, i + 1, i + 2, i + 3],
-        "block_size": 4,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-    }
-    return msgspec.msgpack.encode([float(i), [ev], rank])
 
 
 async def collect(src: EngineSource, n: int, timeout: float = 10.0) -> list[EventBatch]:
