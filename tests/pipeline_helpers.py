@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from kvstream.events.model import (
     EventBatch,
@@ -81,13 +82,9 @@ def check_contiguous(
     return delivered, lost
 
 
-def cache_batches(
-    instance: str, rank: int | None, *, conversations: int = 6, seed: int = 0
-) -> list[EventBatch]:
-    """Run a metadata-only KV-cache manager (a full-attention and a sliding-window group) over
-    a small multi-turn chat workload; the event batches it emitted, one per iteration."""
+def small_cache_manager(instance: str, rank: int | None, incarnation: int = 7) -> Any:
+    """A metadata-only KV-cache manager with a full-attention and a sliding-window group."""
     from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec
-    from kvstream.workloads import ChatWorkload, multi_turn_chats
 
     cfg = CacheConfig(
         tokens_per_block=16,
@@ -100,8 +97,14 @@ def cache_batches(
         hash_algo="v2_sha256_64",
         metadata_only=True,
     )
-    src = SourceId(instance_id=instance, attention_dp_rank=rank, incarnation=7)
-    mgr = KVCacheManager(cfg, source=src)
+    src = SourceId(instance_id=instance, attention_dp_rank=rank, incarnation=incarnation)
+    return KVCacheManager(cfg, source=src)
+
+
+def small_chats(conversations: int, seed: int) -> Any:
+    """The requests of a small multi-turn chat workload (``multi_turn_chats``)."""
+    from kvstream.workloads import ChatWorkload, multi_turn_chats
+
     work = ChatWorkload(
         num_conversations=conversations,
         turns=(2, 4),
@@ -111,8 +114,17 @@ def cache_batches(
         output_tokens=(8, 60),
         seed=seed,
     )
+    return multi_turn_chats(work)
+
+
+def cache_batches(
+    instance: str, rank: int | None, *, conversations: int = 6, seed: int = 0
+) -> list[EventBatch]:
+    """Run :func:`small_cache_manager` over :func:`small_chats`; the event batches it
+    emitted, one per iteration."""
+    mgr = small_cache_manager(instance, rank)
     out = []
-    for req in multi_turn_chats(work):
+    for req in small_chats(conversations, seed):
         mgr.add_request(req.request_id, req.prompt)
         for i in range(0, len(req.output), 16):
             mgr.append_tokens(req.request_id, req.output[i : i + 16])

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline_helpers import small_cache_manager, small_chats
 from test_codec_strategies import batches, v1_batches
 
 from kvstream.codec import column_encoder
@@ -24,7 +25,7 @@ from kvstream.codec.encoder import encode_batch_body
 from kvstream.codec.tokens import TOKEN_ENCODINGS
 from kvstream.errors import EncodeError
 from kvstream.events.columns import ColumnBatch, publish_columns
-from kvstream.events.model import EventBatch, SourceId
+from kvstream.events.model import EventBatch
 
 pytestmark = pytest.mark.skipif(
     column_encoder._NATIVE_ENCODE is None,
@@ -92,31 +93,8 @@ def test_v1_batches_write_the_python_bytes(batch: EventBatch, lossy: bool) -> No
 def _cache_manager_batches() -> Iterator[tuple[ColumnBatch, EventBatch]]:
     """The columns of a metadata-only cache manager's deferred batches (the emitter's hand-off,
     ``DeferredBatch.columns``) and their models."""
-    from kvstream.cache import CacheConfig, KVCacheManager, LayerGroupSpec
-    from kvstream.workloads import ChatWorkload, multi_turn_chats
-
-    cfg = CacheConfig(
-        tokens_per_block=16,
-        groups=[
-            LayerGroupSpec(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=96),
-            LayerGroupSpec(
-                num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=64, window_size=128
-            ),
-        ],
-        hash_algo="v2_sha256_64",
-        metadata_only=True,
-    )
-    mgr = KVCacheManager(cfg, source=SourceId(instance_id="e", attention_dp_rank=1, incarnation=3))
-    work = ChatWorkload(
-        num_conversations=4,
-        turns=(2, 4),
-        num_system_prompts=2,
-        system_prompt_tokens=(64, 200),
-        user_tokens=(8, 60),
-        output_tokens=(8, 60),
-        seed=5,
-    )
-    for req in multi_turn_chats(work):
+    mgr = small_cache_manager("e", 1, incarnation=3)
+    for req in small_chats(4, 5):
         mgr.add_request(req.request_id, req.prompt)
         mgr.append_tokens(req.request_id, req.output)
         mgr.free_request(req.request_id)
