@@ -1294,10 +1294,38 @@ sha_pad(unsigned char *m, size_t len)
  * (KIND_SGLANG) the digest published for it to pubs + 32 * i. msg: two scratch buffers of
  * msg_capacity(max block) bytes each, cap apart; seeded: another of seed_len + 8 + 72 at
  * pubmsg. */
-static void
+/* chain_ints' source of token ids: the request's int objects, packed as u32 LE into raw
+ * (where the blocks point) block by block inside the chain loop. */
+typedef struct {
+    PyObject *const *items;
+    unsigned char *raw;
+    Py_ssize_t n, block_tokens, start;
+} pack_src;
+
+static int pack_items(PyObject *const *items, Py_ssize_t n, unsigned char *p);
+
+/* Packs hashed block b's ids (ps NULL: nothing to pack); -1 when an item is not a u32 int. */
+static inline int
+pack_block(const pack_src *ps, Py_ssize_t b)
+{
+    Py_ssize_t first;
+    if (ps == NULL)
+        return 0;
+    first = ps->block_tokens * (ps->start + b);
+#if defined(__GNUC__) || defined(__clang__)
+    { /* pack_items prefetches within the block only: start fetching the next one's ints */
+        Py_ssize_t i, end = first + 2 * ps->block_tokens;
+        for (i = first + ps->block_tokens; i < end && i < ps->n; i++)
+            __builtin_prefetch(ps->items[i]);
+    }
+#endif
+    return pack_items(ps->items + first, ps->block_tokens, ps->raw + 4 * first);
+}
+
+static int
 hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsigned char *parent,
            unsigned char *keys, unsigned char *msg, size_t cap, unsigned char *pubs,
-           unsigned char *pubmsg)
+           unsigned char *pubmsg, const pack_src *ps)
 {
     Py_ssize_t b;
     const unsigned char *prev = parent;
@@ -1307,11 +1335,19 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
     int i;
 
     if (nb == 0)
-        return;
+        return 0;
+    if (ps != NULL && cfg->kind == KIND_BLAKE3) { /* BLAKE3 hashes across blocks: pack first */
+        for (b = 0; b < nb; b++)
+            if (pack_block(ps, b) < 0)
+                return -1;
+        ps = NULL;
+    }
     if (cfg->kind == KIND_BLAKE3 && b3_chain_split(blocks, nb, parent, keys, msg) == 0)
-        return;
+        return 0;
     buf[0] = msg;
     buf[1] = msg + cap;
+    if (pack_block(ps, 0) < 0)
+        return -1;
     len[0] = build_msg(cfg, &blocks[0], 1, buf[0], &poff[0]);
     for (b = 0; b < nb; b++) {
         const int c = (int)(b & 1);
@@ -1337,8 +1373,13 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
             }
             memcpy(st, SHA_IV, sizeof st);
             sha256_blocks(st, m, 1);
-            if (b + 1 < nb)
+            if (b + 1 < nb) {
+                /* chain_ints: the next block's int objects are read here too, their (often
+                 * cold) loads overlapping this compression instead of a separate pass */
+                if (pack_block(ps, b + 1) < 0)
+                    return -1;
                 len[!c] = build_msg(cfg, &blocks[b + 1], 0, buf[!c], &poff[!c]);
+            }
             if (total > 64)
                 sha256_blocks(st, m + 64, total / 64 - 1);
             for (i = 0; i < 8; i++)
@@ -1351,6 +1392,7 @@ hash_chain(const chain_cfg *cfg, const blk_t *blocks, Py_ssize_t nb, const unsig
         }
         prev = key;
     }
+    return 0;
 }
 
 static int
@@ -1370,13 +1412,27 @@ PyDoc_STRVAR(chain_doc,
              "first_tail=None, tail=None, every=0) -> (published, keys)\n\n"
              "Hash a request's block chain (see the module docstring).");
 
+PyDoc_STRVAR(chain_ints_doc,
+             "chain_ints(kind, tokens, block_tokens, parent, start=0, width=32, offset=0, "
+             "first_tail=None, tail=None, every=0, drop_last=False) -> "
+             "(raw, (published, keys)) | None\n\n"
+             "pack(tokens, drop_last) and chain(kind, raw, ...) of it in one pass (tokens a "
+             "list or tuple of ints, each block's ids read while the previous block hashes); "
+             "None when pack would return None.");
+
 static PyObject *
-cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
+chain_impl(PyObject *args, PyObject *kwargs, int ints)
 {
     static char *kwlist[] = {"kind",  "tokens",     "block_tokens", "parent", "start",
                              "width", "offset",     "first_tail",   "tail",   "every",
-                             NULL};
-    int kind;
+                             "drop_last", NULL};
+    static char *chain_kwlist[] = {"kind",   "tokens", "block_tokens", "parent",
+                                   "start",  "width",  "offset",       "first_tail",
+                                   "tail",   "every",  NULL};
+    int kind, drop_last = 0, hashed;
+    Py_ssize_t ints_full = 0; /* chain_ints: ids in the request's full blocks */
+    PyObject *raw = NULL;
+    pack_src ps;
     PyObject *tokens, *parent_obj, *first_tail_obj = Py_None, *tail_obj = Py_None;
     Py_ssize_t block_tokens, start = 0, width = 32, offset = 0, every = 0;
     Py_buffer parent = {0}, ftail = {0}, tail = {0}, flat = {0};
@@ -1390,10 +1446,16 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
     chain_cfg cfg;
     static const unsigned char NONE_TAIL[1] = {0xf6};
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnO|nnnOOn", kwlist, &kind, &tokens,
-                                     &block_tokens, &parent_obj, &start, &width, &offset,
-                                     &first_tail_obj, &tail_obj, &every))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, ints ? "iOnO|nnnOOnp" : "iOnO|nnnOOn",
+                                     ints ? kwlist : chain_kwlist, &kind, &tokens, &block_tokens, &parent_obj,
+                                     &start, &width, &offset, &first_tail_obj, &tail_obj,
+                                     &every, &drop_last))
         return NULL;
+    if (ints && !PyList_Check(tokens) && !PyTuple_Check(tokens)) {
+        PyErr_Format(PyExc_TypeError, "chain_ints() takes a list or tuple, got %.100s",
+                     Py_TYPE(tokens)->tp_name);
+        return NULL;
+    }
     if (kind < KIND_V2 || kind > KIND_PICKLE) {
         PyErr_Format(HashingError, "unknown chain kind %d", kind);
         return NULL;
@@ -1435,7 +1497,43 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
         cfg.first_tail_len = ftail.len;
     }
 
-    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+    if (ints) {
+        /* no Python code runs while packing (exact ints read, others via PyLong_Check and
+         * PyLong_AsUnsignedLong), so the item array stays put */
+        const Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+        const Py_ssize_t used = drop_last && n > 0 ? n - 1 : n;
+        Py_ssize_t total;
+        if (block_tokens < 1) {
+            PyErr_Format(HashingError, "block_tokens must be >= 1, got %zd", block_tokens);
+            goto done;
+        }
+        /* the dropped last id is packed (validated) too; raw is cut to used ids at the end */
+        raw = PyBytes_FromStringAndSize(NULL, 4 * n);
+        if (raw == NULL)
+            goto done;
+        ps.items = PySequence_Fast_ITEMS(tokens);
+        ps.raw = (unsigned char *)PyBytes_AS_STRING(raw);
+        ps.n = n;
+        ps.block_tokens = block_tokens;
+        ps.start = start;
+        total = used / block_tokens;
+        ints_full = total * block_tokens;
+        nb = total > start ? total - start : 0;
+        blocks = PyMem_Malloc((nb ? (size_t)nb : 1) * sizeof(blk_t));
+        if (blocks == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (b = 0; b < nb; b++) {
+            blocks[b].tok = ps.raw + 4 * block_tokens * (start + b);
+            blocks[b].n = block_tokens;
+        }
+        max_n = block_tokens;
+        /* the ids before block start, then (after the chain) those after its last block */
+        if (pack_items(ps.items, block_tokens * (start < total ? start : total), ps.raw) < 0)
+            goto not_ints;
+    }
+    else if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
         PyObject *seq = tokens;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
         start = 0;
@@ -1511,13 +1609,21 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
         memcpy(pubmsg, cfg.seed, (size_t)cfg.seed_len);
         pub_src = pubs;
     }
-    if (views == NULL && nb * block_tokens >= NOGIL_MIN_TOKENS) {
+    if (ints) { /* reads Python objects: keeps the GIL */
+        if (hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg, &ps) < 0)
+            goto not_ints;
+        /* packed so far: the ids of the full blocks; then the rest */
+        if (pack_items(ps.items + ints_full, ps.n - ints_full, ps.raw + 4 * ints_full) < 0)
+            goto not_ints;
+    }
+    else if (views == NULL && nb * block_tokens >= NOGIL_MIN_TOKENS) {
         Py_BEGIN_ALLOW_THREADS
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg);
+        hashed = hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg, NULL);
         Py_END_ALLOW_THREADS
+        (void)hashed;
     }
     else {
-        hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg);
+        (void)hash_chain(&cfg, blocks, nb, parent.buf, keys, msg, cap, pubs, pubmsg, NULL);
     }
 
     published = PyList_New(nb);
@@ -1540,8 +1646,22 @@ cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
         }
     }
     result = PyTuple_Pack(2, published, cps);
+    if (ints && result != NULL) {
+        PyObject *pair = result;
+        const Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+        result = NULL;
+        if (!(drop_last && n > 0 && _PyBytes_Resize(&raw, 4 * (n - 1)) < 0))
+            result = PyTuple_Pack(2, raw, pair);
+        Py_DECREF(pair);
+    }
+    goto done;
+
+not_ints:
+    result = Py_None;
+    Py_INCREF(result);
 
 done:
+    Py_XDECREF(raw);
     Py_XDECREF(published);
     Py_XDECREF(cps);
     PyMem_Free(keys);
@@ -1563,6 +1683,18 @@ done:
     if (ftail.obj)
         PyBuffer_Release(&ftail);
     return result;
+}
+
+static PyObject *
+cn_chain(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    return chain_impl(args, kwargs, 0);
+}
+
+static PyObject *
+cn_chain_ints(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    return chain_impl(args, kwargs, 1);
 }
 
 PyDoc_STRVAR(chain_many_doc,
@@ -1792,8 +1924,6 @@ small_int_value(PyObject *item)
     return -1;
 #endif
 }
-
-static int pack_items(PyObject *const *items, Py_ssize_t n, unsigned char *p);
 
 static PyObject *
 cn_pack(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -2392,6 +2522,8 @@ cn_set_simd(PyObject *self, PyObject *arg)
 
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))cn_chain, METH_VARARGS | METH_KEYWORDS, chain_doc},
+    {"chain_ints", (PyCFunction)(void (*)(void))cn_chain_ints, METH_VARARGS | METH_KEYWORDS,
+     chain_ints_doc},
     {"chain_many", (PyCFunction)(void (*)(void))cn_chain_many, METH_VARARGS | METH_KEYWORDS,
      chain_many_doc},
     {"pack", (PyCFunction)(void (*)(void))cn_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},

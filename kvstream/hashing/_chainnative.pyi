@@ -28,6 +28,19 @@ def chain(
     tail: Buffer | None = None,
     every: int = 0,
 ) -> tuple[list[bytes], list[bytes]]: ...
+def chain_ints(
+    kind: int,
+    tokens: list[int] | tuple[int, ...],
+    block_tokens: int,
+    parent: Buffer,
+    start: int = 0,
+    width: int = 32,
+    offset: int = 0,
+    first_tail: Buffer | None = None,
+    tail: Buffer | None = None,
+    every: int = 0,
+    drop_last: bool = False,
+) -> tuple[bytes, tuple[list[bytes], list[bytes]]] | None: ...
 def chain_many(
     kind: int,
     raws: Sequence[Buffer],

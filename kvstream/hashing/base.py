@@ -389,15 +389,7 @@ class BlockHasher(ABC):
         c = self._c
         if c is None:
             return self._chain_raw(state, raw, tokens_per_block, start, every)
-        if type(state) is not ChainState or state.algo != self.name:
-            self._check_state(state)
-        if state is self.__dict__.get("_unscoped_root"):  # its C arguments, computed once
-            memo = self.__dict__.setdefault("_unscoped_c_args", {})
-            args = memo.get(tokens_per_block, _NOT_MEMOISED)
-            if args is _NOT_MEMOISED:
-                args = memo[tokens_per_block] = self._c_args(state, tokens_per_block)
-        else:
-            args = self._c_args(state, tokens_per_block)
+        args = self._c_chain_args(state, tokens_per_block)
         if args is None:
             return self._chain_raw(state, raw, tokens_per_block, start, every)
         parent, offset, first, tail = args
@@ -406,6 +398,52 @@ class BlockHasher(ABC):
             kind, raw, tokens_per_block, parent, start, width, offset, first, tail, every
         )
         return out
+
+    def _c_chain_args(self, state: ChainState, tokens_per_block: int) -> Any:
+        """:meth:`_c_args` of ``state`` (checked to be this hasher's), memoised for the
+        unscoped root. Only for a hasher with a C chain."""
+        if type(state) is not ChainState or state.algo != self.name:
+            self._check_state(state)
+        if state is self.__dict__.get("_unscoped_root"):  # its C arguments, computed once
+            memo = self.__dict__.setdefault("_unscoped_c_args", {})
+            args = memo.get(tokens_per_block, _NOT_MEMOISED)
+            if args is _NOT_MEMOISED:
+                args = memo[tokens_per_block] = self._c_args(state, tokens_per_block)
+            return args
+        return self._c_args(state, tokens_per_block)
+
+    def _chain_ints(
+        self, state: ChainState, tokens: Any, tokens_per_block: int, drop_last_token: bool
+    ) -> tuple[bytes, list[bytes]] | None:
+        """``(raw, chain_raw(state, raw, tokens_per_block)[0])`` with ``raw`` =
+        ``pack_request(tokens, drop_last_token)``, packing and hashing in one C pass; None
+        (nothing raised) when that pass does not apply: no C chain, ``tokens`` not a list or
+        tuple of ints in ``0 .. 2**32 - 1``, or a state the C chain does not take. The caller
+        then takes the two-step path, which raises the right error for bad input."""
+        c = self._c
+        if c is None or (type(tokens) is not list and type(tokens) is not tuple):
+            return None
+        args = self._c_chain_args(state, tokens_per_block)
+        if args is None:
+            return None
+        parent, offset, first, tail = args
+        got = c.chain_ints(
+            self._c_kind,
+            tokens,
+            tokens_per_block,
+            parent,
+            0,
+            self.width,
+            offset,
+            first,
+            tail,
+            0,
+            drop_last_token,
+        )
+        if got is None:
+            return None
+        raw, (published, _) = got
+        return raw, published
 
     def chain_raw_many(
         self, state: ChainState, raws: Sequence[bytes], tokens_per_block: int

@@ -112,6 +112,29 @@ class PrefixCache:
         self._seen: set[int] = set()
         self._hits = self._misses = self._reused = self._hashed = 0
 
+    def chain_tokens(
+        self,
+        hasher: BlockHasher,
+        root: ChainState,
+        tokens: Any,
+        tokens_per_block: int,
+        drop_last_token: bool,
+    ) -> list[bytes] | None:
+        """:meth:`chain` of ``pack_request(tokens, drop_last_token)``, packed and hashed in
+        one C pass when caching is off (``max_bytes`` 0) and the hasher's C chain takes the
+        request; None (nothing raised, nothing counted) when it does not: the caller then
+        packs and calls :meth:`chain`."""
+        if self.max_bytes != 0:
+            return None
+        got = hasher._chain_ints(root, tokens, tokens_per_block, drop_last_token)
+        if got is None:
+            return None
+        out = got[1]
+        with self._lock:
+            self._misses += 1
+            self._hashed += len(out)
+        return out
+
     def chain(
         self, hasher: BlockHasher, root: ChainState, raw: bytes, tokens_per_block: int
     ) -> list[bytes]:

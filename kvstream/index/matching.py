@@ -117,8 +117,13 @@ class RequestHasher:
             or tokens_per_block <= 0
         ):
             raise HashingError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
-        raw = pack_request(tokens, req.drop_last_token)
         root = h.root(req.lora_id, req.cache_salt, req.salt_id, req.lora_name)
+        fused = self.prefix_cache.chain_tokens(
+            h, root, tokens, tokens_per_block, req.drop_last_token
+        )
+        if fused is not None:
+            return fused
+        raw = pack_request(tokens, req.drop_last_token)
         return self.prefix_cache.chain(h, root, raw, tokens_per_block)
 
 
