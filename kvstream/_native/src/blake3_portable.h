@@ -283,8 +283,9 @@ b3p_hash(const uint32_t key[8], uint32_t mode, const uint8_t *p, size_t len, uin
 
 /* The first 16 bytes of BLAKE3 (under key, with mode) of prefix[0:16] || p[0:len], for a
  * message of one chunk (16 + len <= B3P_CHUNK_LEN), without assembling it: the first block is
- * the prefix and p's first 48 bytes, later full blocks are read from p where they lie. */
-static void
+ * the prefix and p's first 48 bytes, later full blocks are read from p where they lie.
+ * (inline: not every includer uses it, e.g. the hashing role's chains) */
+static inline void
 b3p_hash_prefixed16(const uint32_t key[8], uint32_t mode, const uint8_t prefix[16],
                     const uint8_t *p, size_t len, uint8_t out[16])
 {
