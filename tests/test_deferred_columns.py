@@ -99,6 +99,23 @@ def twins(capacity: int) -> tuple[EventEmitter, EventEmitter]:
     return out[0], out[1]
 
 
+def deferred_pairs(ops: list[tuple[Any, ...]], capacity: int) -> Iterator[tuple[Any, Any]]:
+    """Drive two twin emitters through ``ops`` (then a flush and a take) and yield each take's
+    pair of deferred batches, one from each twin (equal histories: both None or neither)."""
+    a, b = twins(capacity)
+    for op in [*ops, ("flush_iteration",), ("take",)]:
+        for em in (a, b):
+            apply_any(em, op)
+        if op[0] != "take":
+            continue
+        da, db = a.take_deferred(), b.take_deferred()
+        if da is None:
+            assert db is None
+            continue
+        assert db is not None
+        yield da, db
+
+
 @pytest.mark.parametrize("python_loop", [False, True])
 @settings(max_examples=120, deadline=None)
 @given(
@@ -108,19 +125,9 @@ def twins(capacity: int) -> tuple[EventEmitter, EventEmitter]:
 def test_columns_equal_publish_columns_of_the_model(
     python_loop: bool, ops: list[tuple[Any, ...]], capacity: int
 ) -> None:
-    a, b = twins(capacity)
     codec = AvroCodec()
     with python_model_columns(python_loop):
-        for op in [*ops, ("flush_iteration",), ("take",)]:
-            for em in (a, b):
-                apply_any(em, op)
-            if op[0] != "take":
-                continue
-            da, db = a.take_deferred(), b.take_deferred()
-            if da is None:
-                assert db is None
-                continue
-            assert db is not None
+        for da, db in deferred_pairs(ops, capacity):
             cols = da.columns()
             assert not da.materialized  # built without the models
             want = db.materialize()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_deferred_columns import EXTRA_OPS, apply_any, same_columns, twins
+from test_deferred_columns import EXTRA_OPS, deferred_pairs, same_columns
 from test_emitter_trusted_batch import OPS
 
 from kvstream.codec import AvroCodec
@@ -65,18 +65,8 @@ def _columns_in_c(batch: DeferredBatch) -> ColumnBatch:
 def test_c_and_python_loops_build_the_same_columns(
     ops: list[tuple[Any, ...]], capacity: int
 ) -> None:
-    a, b = twins(capacity)
     codec = AvroCodec()
-    for op in [*ops, ("flush_iteration",), ("take",)]:
-        for em in (a, b):
-            apply_any(em, op)
-        if op[0] != "take":
-            continue
-        da, db = a.take_deferred(), b.take_deferred()
-        if da is None:
-            assert db is None
-            continue
-        assert db is not None
+    for da, db in deferred_pairs(ops, capacity):
         native = _columns_in_c(da)
         with python_rows():
             python = da.columns()
