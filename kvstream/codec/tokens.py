@@ -248,19 +248,29 @@ def _varint_decode_np(data: bytes | memoryview, count: int, delta: bool) -> byte
     else:
         starts = np.empty(count, dtype=np.intp)
         starts[0] = 0
-        starts[1:] = ends[:-1] + 1
-        lens = ends - starts + 1
-        if int(lens.max()) > 5:
+        np.add(ends[:-1], 1, out=starts[1:])
+        lens = ends - starts  # continuation bytes per varint
+        if int(lens.max()) > 4:
             raise DecodeError("tokens.packed: a varint is longer than 5 bytes")
-        multi = lens > 1
-        if np.any(b[ends[multi]] == 0):
+        multi = np.flatnonzero(lens)
+        if not b[ends[multi]].all():
             raise DecodeError("tokens.packed: a varint has a redundant trailing zero group")
-        k = np.arange(len(b), dtype=np.intp) - np.repeat(starts, lens)
-        groups = (b & 0x7F).astype(np.uint64) << (7 * k).astype(np.uint64)
-        wide = np.add.reduceat(groups, starts)
-        if int(wide.max()) > 0xFFFFFFFF:
-            raise DecodeError("tokens.packed: a varint exceeds 32 bits")
-        z = wide.astype(np.uint32)
+        # group k of every varint longer than k, one pass per group over those varints only
+        z = b[starts].astype(np.uint32)
+        z[multi] &= np.uint32(0x7F)
+        idx = multi
+        for k in range(1, 5):
+            g = b[starts[idx] + k].astype(np.uint32)
+            more = lens[idx] > k
+            if k == 4:  # the fifth group holds bits 28..31 only
+                if np.any(g > 0x0F):
+                    raise DecodeError("tokens.packed: a varint exceeds 32 bits")
+            else:
+                g[more] &= np.uint32(0x7F)
+            z[idx] |= g << np.uint32(7 * k)
+            idx = idx[more]
+            if not len(idx):
+                break
     if delta:
         d = (z >> np.uint32(1)) ^ (np.uint32(0) - (z & np.uint32(1)))
         z = np.cumsum(d, dtype=np.uint32)
