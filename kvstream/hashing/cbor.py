@@ -9,7 +9,8 @@ items' encodings. This module encodes those types directly (several times faster
 
 Token arrays, the bulk of every payload, have dedicated encoders: :func:`token_array` for one
 block (a lookup table for ids below 2**16) and :func:`token_arrays` for many blocks at once
-(numpy, imported on first use: :mod:`kvstream.index.keys` needs only :func:`dumps`).
+(numpy, imported on first use: :mod:`kvstream.index.keys` needs only :func:`dumps`), and
+:func:`block_arrays` for a request cut into equal blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import cbor2
 
 from kvstream.hashing.blocks import u32_list
 
-__all__ = ["dumps", "head", "token_array", "token_arrays"]
+__all__ = ["block_arrays", "dumps", "head", "token_array", "token_arrays"]
 
 _U64_LIMIT: Final = 2**64
 _TABLE: list[bytes] | None = None
@@ -143,3 +144,48 @@ def token_arrays(raw: bytes, lengths: list[int], *, none_tail: bool = False) -> 
     item_end = np.cumsum(1 + k1b + k2b + 2 * k3b, dtype=np.int64)
     bounds = [0, *item_end[blk_end - 1].tolist()]
     return [body[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+
+
+_ROW: Any = None
+
+
+def block_arrays(raw: bytes, tokens_per_block: int) -> list[bytes]:
+    """``token_arrays(raw, [tokens_per_block] * n, none_tail=True)`` for a request of ``n``
+    equal blocks (``len(raw) == 4 * tokens_per_block * n``, ``1 <= tokens_per_block <
+    2**32``): the same bytes from fewer numpy steps (the items of block ``i`` are row ``i``
+    of one matrix, see :func:`token_arrays`).
+    """
+    global _ROW  # noqa: PLW0603  (built once; rebinding is atomic)
+    import numpy as np
+
+    row = _ROW
+    if row is None:
+        row = _ROW = np.dtype([("head", "u1"), ("arg", ">u4")])
+    v = np.frombuffer(raw, dtype="<u4")
+    n = len(v) // tokens_per_block
+    w = tokens_per_block + 2
+    arg = np.empty((n, w), np.uint32)
+    arg[:, 0] = tokens_per_block
+    arg[:, 1:-1] = v.reshape(n, tokens_per_block)
+    arg[:, -1] = 22  # major 7, simple 22: null (f6)
+    flat = arg.ravel()
+    k1 = flat >= 24
+    k2 = flat >= 0x100
+    k3 = flat >= 0x10000
+    k1b, k2b, k3b = k1.view(np.uint8), k2.view(np.uint8), k3.view(np.uint8)
+    rows = np.empty(n * w, row)
+    first = np.where(k1, np.uint8(0x17) + k1b + k2b + k3b, flat.astype(np.uint8)).reshape(n, w)
+    first[:, 0] |= np.uint8(0x80)  # major type 4: array
+    first[:, -1] |= np.uint8(0xE0)
+    rows["head"] = first.ravel()
+    rows["arg"] = flat
+    keep = np.empty((n * w, 5), bool)
+    keep[:, 0] = True
+    keep[:, 1] = k3
+    keep[:, 2] = k3
+    keep[:, 3] = k2
+    keep[:, 4] = k1
+    body = rows.view(np.uint8).compress(keep.ravel()).tobytes()
+    size = (1 + k1b + k2b + 2 * k3b).reshape(n, w)
+    ends = size.sum(axis=1, dtype=np.int64).cumsum().tolist()
+    return [body[a:b] for a, b in zip([0, *ends], ends, strict=False)]

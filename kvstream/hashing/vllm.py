@@ -407,19 +407,48 @@ class VllmSha256CborHasher(VllmHasherBase):
         lengths = [len(r) >> 2 for r in raws]
         if sum(lengths) >= _VECTOR_MIN_TOKENS:
             segments = cbor.token_arrays(b"".join(raws), lengths, none_tail=True)
-            for i, tail in enumerate(tails):
-                if tail != _NONE:
-                    segments[i] = segments[i][:-1] + tail
+            _set_tails(segments, tails)
         else:
             segments = [cbor.token_array(r) + tail for r, tail in zip(raws, tails, strict=True)]
-        sha = hashlib.sha256
-        parent: bytes = state.key
-        out: list[bytes] = []
-        append = out.append
-        for seg in segments:
-            parent = sha(_PARENT_HEAD + parent + seg).digest()
-            append(parent)
-        return out
+        return _sha_chain(state.key, segments)
+
+    def _chain_raw(
+        self, state: ChainState, raw: bytes, tokens_per_block: int, start: int, every: int
+    ) -> tuple[list[bytes], list[Any]]:
+        # The pure-Python path of chain_raw: equal blocks, so their CBOR token arrays come
+        # from one numpy pass over ``raw`` (no per-block slices) when there are enough.
+        if not 0 < tokens_per_block < 1 << 32:
+            return super()._chain_raw(state, raw, tokens_per_block, start, every)
+        step = 4 * tokens_per_block
+        n = len(raw) // step - start
+        if n * tokens_per_block < _VECTOR_MIN_TOKENS:
+            return super()._chain_raw(state, raw, tokens_per_block, start, every)
+        self._check_state(state)
+        segments = cbor.block_arrays(raw[start * step : (start + n) * step], tokens_per_block)
+        tails = self._block_extras(state.scope, n, None, None, _cbor_keys, first=state.depth == 0)
+        _set_tails(segments, tails)
+        digests = _sha_chain(state.key, segments)
+        keys = digests[-(start + 1) % every :: every] if every > 0 else []
+        return (digests if self.width == 32 else [d[-8:] for d in digests]), keys
+
+
+def _set_tails(segments: list[bytes], tails: list[bytes]) -> None:
+    """Replace the ``f6`` (no extra keys) that ends each CBOR segment by its block's tail."""
+    for i, tail in enumerate(tails):
+        if tail != _NONE:
+            segments[i] = segments[i][:-1] + tail
+
+
+def _sha_chain(parent: bytes, segments: list[bytes]) -> list[bytes]:
+    """The SHA-256 chain over CBOR payload segments (``[parent, tokens, keys]`` after the
+    parent), starting from ``parent``."""
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    append = out.append
+    for seg in segments:
+        parent = sha(_PARENT_HEAD + parent + seg).digest()
+        append(parent)
+    return out
 
 
 def _as_tuple(keys: list[Any]) -> tuple[Any, ...] | None:
