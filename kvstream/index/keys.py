@@ -62,6 +62,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+import xxhash
 from blake3 import blake3
 
 from kvstream.errors import ConfigError, HashingError
@@ -71,6 +72,10 @@ from kvstream.hashing.accel import native_chains, pack_request
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
 from kvstream.hashing.xxh3 import xxh3_128
+
+#: XXH3-64 as 8 big-endian bytes: :func:`~kvstream.hashing.dynamo.local_hash` with a seed,
+#: :func:`~kvstream.hashing.dynamo.link_hash` without
+_xxh3_be: Final = xxhash.xxh3_64_digest
 
 __all__ = [
     "CANONICAL_ALGO",
@@ -366,9 +371,9 @@ def py_keys_from_local(local_hashes: Sequence[bytes], parent: bytes = ROOT_KEY) 
     key = parent
     out: list[bytes] = []
     append = out.append
-    link = link_hash
+    xxh3 = _xxh3_be  # link_hash(key, h), inlined: this loop is the fallback's per-block cost
     for h in local_hashes:
-        key = link(key, h) + h
+        key = xxh3(key + h) + h
         append(key)
     return out
 
@@ -431,7 +436,16 @@ def py_dynamo_request_keys(
     end = len(raw) - len(raw) % step
     seed = block_hash_seed(lora_name)
     view = memoryview(raw)
-    return py_keys_from_local([local_hash(view[i : i + step], seed) for i in range(0, end, step)])
+    # local_hash and link_hash inlined, in one loop (see py_keys_from_local)
+    xxh3 = _xxh3_be
+    key = ROOT_KEY
+    out: list[bytes] = []
+    append = out.append
+    for i in range(0, end, step):
+        h = xxh3(view[i : i + step], seed)
+        key = xxh3(key + h) + h
+        append(key)
+    return out
 
 
 def dynamo_request_keys(
