@@ -18,7 +18,7 @@ contract in one open-addressing table whose slots hold the key and its bits toge
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -72,6 +72,20 @@ class MaskMap:
         if e is None:
             e = self._new_entry(key)
         self.words[e * self.width + (slot >> 3)] |= 1 << (slot & 7)
+
+    def add_many(self, keys: Iterable[bytes], slot: int) -> None:
+        """:meth:`add` of every key in ``keys`` (``slot`` must be reserved)."""
+        get = self.index.get
+        new = self._new_entry
+        words = self.words  # _new_entry extends it in place; only reserve() rebinds it
+        at = slot >> 3
+        bit = 1 << (slot & 7)
+        width = self.width
+        for key in keys:
+            e = get(key)
+            if e is None:
+                e = new(key)
+            words[e * width + at] |= bit
 
     def _new_entry(self, key: bytes) -> int:
         width = self.width

@@ -223,9 +223,15 @@ class GroupTable:
     ) -> None:
         """:meth:`store` from columns: the blocks' hashes and their cache level (one for all,
         or one per block)."""
-        levels: Iterable[int] = repeat(level, len(hashes)) if isinstance(level, int) else level
         ids = self.ids
         p, ok = self._store_parent(parent_hash, st)
+        if type(level) is int and self._store_new(p, ok, hashes, level):
+            self.present += len(hashes)
+            if level:
+                self.lower += len(hashes)
+            self._drop_bare_ghost(parent_hash)
+            return
+        levels: Iterable[int] = repeat(level, len(hashes)) if isinstance(level, int) else level
         masks = self.masks
         nodes = self.hashes
         parent = self.parent
@@ -286,6 +292,55 @@ class GroupTable:
         self.present += added
         self.lower += lowered
         self._drop_bare_ghost(parent_hash)
+
+    def _store_new(self, p: int, ok: int, hashes: Sequence[bytes], level: int) -> bool:
+        """The common store, in bulk: every block new to the table (and distinct), all at
+        ``level``, linked as a chain under node ``p`` (rooted ``ok``); node ids as the loop
+        of :meth:`store_hashes` assigns them (freed ids first, last freed first, then new
+        ones). False (nothing changed) when the blocks are not all new: the caller's loop
+        then stores them one by one."""
+        ids = self.ids
+        k = len(hashes)
+        if not k or not ids.keys().isdisjoint(hashes):
+            return False
+        free = self.free
+        first = len(self.hashes)
+        nf = min(len(free), k)
+        reuse = [free[-1 - j] for j in range(nf)]
+        new_ids = reuse + list(range(first, first + k - nf)) if nf else range(first, first + k)
+        size = len(ids)
+        ids.update(zip(hashes, new_ids, strict=True))
+        if len(ids) != size + k:  # a hash repeated within the event: undo, take the loop
+            for h in hashes:
+                ids.pop(h, None)
+            return False
+        for _ in range(nf):
+            free.pop()
+        kid = self.kid
+        n0 = new_ids[0]
+        if p >= 0:
+            if kid[p] < 0:
+                kid[p] = n0
+            else:
+                self._add_more(p, n0)
+        inc = _INC[level if level < _LAST else _LAST]
+        parents = [p, *new_ids[:-1]]
+        kids = [*new_ids[1:], _NIL]
+        nodes, parent, refs, rooted = self.hashes, self.parent, self.refs, self.rooted
+        for j, n in enumerate(reuse):
+            nodes[n] = hashes[j]
+            parent[n] = parents[j]
+            refs[n] = inc
+            kid[n] = kids[j]
+            rooted[n] = ok
+        nodes.extend(hashes[nf:] if nf else hashes)
+        parent.extend(parents[nf:])
+        refs.extend(repeat(inc, k - nf))
+        kid.extend(kids[nf:])
+        rooted.extend(bytes((ok,)) * (k - nf))
+        if ok and self.masks is not None:
+            self.masks.add_many(hashes, self.slot)
+        return True
 
     def _drop_bare_ghost(self, h: bytes | None) -> None:
         """Delete ``h``'s node when it is a ghost without children: the unknown parent of a
