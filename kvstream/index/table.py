@@ -539,11 +539,23 @@ class GroupTable:
     def _remove_py(self, block_hashes: Iterable[bytes], level: int | None, st: SourceStats) -> None:
         get = self.ids.get
         refs = self.refs
+        kid = self.kid
+        rooted = self.rooted
         for h in block_hashes:
             n = get(h)
             r = 0 if n is None else refs[n]
             if n is None or not r:
                 st.unknown_removes += 1
+                continue
+            if r == 1 and not level and kid[n] < 0 and not self.kdup:
+                # the common eviction, inline: a leaf's only reference, on the GPU
+                refs[n] = 0
+                self.present -= 1
+                if rooted[n]:
+                    rooted[n] = 0
+                    if self.masks is not None:
+                        self.masks.discard(self.mkeys[n], self.slot)
+                self._delete_up(n)
                 continue
             if level is None:
                 t = _deepest(r) if r >> 16 else 0
