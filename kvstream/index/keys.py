@@ -62,7 +62,6 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-import xxhash
 from blake3 import blake3
 
 from kvstream.errors import ConfigError, HashingError
@@ -71,11 +70,9 @@ from kvstream.hashing import cbor
 from kvstream.hashing.accel import native_chains, pack_request
 from kvstream.hashing.dynamo import LOCAL_HASH_SEED, block_hash_seed, link_hash, local_hash
 from kvstream.hashing.dynamo import mm_suffix as _mm_suffix
-from kvstream.hashing.xxh3 import xxh3_128
+from kvstream.hashing.xxh3 import xxh3_64, xxh3_128
 
-#: XXH3-64 as 8 big-endian bytes: :func:`~kvstream.hashing.dynamo.local_hash` with a seed,
-#: :func:`~kvstream.hashing.dynamo.link_hash` without
-_xxh3_be: Final = xxhash.xxh3_64_digest
+_xxh3_be: Final = xxh3_64  # local_hash (seeded) and link_hash, for the per-block loops
 
 __all__ = [
     "CANONICAL_ALGO",

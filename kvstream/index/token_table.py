@@ -34,8 +34,7 @@ from typing import Any, Final, TypeGuard
 
 from kvstream._native import load as load_native
 from kvstream.events.model import StoredBlock
-from kvstream.hashing.dynamo import link_hash, local_hash
-from kvstream.hashing.xxh3 import xxh3_128
+from kvstream.hashing.xxh3 import xxh3_64, xxh3_128
 from kvstream.index.keys import (
     KEY_SIZE,
     ROOT_KEY,
@@ -58,6 +57,7 @@ __all__ = [
 
 _DEFERRED: Final = -3  # the parent is a skipped placeholder: resolve it by hash when needed
 _LOCAL: Final = 8  # bytes of a Dynamo local hash
+_xxh3_be: Final = xxh3_64  # local_hash (seeded) and link_hash, for the per-block loops
 
 
 def event_payloads(
@@ -118,11 +118,20 @@ def token_payloads(
     if 4 * sum(sizes) != len(view) or min(sizes, default=0) < 0:
         raise ValueError(f"store_tokens: the sizes need {4 * sum(sizes)} bytes of tokens")
     out: list[bytes] = []
+    append = out.append
     off = 0
+    if dynamo:  # local_hash inlined: XXH3-64 of each block's bytes, read in place
+        xxh3 = _xxh3_be
+        for size in sizes:
+            end = off + 4 * size
+            append(xxh3(view[off:end], seed) if size else b"")
+            off = end
+        return out
+    data = view.tobytes()
     for size in sizes:
-        raw = bytes(view[off : off + 4 * size])
-        off += 4 * size
-        out.append(local_hash(raw, seed) if dynamo and raw else raw)
+        end = off + 4 * size
+        append(data[off:end])
+        off = end
     return out
 
 
@@ -288,6 +297,7 @@ class TokenGroupTable(GroupTable):
         masks = self.masks
         slot = self.slot
         xxh = xxh3_128
+        xxh3_be = _xxh3_be
         dyn = self.dynamo
         one = level if isinstance(level, int) else None
         p, ok, pkey = self._parent(parent_hash, st)
@@ -346,8 +356,8 @@ class TokenGroupTable(GroupTable):
                 else:
                     self._add_more(p, n)
             if pkey:
-                if dyn:
-                    pkey = link_hash(pkey, payload) + payload
+                if dyn:  # link_hash(pkey, payload) + payload, inlined
+                    pkey = xxh3_be(pkey + payload) + payload
                 elif sc:
                     pkey = chain_key(pkey, payload, True)
                 else:
