@@ -289,7 +289,18 @@ def _plain_layout(rec: Mapping[str, Any], pos: int) -> tuple[int, list[int]] | N
     """A stored record's :attr:`ColumnBatch.token_layout` entry: its first token's offset
     ``pos`` and its blocks' token counts when they carry token ids only, else None."""
     get = rec.get
-    if any(get(f) is not None for f in _SCOPE_FIELDS) or any(get(f) for f in _SPARSE_FIELDS):
+    # _SCOPE_FIELDS and _SPARSE_FIELDS, spelled out: this runs once per stored event
+    if (
+        get("lora_id") is not None
+        or get("lora_ids") is not None
+        or get("lora_name") is not None
+        or get("lora_names") is not None
+        or get("cache_salt") is not None
+        or get("cache_salts") is not None
+        or get("mm_keys")
+        or get("token_extra_ids")
+        or get("extra_keys")
+    ):
         return None
     n = rec["block_count"]
     sizes = get("block_sizes")
