@@ -426,7 +426,8 @@ class VllmSha256CborHasher(VllmHasherBase):
         self._check_state(state)
         segments = cbor.block_arrays(raw[start * step : (start + n) * step], tokens_per_block)
         tails = self._block_extras(state.scope, n, None, None, _cbor_keys, first=state.depth == 0)
-        _set_tails(segments, tails)
+        if tails[0] != _NONE or tails[-1] != _NONE:  # [first] + [rest] * (n - 1)
+            _set_tails(segments, tails)
         digests = _sha_chain(state.key, segments)
         keys = digests[-(start + 1) % every :: every] if every > 0 else []
         return (digests if self.width == 32 else [d[-8:] for d in digests]), keys
@@ -442,13 +443,19 @@ def _set_tails(segments: list[bytes], tails: list[bytes]) -> None:
 def _sha_chain(parent: bytes, segments: list[bytes]) -> list[bytes]:
     """The SHA-256 chain over CBOR payload segments (``[parent, tokens, keys]`` after the
     parent), starting from ``parent``."""
-    sha = hashlib.sha256
+    head = _SHA_HEAD.copy  # SHA-256 with the payload's head absorbed: a copy per block
     out: list[bytes] = []
     append = out.append
     for seg in segments:
-        parent = sha(_PARENT_HEAD + parent + seg).digest()
+        h = head()
+        h.update(parent)
+        h.update(seg)
+        parent = h.digest()
         append(parent)
     return out
+
+
+_SHA_HEAD: Final = hashlib.sha256(_PARENT_HEAD)
 
 
 def _as_tuple(keys: list[Any]) -> tuple[Any, ...] | None:
