@@ -71,6 +71,10 @@ class _PyRecord:
         names = getattr(cls, "__record_fields__", None)
         if not names:
             raise TypeError(f"{cls.__name__} is not a record class with fields")
+        if not kwargs and len(args) == len(names):  # every value positional: the index's call
+            obj = object.__new__(cls)
+            _set_values(obj, args)
+            return obj
         defaults = cls.__record_defaults__
         n = len(names)
         if len(args) > n:
@@ -112,6 +116,8 @@ class _PyRecord:
 
 
 _MISSING: Any = object()
+#: the ``_values`` slot's setter (object.__setattr__ without the attribute lookup)
+_set_values: Any = _PyRecord.__dict__["_values"].__set__
 
 if TYPE_CHECKING:
     _Base: TypeAlias = _PyRecord
