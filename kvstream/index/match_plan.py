@@ -93,9 +93,21 @@ class MatchPlan:
                 if _fill is not None and type(found) is list:
                     # the loop below in C, but for tables with lower tiers (left to it)
                     found = _fill(out, found, rows, new, n, tpb, algo, w0)
-                ctx = (weights, w0, new, n, tpb, algo)
-                for slot, d in found:
-                    _place(out, rows[slot], hs, d, ctx)
+                for slot, d in found:  # _place, inlined: once per matched worker
+                    key, table, _, trusted, note, pos, more = rows[slot]
+                    m = new(
+                        key,
+                        d,
+                        table.weighted(hs, d, weights) if table.lower else d * w0,
+                        n,
+                        tpb,
+                        algo,
+                        trusted,
+                        note,
+                    )
+                    out[pos] = m
+                    for i in more:
+                        out[i] = m
                 continue
             # one chain per LoRA scope (token mode): each worker's deepest
             depth: dict[int, int] = {}
