@@ -31,6 +31,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "../_native/src/py_pairs.h"
+
 /* ------------------------------------------------------------------ Column */
 
 /* A growable vector of 64-bit integers (signed, or unsigned for packed reference counts)
@@ -778,16 +780,7 @@ search_get(Search *s, Py_ssize_t i, unsigned char *dst)
 static PyObject *
 pair_new(Py_ssize_t a, Py_ssize_t b)
 {
-    PyObject *x = PyLong_FromSsize_t(a), *y = x == NULL ? NULL : PyLong_FromSsize_t(b);
-    PyObject *t = y == NULL ? NULL : PyTuple_New(2);
-    if (t == NULL) {
-        Py_XDECREF(x);
-        Py_XDECREF(y);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(t, 0, x);
-    PyTuple_SET_ITEM(t, 1, y);
-    return t;
+    return pair_steal(PyLong_FromSsize_t(a), PyLong_FromSsize_t(b));
 }
 
 /* An int of ``width`` little-endian bytes. */

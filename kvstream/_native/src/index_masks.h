@@ -393,23 +393,6 @@ is_zero(const uint8_t *b, Py_ssize_t w)
     return 1;
 }
 
-/* (first, PyLong(second)), stealing first (NULL: an error is set); no format string parsed
- * per pair, as Py_BuildValue would (a few percent of a query with 64 candidates) */
-static PyObject *
-int_pair(PyObject *first, Py_ssize_t second)
-{
-    PyObject *pair = first == NULL ? NULL : PyTuple_New(2);
-    PyObject *b = pair == NULL ? NULL : PyLong_FromSsize_t(second);
-    if (b == NULL) {
-        Py_XDECREF(first);
-        Py_XDECREF(pair);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(pair, 0, first);
-    PyTuple_SET_ITEM(pair, 1, b);
-    return pair;
-}
-
 static int
 search_emit(Search *s, const uint8_t *mlo, const uint8_t *mhi, Py_ssize_t depth)
 {
@@ -423,7 +406,7 @@ search_emit(Search *s, const uint8_t *mlo, const uint8_t *mhi, Py_ssize_t depth)
                     s->depth_of[8 * k + j] = depth;
         return 0;
     }
-    PyObject *pair = int_pair(bits_int(b, s->width), depth);
+    PyObject *pair = pair_steal(bits_int(b, s->width), PyLong_FromSsize_t(depth));
     if (pair == NULL)
         return -1;
     int rc = PyList_Append(s->out, pair);
@@ -496,7 +479,7 @@ mm_search(MM *m, PyObject *const *args, Py_ssize_t nargs, int per_slot)
         for (Py_ssize_t k = 0; k < 8 * m->width; k++) {
             if (!s.depth_of[k])
                 continue;
-            PyObject *pair = int_pair(PyLong_FromSsize_t(k), s.depth_of[k]);
+            PyObject *pair = pair_steal(PyLong_FromSsize_t(k), PyLong_FromSsize_t(s.depth_of[k]));
             int bad = pair == NULL || PyList_Append(out, pair) < 0;
             Py_XDECREF(pair);
             if (bad)

@@ -99,6 +99,7 @@ typedef struct __attribute__((packed)) {
 #define NODE_HDR ((Py_ssize_t)sizeof(Node))
 #define ND(t, n) ((Node *)((t)->nodes + (size_t)(n) * (size_t)(t)->stride))
 
+#include "py_pairs.h"
 #include "index_masks.h"
 
 /* ------------------------------------------------------------------ keys and the map */
