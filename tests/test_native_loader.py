@@ -70,7 +70,7 @@ _USERS = """
 import json
 from collections.abc import Iterator
 from kvstream.codec import tokens, encoder, columnar
-from kvstream.events import trusted, columns
+from kvstream.events import columns
 from kvstream.hashing import accel, trtllm
 from kvstream.engines import vllm
 from kvstream.workloads import mooncake
@@ -79,7 +79,6 @@ print(json.dumps({
     "codec.encoder": encoder._NATIVE_ENCODE is not None,
     "codec.columnar": columnar.NATIVE,
     "events.columns": columns.native_model_columns() is not None,
-    "events.trusted": trusted._trusted_native is not None,
     "hashing.accel": accel._chainnative is not None,
     "hashing.trtllm": trtllm._v1native is not None,
     "engines.vllm": vllm._wire_native is not None,

@@ -43,20 +43,8 @@ PATTERNS: dict[str, str] = {
 
 #: (file, pattern name) -> why it is still there. Remove an entry with the code it names.
 ALLOWED: dict[tuple[str, str], str] = {
-    # Builds pydantic models by setting __dict__ and pydantic's three slots, and TokenIds /
-    # TokenIdsView by writing their slots. Kept: building the models through pydantic's public
-    # API instead (model_copy of a template, or validation) costs ~20x per block and took the
-    # Mooncake conversation replay from 5.0 s to 7.4 s CPU (goal < 5 s; bench_peers replay
-    # row, same load, interleaved) and bench_bridge's models row from 0.18x to 0.09x msgspec.
-    # It goes once the emitter hands the pipeline columns and models are built only at the
-    # public edge (issue 22 §2).
-    ("kvstream/events/_trusted_native.c", "member descriptor"): "see above",
-    ("kvstream/events/_trusted_native.c", "__slots__"): "see above",
-    ("kvstream/events/_trusted_native.c", "pydantic internals"): "see above",
-    ("kvstream/events/_trusted_native.c", "instance __dict__"): "see above",
-    ("kvstream/events/_trusted_native.c", "private attribute"): "see above (TokenIds._raw)",
-    # codec/* is another helper's (issue 22 §2 / 23): they read (never write) a pydantic
-    # model's field values from its instance __dict__ in one pass.
+    # the codec's model readers read (never write) a pydantic model's field values from its
+    # instance __dict__ in one pass (issue 22 §2 / 23).
     ("kvstream/codec/_columns_native.c", "instance __dict__"): "codec owner: model_columns",
     ("kvstream/codec/_batch_body.h", "instance __dict__"): "codec owner: encode_body",
     # its own module's pickling helper (Column.__reduce__), not another object's field

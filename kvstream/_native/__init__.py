@@ -44,7 +44,6 @@ __all__ = [
 MODULES: Final[dict[str, str]] = {
     "kvstream.hashing._v1native": "hashing",
     "kvstream.hashing._chainnative": "hashing",
-    "kvstream.events._trusted_native": "codec",
     "kvstream.engines._wire_native": "codec",
     "kvstream.codec._tokens_native": "codec",
     "kvstream.codec._columns_native": "codec",

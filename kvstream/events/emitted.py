@@ -1,7 +1,7 @@
 """An emitter's buffered records -> :class:`~kvstream.events.model.EventBatch`:
-:func:`emitted_batch`, which builds without re-validating what the emitter already checked (in
-one C call where the extension is built; :func:`_py_events` is its Python reference and
-fallback)."""
+:func:`emitted_batch`, which builds without re-validating what the emitter already checked.
+Pipelines whose sinks take columns never call it (the batch goes out as columns); it serves
+the sinks and readers that ask for models."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from kvstream.events.deferred import BlockRun, model_input
 from kvstream.events.emitter_checks import _I64_MAX
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, SourceId, Stored
 from kvstream.events.trusted import (
-    native_events_builder,
     token_blocks,
     trusted_builder,
     trusted_stored_blocks,
@@ -36,9 +35,8 @@ def emitted_batch(source: SourceId, ts_ns: int, records: Iterable[dict[str, Any]
 
     The emitter validated every value it recorded (hash widths, ids, groups, tokens), so the
     ``stored`` events of plain blocks and the ``removed`` events, nearly all of a cache's
-    traffic, are built without re-validating (:mod:`kvstream.events.trusted`; the whole loop
-    in one C call where the extension is built); any other record (blocks with attributes,
-    created/updated/cleared/lost) is validated as before.
+    traffic, are built without re-validating (:mod:`kvstream.events.trusted`); any other
+    record (blocks with attributes, created/updated/cleared/lost) is validated as before.
     """
     if type(ts_ns) is not int or not 0 <= ts_ns <= _I64_MAX:
         return EventBatch(source=source, ts_ns=ts_ns, events=model_input(records))
@@ -51,7 +49,6 @@ def _validated_event(rec: dict[str, Any]) -> KVCacheEvent:
 
 
 def _py_events(records: Iterable[dict[str, Any]]) -> tuple[KVCacheEvent, ...]:
-    # emitted_batch's events in Python: the reference of the C loop, and its fallback
     events: list[KVCacheEvent] = []
     append = events.append
     for rec in records:
@@ -80,7 +77,7 @@ def _py_events(records: Iterable[dict[str, Any]]) -> tuple[KVCacheEvent, ...]:
     return tuple(events)
 
 
-_events: Final = native_events_builder(BlockRun, _validated_event) or _py_events
+_events: Final = _py_events
 
 
 def _run_tokens(run: BlockRun) -> tuple[TokenIds, ...]:

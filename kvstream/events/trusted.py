@@ -7,39 +7,30 @@ build the objects with :func:`trusted`. The object is indistinguishable from a v
 (same fields, equality, hashing, repr, ``model_fields_set``); the caller's contract is that
 every value would have passed validation (types, ranges, hash widths matching ``hash_algo``).
 
-Two implementations build identical objects: the optional C extension
-:mod:`kvstream.events._trusted_native` (built by ``pip install`` when a C compiler is present;
-the default when it is) and the pure-Python code here (the reference, and the fallback). Set
-``KVSTREAM_NO_NATIVE=1`` (any value but empty or ``0``) before import to force pure Python.
+The objects are filled as pydantic's own ``BaseModel.model_construct`` fills an instance
+(``__dict__`` in field order and the three ``__pydantic_*`` attributes), without its per-field
+loop, in Python only: no native code writes a model's fields (issue 22). Hot paths do not
+build models at all: engine frames and the cache manager's batches travel as columns
+(:class:`~kvstream.events.columns.ColumnBatch`) to the sinks and indexes that take them, and
+models are built here only where a caller asks for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Final, Protocol, TypeVar
 
-from kvstream._native import load as load_native
 from kvstream._types import PRIORITY_DEFAULT as _PRIORITY_DEFAULT
-from kvstream._types import TokenIds, TokenIdsView
+from kvstream._types import TokenIds
 from kvstream.events.model import EventBatch, KVCacheEvent, Removed, Stored, StoredBlock
 
-if TYPE_CHECKING:  # typed by its stub; None at run time when not loaded
-    from kvstream.events import _trusted_native
-else:
-    _trusted_native = load_native("kvstream.events._trusted_native")
-
 __all__ = [
-    "NATIVE_AVAILABLE",
-    "native_events_builder",
     "token_blocks",
     "trusted",
     "trusted_builder",
     "trusted_stored_block",
     "trusted_stored_blocks",
 ]
-
-#: Whether the C extension is loaded (every function here then uses it).
-NATIVE_AVAILABLE: Final[bool] = _trusted_native is not None
 
 _M = TypeVar("_M", KVCacheEvent, Stored, StoredBlock, Removed, EventBatch)
 
@@ -70,19 +61,10 @@ def _py_trusted(cls: type[_M], values: dict[str, Any]) -> _M:
     return obj
 
 
-if _trusted_native is not None:
-    _FACTORIES: Final[dict[type[Any], Any]] = {
-        cls: _trusted_native.ModelFactory(cls, tmpl) for cls, tmpl in _TEMPLATES.items()
-    }
-
-
 def trusted(cls: type[_M], values: dict[str, Any]) -> _M:
     """An instance of ``cls`` (StoredBlock, Stored, Removed, KVCacheEvent or EventBatch)
     holding ``values`` (field name -> already valid value; omitted fields take their
     defaults; the given ones are its ``model_fields_set``)."""
-    if _trusted_native is not None:
-        built: _M = _FACTORIES[cls].build(values)
-        return built
     return _py_trusted(cls, values)
 
 
@@ -91,9 +73,6 @@ def trusted_builder(cls: type[_M]) -> Callable[[dict[str, Any]], _M]:
     without the per-call dispatch (the per-event hot path of the engine bridges)."""
     if cls not in _TEMPLATES:
         raise TypeError(f"trusted() builds {', '.join(c.__name__ for c in _TEMPLATES)} only")
-    if _trusted_native is not None:
-        build: Callable[[dict[str, Any]], _M] = _FACTORIES[cls].build
-        return build
     return lambda values: _py_trusted(cls, values)
 
 
@@ -215,11 +194,8 @@ class _StoredBlocks(Protocol):
 #: ``token_ids[i]`` and, when ``extra_keys`` is given, ``extra_keys[i]``; the other values are
 #: shared. ``fields_set`` names the fields given explicitly; a block whose extra keys are not
 #: None has ``extra_keys`` in its fields set too. Equal to :func:`trusted_stored_block` per
-#: block. Raises ValueError when the tuples' lengths differ (the C extension's version, the
-#: default, takes exactly tuples: TypeError otherwise).
-trusted_stored_blocks: Final[_StoredBlocks] = (
-    _py_stored_blocks if _trusted_native is None else _FACTORIES[StoredBlock].blocks
-)
+#: block. Raises ValueError when the lengths differ.
+trusted_stored_blocks: Final[_StoredBlocks] = _py_stored_blocks
 
 
 def _py_token_blocks(raw: bytes, step: int) -> tuple[TokenIds, ...]:
@@ -238,31 +214,4 @@ def _py_token_blocks(raw: bytes, step: int) -> tuple[TokenIds, ...]:
 #: consecutive ``step``-byte blocks, the last one possibly shorter, each a
 #: :class:`~kvstream._types.TokenIds`; ``()`` for empty ``raw``. Raises ValueError unless
 #: ``step`` is a positive multiple of 4 and ``len(raw)`` a multiple of 4.
-token_blocks: Final[Callable[[bytes, int], tuple[TokenIds, ...]]] = (
-    _py_token_blocks if _trusted_native is None else _trusted_native.TokenFactory(TokenIds).split
-)
-
-
-def native_events_builder(
-    run_type: type[Any], fallback: Callable[[dict[str, Any]], KVCacheEvent]
-) -> Callable[[Iterable[dict[str, Any]]], tuple[KVCacheEvent, ...]] | None:
-    """The C loop of :func:`kvstream.events.emitter.emitted_batch` (None without the C
-    extension): called with an emitter's buffered records, it returns their events, a
-    ``stored`` record whose ``blocks`` is a ``run_type`` (the emitter's BlockRun) without
-    per-block attributes and a non-empty ``removed`` record built with this module's
-    factories (a block of a packed chain gets a :class:`~kvstream._types.TokenIdsView` of the
-    chain's bytes), any other record as ``fallback(record)`` returns it."""
-    if not NATIVE_AVAILABLE:
-        return None
-    builder = _trusted_native.EmittedEvents(
-        _FACTORIES[KVCacheEvent],
-        _FACTORIES[Stored],
-        _FACTORIES[Removed],
-        _FACTORIES[StoredBlock],
-        _trusted_native.TokenFactory(TokenIds),
-        run_type,
-        TokenIdsView,
-        fallback,
-    )
-    events: Callable[[Iterable[dict[str, Any]]], tuple[KVCacheEvent, ...]] = builder.events
-    return events
+token_blocks: Final[Callable[[bytes, int], tuple[TokenIds, ...]]] = _py_token_blocks

@@ -4,13 +4,11 @@
 PyMODINIT_FUNC PyInit__tokens_native(void);
 PyMODINIT_FUNC PyInit__columns_native(void);
 PyMODINIT_FUNC PyInit__wire_native(void);
-PyMODINIT_FUNC PyInit__trusted_native(void);
 
 static struct PyModuleDef role = {
     PyModuleDef_HEAD_INIT, "kvstream._native._codec",
     "kvstream's native codec and wire readers: Avro token planes and batch bodies "
-    "(_tokens_native), Avro to columns (_columns_native), vLLM-family msgpack (_wire_native), "
-    "validated event models (_trusted_native).",
+    "(_tokens_native), Avro to columns (_columns_native), vLLM-family msgpack (_wire_native).",
     -1, NULL,
 };
 
@@ -23,8 +21,7 @@ PyInit__codec(void)
         return NULL;
     if (role_attach(m, "kvstream.codec._tokens_native", PyInit__tokens_native) < 0
         || role_attach(m, "kvstream.codec._columns_native", PyInit__columns_native) < 0
-        || role_attach(m, "kvstream.engines._wire_native", PyInit__wire_native) < 0
-        || role_attach(m, "kvstream.events._trusted_native", PyInit__trusted_native) < 0) {
+        || role_attach(m, "kvstream.engines._wire_native", PyInit__wire_native) < 0) {
         Py_DECREF(m);
         return NULL;
     }

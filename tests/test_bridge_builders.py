@@ -1,13 +1,12 @@
-"""The bridge's C extensions against their pure-Python references.
+"""The engine bridge's model builders and its C array reader.
 
-``kvstream.events._trusted_native`` builds model objects without validation exactly as
-:mod:`kvstream.events.trusted` does in Python; ``kvstream.engines._wire_native`` reads the
-msgpack arrays of vLLM-family payloads as :mod:`kvstream.engines.vllm` does through msgspec.
-Skipped when the extensions are not built (no C compiler at install time) or when
-KVSTREAM_NO_NATIVE forces the pure-Python path. Properties: C and Python build equal objects
-(``==``, repr, ``model_dump``, ``model_fields_set``, field order, a validation round trip); a
-whole decode + convert gives the same batches either way; bad arguments raise, never crash;
-reference counts and memory stay flat.
+:mod:`kvstream.events.trusted` builds model objects without validation, in Python (no native
+code writes a model's fields); ``kvstream.engines._wire_native`` reads the msgpack arrays of
+vLLM-family payloads as :mod:`kvstream.engines.vllm` does through msgspec. Skipped when the
+wire extension is not built. Properties: the builders' objects are indistinguishable from
+validated ones (``==``, repr, ``model_dump``, ``model_fields_set``, field order, a validation
+round trip); the C arrays equal msgspec's; a whole decode + convert gives the same batches
+with and without the native parts; bad arguments raise, never crash; memory stays flat.
 """
 
 from __future__ import annotations
@@ -44,22 +43,16 @@ from kvstream.events.model import (
     StoredBlock,
 )
 
-native = native_part("kvstream.events._trusted_native")
 wire = native_part("kvstream.engines._wire_native")
-if not trusted_mod.NATIVE_AVAILABLE:  # pragma: no cover - only under KVSTREAM_NO_NATIVE
-    pytest.skip("KVSTREAM_NO_NATIVE forces the pure-Python path", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
-C_BLOCKS = trusted_mod.trusted_stored_blocks
-PY_BLOCKS = trusted_mod._py_stored_blocks
-C_TOKENS = trusted_mod.token_blocks
-PY_TOKENS = trusted_mod._py_token_blocks
+BLOCKS = trusted_mod.trusted_stored_blocks
+TOKENS = trusted_mod.token_blocks
 _OPTIONAL = ("cache_level", "lora_id", "lora_name", "cache_salt")
-_SLOTS = ("__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
 
 
 def _same(c: BaseModel, py: BaseModel) -> None:
-    """c and py are indistinguishable, and both equal their validated twin."""
+    """c and py are indistinguishable, and a validation round trip gives c back."""
     assert type(c) is type(py)
     assert c == py
     assert repr(c) == repr(py)
@@ -116,38 +109,35 @@ def _event_blocks(draw: st.DrawFn) -> tuple[tuple[bytes, ...], tuple[TokenIds, .
 
 
 @settings(max_examples=300, deadline=None)
-@given(_event_blocks(), st.booleans())
-def test_blocks_equal_the_python_reference(case: Any, by_keyword: bool) -> None:
+@given(_event_blocks())
+def test_blocks_equal_one_block_at_a_time(case: Any) -> None:
     hashes, tokens, extra, shared = case
-    if by_keyword:
-        c = C_BLOCKS(block_hashes=hashes, token_ids=tokens, extra_keys=extra, **shared)
-    else:
-        c = C_BLOCKS(hashes, tokens, extra_keys=extra, **shared)
-    py = PY_BLOCKS(hashes, tokens, extra_keys=extra, **shared)
-    assert type(c) is tuple
-    assert len(c) == len(py) == len(hashes)
-    for i, (a, b) in enumerate(zip(c, py, strict=True)):
-        _same(a, b)
+    fields_set = shared.pop("fields_set")
+    built = BLOCKS(hashes, tokens, extra_keys=extra, fields_set=fields_set, **shared)
+    assert type(built) is tuple
+    assert len(built) == len(hashes)
+    for i, a in enumerate(built):
+        keys = None if extra is None else extra[i]
+        one = trusted_mod.trusted_stored_block(
+            hashes[i],
+            tokens[i],
+            extra_keys=keys,
+            fields_set=fields_set | {"extra_keys"} if keys is not None else fields_set,
+            **shared,
+        )
+        _same(a, one)
         assert a.block_hash is hashes[i]
         assert a.token_ids is tokens[i]
-        keys = None if extra is None else extra[i]
         assert a.extra_keys is keys
         assert ("extra_keys" in a.model_fields_set) is (keys is not None)
     # every block owns its fields set
-    if len(c) > 1:
-        assert c[0].__pydantic_fields_set__ is not c[1].__pydantic_fields_set__
+    if len(built) > 1:
+        assert built[0].__pydantic_fields_set__ is not built[1].__pydantic_fields_set__
 
 
-def test_blocks_keywords_need_not_be_interned() -> None:
-    h, t = (b"\x00" * 8,), (TokenIds([1]),)
-    name = "".join(["lora", "_name"])  # built at run time: not the interned parameter name
-    (c,) = C_BLOCKS(h, t, **{name: "x"})
-    assert c.lora_name == "x"
-
-
-def test_blocks_defaults_match_trusted_stored_block() -> None:
+def test_blocks_defaults_equal_a_validated_block() -> None:
     h, t = b"\x00" * 7 + b"\x01", TokenIds([1, 2])
-    (c,) = C_BLOCKS((h,), (t,))
+    (c,) = BLOCKS((h,), (t,))
     _same(c, trusted_mod.trusted_stored_block(h, t))
     _same(c, StoredBlock(block_hash=h, token_ids=t))
 
@@ -210,12 +200,10 @@ def _model_values(draw: st.DrawFn) -> tuple[type[BaseModel], dict[str, Any]]:
 
 @settings(max_examples=200, deadline=None)
 @given(_model_values())
-def test_trusted_equals_the_python_reference(case: tuple[type[BaseModel], dict[str, Any]]) -> None:
+def test_trusted_equals_the_validated_model(case: tuple[type[BaseModel], dict[str, Any]]) -> None:
     cls, values = case
     c = trusted_mod.trusted(cls, values)  # type: ignore[type-var]
-    assert trusted_mod.trusted_builder(cls)(values) == c  # type: ignore[type-var]
-    py = trusted_mod._py_trusted(cls, values)  # type: ignore[type-var]
-    _same(c, py)
+    _same(c, trusted_mod.trusted_builder(cls)(values))  # type: ignore[type-var]
     assert c.model_fields_set == set(values)
     _same(c, cls(**values))
 
@@ -227,20 +215,19 @@ def test_trusted_builder_refuses_other_classes() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64).map(lambda b: b[: len(b) // 4 * 4]), st.integers(1, 6))
-def test_token_blocks_equal_the_python_reference(raw: bytes, words: int) -> None:
+def test_token_blocks_cut_the_ids_in_steps(raw: bytes, words: int) -> None:
     step = 4 * words
-    c, py = C_TOKENS(raw, step), PY_TOKENS(raw, step)
-    assert c == py
-    assert all(type(t) is TokenIds for t in c)
-    assert [t.raw for t in c] == [t.raw for t in py]
-    assert b"".join(t.raw for t in c) == raw
+    blocks = TOKENS(raw, step)
+    assert all(type(t) is TokenIds for t in blocks)
+    assert [len(t.raw) for t in blocks[:-1]] == [step] * (len(blocks) - 1)
+    assert 0 < len(blocks[-1].raw) <= step if raw else blocks == ()
+    assert b"".join(t.raw for t in blocks) == raw
 
 
 @pytest.mark.parametrize(("raw", "step"), [(b"\x00" * 6, 4), (b"\x00" * 8, 6), (b"", 0), (b"", -4)])
 def test_token_blocks_refuse_what_python_refuses(raw: bytes, step: int) -> None:
-    for f in (C_TOKENS, PY_TOKENS):
-        with pytest.raises(ValueError, match="multiple of 4"):
-            f(raw, step)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        TOKENS(raw, step)
 
 
 # ------------------------------------------------------------------------ msgpack arrays
@@ -392,87 +379,19 @@ def test_arrays_need_a_buffer() -> None:
 # ------------------------------------------------------------------------ bad arguments
 
 
-def test_factories_refuse_bad_arguments() -> None:
-    sb = trusted_mod._FACTORIES[StoredBlock]
-    ev = trusted_mod._FACTORIES[KVCacheEvent]
-    tok = native.TokenFactory(TokenIds)
+def test_builders_refuse_bad_arguments() -> None:
     h, t = (b"\x00" * 8,), (TokenIds([1]),)
     bad_calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], type[Exception]]] = [
-        (native.ModelFactory, (1, {}), {}, TypeError),
-        (native.ModelFactory, (StoredBlock, []), {}, TypeError),
-        (native.ModelFactory, (int, {}), {}, TypeError),  # variable-size instances
-        (native.ModelFactory, (type("Plain", (), {}), {}), {}, AttributeError),
-        (native.ModelFactory, (type("Attrs", (), dict.fromkeys(_SLOTS, 1)), {}), {}, TypeError),
-        (native.ModelFactory, (SourceId,), {}, TypeError),
-        (native.TokenFactory, (StoredBlock,), {}, AttributeError),
-        (native.TokenFactory, (object,), {}, AttributeError),
-        (sb.blocks, (), {}, TypeError),
-        (sb.blocks, (h,), {}, TypeError),
-        (sb.blocks, (list(h), t), {}, TypeError),
-        (sb.blocks, (h, t), {"extra_keys": [None]}, TypeError),
-        (sb.blocks, (h, t * 2), {}, ValueError),
-        (sb.blocks, (h, t), {"extra_keys": (None, None)}, ValueError),
-        (PY_BLOCKS, (h, t), {"extra_keys": (None, None)}, ValueError),
-        (sb.blocks, (h, t), {"colour": 1}, TypeError),
-        (sb.blocks, (h, t), {"block_hashes": h}, TypeError),
-        (sb.blocks, (h, t, None), {}, TypeError),  # keyword-only, as the reference
-        (PY_BLOCKS, (h, t, None), {}, TypeError),
-        (sb.blocks, (h, t), {"fields_set": 3}, TypeError),
-        (ev.blocks, (h, t), {}, TypeError),
-        (ev.build, ([],), {}, TypeError),
-        (ev.new, ({},), {}, TypeError),
-        (ev.new, ([], set()), {}, TypeError),
-        (tok.split, (bytearray(4), 4), {}, TypeError),
-        (tok.split, (b"", "4"), {}, TypeError),
-        (tok.split, (b"\x00" * 4, 0), {}, ValueError),
-        (tok.split, (b"\x00" * 4,), {}, TypeError),
-        (native.ModelFactory.__new__(native.ModelFactory).build, ({},), {}, RuntimeError),
-        (native.TokenFactory.__new__(native.TokenFactory).split, (b"", 4), {}, RuntimeError),
+        (BLOCKS, (h, t * 2), {}, ValueError),
+        (BLOCKS, (h, t), {"extra_keys": (None, None)}, ValueError),
+        (BLOCKS, (h, t), {"colour": 1}, TypeError),
+        (BLOCKS, (h, t, None), {}, TypeError),  # keyword-only
+        (TOKENS, (b"\x00" * 4, 0), {}, ValueError),
+        (TOKENS, (b"\x00" * 4,), {}, TypeError),
     ]
     for fn, args, kwargs, exc in bad_calls:
         with pytest.raises(exc):
             fn(*args, **kwargs)
-
-
-def test_new_takes_the_dict_itself() -> None:
-    fields = dict(trusted_mod._TEMPLATES[Removed], block_hashes=(b"\x01" * 8,))
-    obj = trusted_mod._FACTORIES[Removed].new(fields, ["block_hashes"])
-    assert obj.__dict__ is fields
-    _same(obj, Removed(block_hashes=(b"\x01" * 8,)))
-
-
-# ------------------------------------------------------------------- reference counting
-
-
-def test_reference_counts_stay_flat() -> None:
-    name, salt, lora = "adapter-name-x", "salt-value-x", 2**63 + 5
-    kw: dict[str, Any] = {"lora_id": lora, "lora_name": name, "cache_level": 2}
-    hashes = tuple(i.to_bytes(8, "big") for i in range(1, 5))
-    tokens = C_TOKENS(TokenIds(range(14)).raw, 16)
-    extra = ((name, 1), None, ("x",), None)
-    fs = frozenset({"block_hash", "token_ids", "lora_name"})
-    watched = [name, salt, lora, fs, *hashes, *tokens, extra[0], extra[2]]
-    raw = TokenIds(range(14)).raw
-
-    def counts() -> list[int]:
-        gc.collect()
-        return [sys.getrefcount(x) for x in watched] + [sys.getrefcount(raw)]
-
-    kw.update(extra_keys=extra, cache_salt=salt, fields_set=fs)
-    C_BLOCKS(hashes, tokens, **kw)  # warm any caches
-    before = counts()
-    for _ in range(200):
-        blocks = C_BLOCKS(hashes, tokens, **kw)
-        owners = sys.getrefcount(blocks[0])  # outside the assert: pytest keeps its operands
-        assert owners == 2  # the tuple's and getrefcount's argument
-        split = C_TOKENS(raw, 16)
-        trusted_mod.trusted(Stored, {"blocks": blocks, "parent_hash": hashes[0]})
-        with pytest.raises(ValueError, match="one entry per block"):
-            C_BLOCKS(hashes, tokens[:2], **kw)
-        with pytest.raises(TypeError):
-            C_BLOCKS(hashes, tokens, colour=1, **kw)
-        del blocks, split
-    assert counts() == before
 
 
 def _rss() -> int:
@@ -510,7 +429,7 @@ def test_memory_stays_flat_over_many_conversions() -> None:
     assert grown < 4 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 1e5 conversions"
 
 
-# ------------------------------------------------------- the bridge, C against Python
+# ------------------------------------------------ the bridge, native against pure Python
 
 _SCRIPT = r"""
 import json, random, sys
@@ -567,7 +486,7 @@ def removed():
     return {"type": "BlockRemoved", "block_hashes": [h() for _ in range(rng.randint(1, 3))],
             "medium": rng.choice(MEDIA[:5]), "group_idx": rng.choice([0, 0, 1])}
 
-print(json.dumps([trusted.NATIVE_AVAILABLE, vllm._wire_native is not None]))
+print(json.dumps([vllm._wire_native is not None]))
 for algo in ("vllm_sha256_64", "vllm_sha256", "mystery_algo"):
     for dialect in (vllm.VLLM, SGLANG):
         s = EngineStream("w", 0, algo, clock_ns=lambda: 1)
@@ -594,8 +513,8 @@ def test_the_bridge_builds_the_same_batches_either_way(seed: int) -> None:
             capture_output=True,
             text=True,
         ).stdout.splitlines()
-    assert json.loads(outs["0"][0]) == [True, True]
-    assert json.loads(outs["1"][0]) == [False, False]
+    assert json.loads(outs["0"][0]) == [True]
+    assert json.loads(outs["1"][0]) == [False]
     assert len(outs["0"]) == len(outs["1"]) > 300
     kinds = set()
     for native_line, python_line in zip(outs["0"][1:], outs["1"][1:], strict=True):
@@ -609,11 +528,9 @@ def test_env_var_forces_the_pure_python_path(value: str, loaded: bool) -> None:
     code = (
         "import sys\n"
         "from kvstream.engines import vllm\n"
-        "from kvstream.events import trusted\n"
-        "assert ('kvstream.events._trusted_native' in sys.modules) is trusted.NATIVE_AVAILABLE\n"
-        "assert ('kvstream.engines._wire_native' in sys.modules) is trusted.NATIVE_AVAILABLE\n"
-        "assert (vllm._wire_native is None) is not trusted.NATIVE_AVAILABLE\n"
-        "print(trusted.NATIVE_AVAILABLE)\n"
+        "native = vllm._wire_native is not None\n"
+        "assert ('kvstream.engines._wire_native' in sys.modules) is native\n"
+        "print(native)\n"
     )
     env = {**os.environ, "KVSTREAM_NO_NATIVE": value}
     out = subprocess.run(
@@ -622,6 +539,6 @@ def test_env_var_forces_the_pure_python_path(value: str, loaded: bool) -> None:
     assert out.split() == [str(loaded)]
 
 
-def test_the_fast_path_uses_the_extensions() -> None:
+@pytest.mark.skipif(vllm_mod._wire_native is None, reason="KVSTREAM_NO_NATIVE=1")
+def test_the_fast_path_uses_the_extension() -> None:
     assert vllm_mod._wire_native is wire
-    assert trusted_mod.trusted_stored_blocks == trusted_mod._FACTORIES[StoredBlock].blocks
