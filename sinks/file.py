@@ -57,6 +57,7 @@ from kvstream.errors import (
     PermanentSinkError,
     RetriableSinkError,
 )
+from kvstream.events.columns import ColumnBatch
 from kvstream.events.model import EventBatch
 from kvstream.sink import Abandoned, ExportResult, Sink, SinkURL
 
@@ -150,9 +151,14 @@ class FileSink(Sink):
     ``rotate_bytes``/``rotate_s``: start a new file once the current one is that big or that
     old (None: never). ``fsync_every_export``: fsync after each export, not only on
     flush/close (slower, durable per export).
+
+    It takes column batches too (``accepts_columns``): an Avro file gets their records straight
+    from the columns (the bytes their models would give), without a model per event or block;
+    a JSON Lines file builds the models it prints.
     """
 
     scheme = "file"
+    accepts_columns = True
 
     def __init__(
         self,
@@ -350,7 +356,7 @@ class FileSink(Sink):
 
     def _encode(self, batches: Sequence[EventBatch], enc: ContainerEncoder | None) -> bytes:
         if enc is None:
-            return b"".join(b.model_dump_json().encode() + b"\n" for b in batches)
+            return b"".join(_model(b).model_dump_json().encode() + b"\n" for b in batches)
         return enc.block(batches)
 
     def _write(self, batches: Sequence[EventBatch]) -> list[tuple[EventBatch, int]]:
@@ -399,7 +405,7 @@ class FileSink(Sink):
                 self.stats.bytes += len(data)
         self._written += batches
         self.stats.batches += len(batches)
-        self.stats.events += sum(len(b.events) for b in batches)
+        self.stats.events += sum(_events(b) for b in batches)
 
     def _write_each(self, batches: Sequence[EventBatch]) -> list[tuple[EventBatch, int]]:
         """After an EFBIG: write each batch as its own block, starting a new file whenever
@@ -496,10 +502,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _model(batch: EventBatch | ColumnBatch) -> EventBatch:
+    return batch.to_batch() if isinstance(batch, ColumnBatch) else batch
+
+
+def _events(batch: EventBatch | ColumnBatch) -> int:
+    return len(batch) if isinstance(batch, ColumnBatch) else len(batch.events)
+
+
+def _event_ids(batch: EventBatch | ColumnBatch) -> list[int]:
+    if isinstance(batch, ColumnBatch):
+        return list(batch.event_ids)
+    return [e.event_id for e in batch.events]
+
+
 def _too_big_reason(too_big: list[tuple[EventBatch, int]], limit: int | None) -> str:
-    events = sum(len(b.events) for b, _ in too_big)
+    events = sum(_events(b) for b, _ in too_big)
     first, size = too_big[0]
-    ids = [e.event_id for e in first.events]
+    ids = _event_ids(first)
     src = first.source
     rank = "" if src.attention_dp_rank is None else f" rank {src.attention_dp_rank}"
     where = f"{src.instance_id}{rank} ids {min(ids)}..{max(ids)}" if ids else src.instance_id

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest_kafka import KafkaEnv
 from kafka_broker import TopicReader
-from kvstream.sinks.file import FileSink, read_dir
+from kvstream.sinks.file import FileSink, _too_big_reason, read_dir
 from kvstream.sinks.kafka import KafkaSink
 from kvstream.sinks.memory import MemorySink
 from pipeline_helpers import batches_for, check_contiguous, make_batch, source, stream_ids
@@ -161,14 +161,29 @@ async def test_deferred_and_built_batches_mix_in_order() -> None:
     assert (report.events_in, report.events_out) == (70, 70)
 
 
-async def test_deferred_batches_through_the_file_sink(tmp_path: Path) -> None:
-    sink = FileSink(tmp_path)
+@pytest.mark.parametrize("fmt", ["avro", "jsonl"])
+async def test_deferred_batches_through_the_file_sink(tmp_path: Path, fmt: str) -> None:
+    """The file sink takes columns: Avro files get their records from the columns (no model
+    built), JSON Lines files from the models they print."""
+    sink = FileSink(tmp_path, format=fmt)  # type: ignore[arg-type]
     stream = cache_deferred("f", None)
     async with Pipeline([sink], config()) as pipe:
         for d in stream:
             assert pipe.submit(d)
         assert await pipe.flush(5)
-    assert list(read_dir(tmp_path)) == [d.materialize() for d in stream]
+    assert any(d.materialized for d in stream) is (fmt == "jsonl")
+    want = [d.materialize() for d in stream]
+    assert list(read_dir(tmp_path)) == want
+    assert sink.stats.events == sum(len(b.events) for b in want)
+
+
+def test_a_too_large_column_batch_is_named_as_its_model_would_be() -> None:
+    batch = make_batch(source("big", 3), 40, 5)
+    d = deferred(batch)
+    cols = d.columns()
+    assert _too_big_reason([(cols, 999)], 100) == _too_big_reason([(batch, 999)], 100)
+    assert "big rank 3 ids 40..44" in _too_big_reason([(cols, 999)], 100)
+    assert not d.materialized
 
 
 @pytest.mark.kafka
