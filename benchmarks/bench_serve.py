@@ -17,9 +17,14 @@ same ``/register`` calls. Each round, with a fresh workload:
    new ones) to both: identical answers are counted;
 4. **latency**: the probes sequentially over one keep-alive connection per service, the
    services alternating request by request: p50 and p99;
-5. **throughput**: the probes from 16 concurrent connections (aiohttp), one service at a
-   time, the order alternating by round: queries/s and the server's CPU per query
-   (utime+stime from /proc: a Python client saturates first, so CPU is the figure).
+5. **throughput**: the probes from 16 concurrent connections, one service at a time, the
+   order alternating by round: queries/s and the server's CPU per query (utime+stime from
+   /proc). The client is ``wrk`` (C, epoll; the Debian package) when it is installed: it
+   cycles through the probes for ``--wrk-seconds`` per service and round on the client's
+   cores, so the server's core, not the client, is the bound (any non-2xx answer fails the
+   run). Without it, an aiohttp client sends the probes once; a Python client saturates
+   first (about 4k queries/s here, below either service), so queries/s then measures the
+   client and the CPU per query is the figure.
 
 Run with the peer venv (``scripts/test-peers`` builds it)::
 
@@ -37,6 +42,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,6 +177,57 @@ async def hammer(port: int, bodies: list[bytes], concurrency: int) -> float:
     return time.perf_counter() - t0
 
 
+_WRK_SCRIPT = """
+local bodies = {}
+local i = 0
+init = function(args)
+  for line in io.lines(args[1]) do bodies[#bodies + 1] = line end
+end
+request = function()
+  i = i % #bodies + 1
+  return wrk.format("POST", "/query", {["Content-Type"] = "application/json"}, bodies[i])
+end
+"""
+
+
+def wrk_hammer(
+    port: int, bodies: list[bytes], *, concurrency: int, seconds: int, cores: str, tmp: Path
+) -> tuple[int, float]:
+    """(requests answered, wall seconds) of ``wrk`` cycling through ``bodies`` (one JSON body
+    per line) with ``concurrency`` connections for ``seconds`` on ``cores``; raises on any
+    error or non-2xx answer."""
+    script, lines = tmp / "probes.lua", tmp / "probes.jsonl"
+    script.write_text(_WRK_SCRIPT)
+    lines.write_bytes(b"\n".join(bodies) + b"\n")
+    threads = max(1, len(cores.split(",")))
+    out = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            cores,
+            "wrk",
+            f"-t{threads}",
+            f"-c{concurrency}",
+            f"-d{seconds}s",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}/query",
+            "--",
+            str(lines),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise SystemExit(f"wrk saw failed requests:\n{out}")
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[1:3] == ["requests", "in"]:
+            return int(parts[0]), float(parts[3].rstrip("s,"))
+    raise SystemExit(f"cannot read wrk's output:\n{out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -182,11 +239,21 @@ def main() -> None:
     ap.add_argument("--server-cores", default="1", help="taskset -c list for both services")
     ap.add_argument("--client-cores", default="0", help="CPU list for this process")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument(
+        "--client",
+        choices=("auto", "wrk", "aiohttp"),
+        default="auto",
+        help="throughput client (auto: wrk when installed)",
+    )
+    ap.add_argument("--wrk-seconds", type=int, default=4, help="wrk run per service/round")
     ap.add_argument("--json", action="store_true", help="also print the raw rows as JSON")
     args = ap.parse_args()
     import vllm.distributed.kv_events as kv
 
     os.sched_setaffinity(0, {int(c) for c in args.client_cores.split(",")})
+    use_wrk = args.client == "wrk" or (args.client == "auto" and shutil.which("wrk") is not None)
+    if args.client == "wrk" and shutil.which("wrk") is None:
+        raise SystemExit("--client wrk: wrk is not installed (Debian: apt-get install wrk)")
     pin = ("taskset", "-c", args.server_cores)
     tmp = Path(tempfile.mkdtemp(prefix="kvs-bench-serve-"))
     ports = free_ports(2)
@@ -304,9 +371,20 @@ def main() -> None:
             for name in order:
                 pid, port = services[name]
                 c0 = cpu_s(pid)
-                wall = asyncio.run(hammer(port, bodies, args.concurrency))
-                add(name, f"queries/s ({args.concurrency} conns)", len(bodies) / wall)
-                add(name, "server CPU us / query", (cpu_s(pid) - c0) / len(bodies) * 1e6)
+                if use_wrk:
+                    done, wall = wrk_hammer(
+                        port,
+                        bodies,
+                        concurrency=args.concurrency,
+                        seconds=args.wrk_seconds,
+                        cores=args.client_cores,
+                        tmp=tmp,
+                    )
+                else:
+                    done = len(bodies)
+                    wall = asyncio.run(hammer(port, bodies, args.concurrency))
+                add(name, f"queries/s ({args.concurrency} conns)", done / wall)
+                add(name, "server CPU us / query", (cpu_s(pid) - c0) / done * 1e6)
             print(
                 f"round {rnd + 1}/{args.rounds}: {blocks} blocks ingested, {n_blocks} cached, "
                 f"state {'identical' if same_state else 'DIFFERENT'}, "
@@ -325,7 +403,8 @@ def main() -> None:
     print(
         f"\nkvstream serve vs Dynamo {args.instances}x{args.ranks} vLLM ranks, block size {BS},"
         f" {args.rounds} rounds; services on cores {args.server_cores}, client on "
-        f"{args.client_cores}; median (min-max)"
+        f"{args.client_cores} (throughput: "
+        f"{f'wrk, {args.wrk_seconds} s per run' if use_wrk else 'aiohttp'}); median (min-max)"
     )
     print(f"{'metric':34} {'kvstream':>24} {'dynamo':>24} {'ratio':>7}")
     for key in rows["kvstream"]:
