@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--requests", type=int, default=600, help="requests per round")
-    ap.add_argument("--probes", type=int, default=1000, help="distinct queries per round")
+    ap.add_argument("--probes", type=int, default=3000, help="queries per round")
     ap.add_argument("--num-blocks", type=int, default=1500, help="KV blocks per engine rank")
     ap.add_argument("--server-cores", default="1", help="taskset -c list for both services")
     ap.add_argument("--client-cores", default="0", help="CPU list for this process")
