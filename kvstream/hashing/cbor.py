@@ -131,19 +131,31 @@ def token_arrays(raw: bytes, lengths: list[int], *, none_tail: bool = False) -> 
     k2 = arg >= 0x100
     k3 = arg >= 0x10000
     k1b, k2b, k3b = k1.view(np.uint8), k2.view(np.uint8), k3.view(np.uint8)
-    rows = np.empty(m, row)
-    rows["head"] = major | np.where(k1, np.uint8(0x17) + k1b + k2b + k3b, arg.astype(np.uint8))
+    head = major | np.where(k1, np.uint8(0x17) + k1b + k2b + k3b, arg.astype(np.uint8))
+    body = _compact(row, head, arg, (k1, k2, k3))
+    item_end = np.cumsum(1 + k1b + k2b + 2 * k3b, dtype=np.int64)
+    bounds = [0, *item_end[blk_end - 1].tolist()]
+    return [body[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+
+
+def _compact(row: Any, head: Any, arg: Any, reach: tuple[Any, Any, Any]) -> bytes:
+    """The items' canonical bytes: each packed ``head || arg`` row (``row``: 5 bytes) cut to
+    its head byte and the last 0, 1, 2 or 4 argument bytes (``reach``: whether the argument
+    reaches 24, 0x100, 0x10000), in one boolean compress."""
+    import numpy as np
+
+    k1, k2, k3 = reach
+    rows = np.empty(len(arg), row)
+    rows["head"] = head
     rows["arg"] = arg
-    keep = np.empty((m, 5), bool)
+    keep = np.empty((len(arg), 5), bool)
     keep[:, 0] = True
     keep[:, 1] = k3
     keep[:, 2] = k3
     keep[:, 3] = k2
     keep[:, 4] = k1
-    body = rows.view(np.uint8).compress(keep.ravel()).tobytes()
-    item_end = np.cumsum(1 + k1b + k2b + 2 * k3b, dtype=np.int64)
-    bounds = [0, *item_end[blk_end - 1].tolist()]
-    return [body[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+    body: bytes = rows.view(np.uint8).compress(keep.ravel()).tobytes()
+    return body
 
 
 _ROW: Any = None
@@ -173,19 +185,10 @@ def block_arrays(raw: bytes, tokens_per_block: int) -> list[bytes]:
     k2 = flat >= 0x100
     k3 = flat >= 0x10000
     k1b, k2b, k3b = k1.view(np.uint8), k2.view(np.uint8), k3.view(np.uint8)
-    rows = np.empty(n * w, row)
     first = np.where(k1, np.uint8(0x17) + k1b + k2b + k3b, flat.astype(np.uint8)).reshape(n, w)
     first[:, 0] |= np.uint8(0x80)  # major type 4: array
     first[:, -1] |= np.uint8(0xE0)
-    rows["head"] = first.ravel()
-    rows["arg"] = flat
-    keep = np.empty((n * w, 5), bool)
-    keep[:, 0] = True
-    keep[:, 1] = k3
-    keep[:, 2] = k3
-    keep[:, 3] = k2
-    keep[:, 4] = k1
-    body = rows.view(np.uint8).compress(keep.ravel()).tobytes()
+    body = _compact(row, first.ravel(), flat, (k1, k2, k3))
     size = (1 + k1b + k2b + 2 * k3b).reshape(n, w)
     ends = size.sum(axis=1, dtype=np.int64).cumsum().tolist()
     return [body[a:b] for a, b in zip([0, *ends], ends, strict=False)]
