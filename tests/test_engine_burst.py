@@ -208,7 +208,7 @@ async def _drain(src: EngineSource, frames: int, timeout: float = 10.0) -> list[
 
 async def _wait_queued(src: EngineSource, n: int) -> None:
     for _ in range(200):  # until the follower has read them all (they then form bursts)
-        if src.subscriber._queue.qsize() >= n:
+        if len(src.subscriber._queue) >= n:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the frames did not arrive")

@@ -125,3 +125,57 @@ def test_generated_batches(items: list[Any], mode: str, seed: int) -> None:
         data = codec.encode(batch)
         pair.apply(decode_columns_message(data, reg).columns if rng.random() < 0.7 else batch)
         pair.check()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_over_capacity_mid_batch(mode: str) -> None:
+    # groups that advertise little room: stores go over it in the middle of lean batches,
+    # which stop there (the worker goes stale) and go on from the next event, as the loop does
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _fleet_workload import FleetSpec, fleet_batches
+
+    spec = FleetSpec(
+        workers=3, tokens=512, block_size=16, systems=2, pool=6, requests=10, capacity=200,
+        chunk=8,
+    )  # fmt: skip
+    stream, _, _ = fleet_batches(spec, seed=5)
+    codec, reg = AvroCodec(), schema_registry()
+    pair = Pair(mode)
+    for batch in stream:
+        for index in (pair.lean, pair.general):
+            for s in index._sources.values():
+                for g in s.groups.values():
+                    g.limit = min(g.limit, 24)
+        pair.apply(decode_columns_message(codec.encode(batch), reg).columns)
+    pair.check()
+    overflows = [s.stats.capacity_overflows for s in pair.lean._sources.values()]
+    assert sum(overflows) >= 3
+    assert pair.taken >= 20
+
+
+def test_native_apply_refuses_bad_arguments() -> None:
+    from kvstream.index.table import native_apply_plain
+
+    native = native_apply_plain()
+    if native is None:
+        pytest.skip("no native core")
+    call, (engine_table, token_table) = native
+    t, tt = engine_table(1), token_table(1, True)
+    st = PrefixIndex()._sources  # any object: nothing is flushed before the error
+    h = b"\x01" * 8
+    bad: list[tuple[Any, ...]] = [
+        ([t], [9], [1], [(None, [h])], None, None, 0, st, 0, 0, 1),  # short store payload
+        ([t], [9], [2], [7], None, None, 0, st, 0, 0, 1),  # removal not a tuple
+        (["t"], [9], [2], [([h], None)], None, None, 0, st, 0, 0, 1),  # not a table
+        ([t], [9], [1, 2], [(None, [h], 0, 1)], None, None, 0, st, 0, 0, 1),  # lengths
+        ([t], [9], [1], [(None, [h], 0, 1)], [], b"", 0, st, 0, 0, 1),  # engine table, layout
+        ([t], [9], [1], [(None, [h], 0, 1)], None, None, 0, st, -1, 0, 1),  # start < 0
+        ((t,), [9], [1], [(None, [h], 0, 1)], None, None, 0, st, 0, 0, 1),  # not lists
+        ([tt], [9], [1], [(None, [h], 0, 4)], [(0, [4])], b"\0" * 8, 0, st, 0, 0, 1),  # short
+        ([tt], [9], [1], [(None, [h], 0, 4)], [(0, [-1])], b"", 0, st, 0, 0, 1),  # size < 0
+        ([tt], [9], [1], [(None, [h], 0, 4)], [], b"", 0, st, 0, 0, 1),  # no layout entry
+    ]
+    for args in bad:
+        with pytest.raises((TypeError, ValueError)):
+            call(*args)
+    assert len(t) == len(tt) == 0

@@ -148,6 +148,7 @@ def serve(
         except OSError as exc:
             typer.echo(f"error: {exc}", err=True)
             return 2
+        _settle_heap()
         typer.echo(
             json.dumps(
                 {
@@ -175,3 +176,17 @@ def serve(
         code = asyncio.run(main())
     if code:
         raise typer.Exit(code)
+
+
+def _settle_heap() -> None:
+    """Once the service is up: import what ingest and queries use later, then move every
+    object alive now (modules, classes, the app) out of the cyclic collector's sight
+    (``gc.freeze``). A full collection then walks only what was allocated since: on a
+    started service it took 35-40 ms, in the middle of an ingest burst."""
+    import gc
+
+    import kvstream.engines.stream
+    import kvstream.index.sources.engine  # noqa: F401
+
+    gc.collect()
+    gc.freeze()

@@ -85,12 +85,15 @@ from kvstream.index.matching import (
     new_match_result,
 )
 from kvstream.index.stats import IndexStats, SourceStats
-from kvstream.index.table import GroupTable
+from kvstream.index.table import GroupTable, native_apply_plain
 from kvstream.index.token_table import is_token_table
 from kvstream.index.types import DEFAULT_TIER_WEIGHTS, DomainKey, WorkerKey
 from kvstream.index.worker_state import GroupInfo, GroupState, SourceState, WorkerInfo
 
 __all__ = ["GroupInfo", "PrefixIndex", "WorkerInfo"]
+
+#: the native core's batch apply and the table types it takes (None: the Python loops)
+_NATIVE_APPLY = native_apply_plain()
 
 
 class _TokenFeed:
@@ -341,6 +344,11 @@ class PrefixIndex:
         st.stored_events += n_stored
         st.stored_blocks += sum(stored for _, stored in seen.values())
         st.removed_events += n - n_stored
+        if _NATIVE_APPLY is not None and all(
+            isinstance(e[0].table, _NATIVE_APPLY[1]) for e in seen.values()
+        ):
+            self._apply_plain_native(s, cols, st, seen)
+            return True
         removed_blocks = 0
         if self._tokens:
             assert layout is not None
@@ -370,6 +378,28 @@ class PrefixIndex:
                     table.remove(data[0], data[1], st)
         st.removed_blocks += removed_blocks
         return True
+
+    def _apply_plain_native(
+        self, s: SourceState, cols: ColumnBatch, st: SourceStats, seen: dict[int, list[Any]]
+    ) -> None:
+        """:meth:`_apply_plain`'s store and remove loop in one native call (the tables are
+        the native core's), resumed after each group that goes over its capacity."""
+        assert _NATIVE_APPLY is not None
+        kinds = cols.kinds
+        states = [seen[gid][0] for gid in cols.group_ids]
+        tables = [g.table for g in states]
+        limits = [g.limit for g in states]
+        layout = cols.token_layout if self._tokens else None
+        call, n = _NATIVE_APPLY[0], len(kinds)
+        i = j = 0
+        while i < n:
+            i, j, removed, over = call(
+                tables, limits, kinds, cols.payloads, layout, cols.tokens, LOCAL_HASH_SEED, st,
+                i, j, STORED,
+            )  # fmt: skip
+            st.removed_blocks += removed
+            if over:
+                self._over_capacity(s, states[i - 1])
 
     def apply_many(self, batches: Iterable[EventBatch | ColumnBatch]) -> int:
         """Apply batches (models or columns) in order; returns how many."""

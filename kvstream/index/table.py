@@ -120,6 +120,16 @@ def native_table_type() -> Callable[[int], GroupTable] | None:
     return None if core is None else core.GroupTable
 
 
+def native_apply_plain() -> tuple[Callable[..., Any], tuple[type, ...]] | None:
+    """The native core's ``apply_plain`` (a batch of plain stores and removals applied to
+    the tables the caller chose, in one call; see ``kvstream/_native/src/index_apply.h``)
+    and the table types it takes, or None where :func:`native_table_type` is None."""
+    core = load("kvstream._native._index")
+    if core is None:
+        return None
+    return core.apply_plain, (core.GroupTable, core.TokenTable)
+
+
 class GroupTable:
     """The blocks of one (worker, layer group); see the module docstring.
 

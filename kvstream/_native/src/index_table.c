@@ -915,6 +915,34 @@ do_store(Tab *t, PyObject *parent_hash, PyObject *hashes, PyObject *levels_seq, 
 
 /* ------------------------------------------------------------------ Python methods */
 
+/* store_hashes' work; the counters stay in t (flush_counters). 0, or -1 with an exception. */
+static int
+store_hashes_run(Tab *t, PyObject *parent, PyObject *hs_arg, PyObject *lv_arg)
+{
+    if (t->ck) {
+        PyErr_SetString(PyExc_TypeError,
+                        "a token-keyed table needs the stored blocks' tokens: call store()");
+        return -1;
+    }
+    PyObject *hashes = PySequence_Fast(hs_arg, "store_hashes: hashes must be a sequence");
+    if (hashes == NULL)
+        return -1;
+    PyObject *levels = NULL;
+    long one = 0;
+    int rc;
+    if (PyLong_Check(lv_arg))
+        rc = level_arg(lv_arg, &one);
+    else {
+        levels = PySequence_Fast(lv_arg, "store_hashes: level is an int or a sequence");
+        rc = levels == NULL ? -1 : 0;
+    }
+    if (rc == 0)
+        rc = do_store(t, parent, hashes, levels, one);
+    Py_DECREF(hashes);
+    Py_XDECREF(levels);
+    return rc;
+}
+
 static PyObject *
 tab_store_hashes(Tab *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -922,27 +950,7 @@ tab_store_hashes(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "store_hashes(parent_hash, hashes, level, st)");
         return NULL;
     }
-    if (t->ck) {
-        PyErr_SetString(PyExc_TypeError,
-                        "a token-keyed table needs the stored blocks' tokens: call store()");
-        return NULL;
-    }
-    PyObject *hashes = PySequence_Fast(args[1], "store_hashes: hashes must be a sequence");
-    if (hashes == NULL)
-        return NULL;
-    PyObject *levels = NULL;
-    long one = 0;
-    int rc;
-    if (PyLong_Check(args[2]))
-        rc = level_arg(args[2], &one);
-    else {
-        levels = PySequence_Fast(args[2], "store_hashes: level is an int or a sequence");
-        rc = levels == NULL ? -1 : 0;
-    }
-    if (rc == 0)
-        rc = do_store(t, args[0], hashes, levels, one);
-    Py_DECREF(hashes);
-    Py_XDECREF(levels);
+    int rc = store_hashes_run(t, args[0], args[1], args[2]);
     if (flush_counters(t, args[3]) < 0 || rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -1089,20 +1097,17 @@ prefetch_removal(Tab *t, PyObject **hs, Py_ssize_t i, Py_ssize_t end)
     }
 }
 
-static PyObject *
-tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
+/* remove's work; the counters stay in t (flush_counters). 0, or -1 with an exception set. */
+static int
+remove_run(Tab *t, PyObject *hs_arg, PyObject *lv_arg)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "remove(block_hashes, level, st)");
-        return NULL;
-    }
     long level = 0;
-    int has_level = args[1] != Py_None;
-    if (has_level && level_arg(args[1], &level) < 0)
-        return NULL;
-    PyObject *hashes = PySequence_Fast(args[0], "remove: block_hashes must be iterable");
+    int has_level = lv_arg != Py_None;
+    if (has_level && level_arg(lv_arg, &level) < 0)
+        return -1;
+    PyObject *hashes = PySequence_Fast(hs_arg, "remove: block_hashes must be iterable");
     if (hashes == NULL)
-        return NULL;
+        return -1;
     int rc = 0;
     Py_ssize_t end = PySequence_Fast_GET_SIZE(hashes);
     PyObject **hs = PySequence_Fast_ITEMS(hashes);
@@ -1118,6 +1123,17 @@ tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
             rc = remove_one(t, hs[i], has_level, level);
     }
     Py_DECREF(hashes);
+    return rc;
+}
+
+static PyObject *
+tab_remove(Tab *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "remove(block_hashes, level, st)");
+        return NULL;
+    }
+    int rc = remove_run(t, args[0], args[1]);
     if (flush_counters(t, args[2]) < 0 || rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -1862,11 +1878,19 @@ static PyTypeObject TabType = {
     .tp_getset = tab_getset,
 };
 
+#include "index_apply.h"
+
+static PyMethodDef module_methods[] = {
+    {"apply_plain", FAST(apply_plain), METH_FASTCALL,
+     "Apply a batch of plain stores and removals to the tables the caller chose."},
+    {NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvstream._native._index",
     "The index's native core (see kvstream.index.table), with its parts _table_native and "
     "_match_native.",
-    -1, NULL,
+    -1, module_methods,
 };
 
 /* The module; PyInit__index (role_index.c) adds the index's other native parts to it. */

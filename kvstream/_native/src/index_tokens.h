@@ -410,25 +410,22 @@ tok_store_payloads(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *
-tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
+/* store_tokens' work on a token span given as memory (``tokens``, ``toklen`` bytes); the
+ * counters stay in t (flush_counters). 0, or -1 with an exception set. */
+static int
+store_tokens_run(Tab *t, PyObject *parent, PyObject *hs_arg, PyObject *lv_arg,
+                 const uint8_t *tokens, Py_ssize_t toklen, PyObject *sz_arg, uint64_t seed)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "store_tokens(parent_hash, hashes, level, tokens, sizes, seed, st)");
-        return NULL;
-    }
     PyObject *hashes, *levels, *sizes = NULL;
     long one;
-    Py_buffer buf = {0};
-    uint64_t seed = 0;
-    int rc = hashes_levels(args[1], args[2], &hashes, &levels, &one);
-    if (rc == 0 && PyObject_GetBuffer(args[3], &buf, PyBUF_SIMPLE) < 0)
-        rc = -1;
+    struct {
+        const void *buf;
+        Py_ssize_t len;
+    } buf = {tokens, toklen};
+    int rc = hashes_levels(hs_arg, lv_arg, &hashes, &levels, &one);
     if (rc == 0) {
-        seed = PyLong_AsUnsignedLongLongMask(args[5]);
-        sizes = PySequence_Fast(args[4], "store_tokens: sizes must be a sequence");
-        if ((seed == (uint64_t)-1 && PyErr_Occurred()) || sizes == NULL)
+        sizes = PySequence_Fast(sz_arg, "store_tokens: sizes must be a sequence");
+        if (sizes == NULL)
             rc = -1;
         else if (PySequence_Fast_GET_SIZE(sizes) != PySequence_Fast_GET_SIZE(hashes)) {
             PyErr_SetString(PyExc_ValueError, "store_tokens: one size per block hash");
@@ -453,7 +450,7 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
     }
     Cursor c = {0};
     if (rc == 0)
-        rc = cursor_parent(t, &c, args[0]);
+        rc = cursor_parent(t, &c, parent);
     /* The keys the blocks get if each is new and hangs off the one before (a chunked store's
      * usual case), computed first so that the key map and mask slots they land in load while
      * the blocks before them are stored (AHEAD blocks ahead: a long event's prefetches issued
@@ -530,13 +527,31 @@ tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
         PyMem_Free(keys);
     if (locals != small_locals)
         PyMem_Free(locals);
-    if (rc == 0 && (drop_bare_ghost(t, args[0]) < 0 || drop_bare_ghost(t, c.skipped) < 0))
+    if (rc == 0 && (drop_bare_ghost(t, parent) < 0 || drop_bare_ghost(t, c.skipped) < 0))
         rc = -1;
-    if (buf.obj != NULL)
-        PyBuffer_Release(&buf);
     Py_XDECREF(hashes);
     Py_XDECREF(levels);
     Py_XDECREF(sizes);
+    return rc;
+}
+
+static PyObject *
+tok_store_tokens(Tab *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "store_tokens(parent_hash, hashes, level, tokens, sizes, seed, st)");
+        return NULL;
+    }
+    Py_buffer buf;
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(args[5]);
+    if (seed == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[3], &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int rc = store_tokens_run(t, args[0], args[1], args[2], (const uint8_t *)buf.buf, buf.len,
+                              args[4], seed);
+    PyBuffer_Release(&buf);
     if (flush_counters(t, args[6]) < 0 || rc < 0)
         return NULL;
     Py_RETURN_NONE;
