@@ -164,6 +164,11 @@ class Sink(abc.ABC):
     #: (it encodes them without their models; what it reads of them: ``source``, ``ts_ns``,
     #: ``hash_algos``); the pipeline materialises them for every other sink.
     accepts_columns: ClassVar[bool] = False
+    #: True when ``export`` also takes :class:`~kvstream.events.deferred.DeferredBatch`
+    #: objects as they are (with ``accepts_columns``): the sink turns each into its columns
+    #: itself (``batch.columns()``, thread-safe), e.g. in the thread that encodes it; the
+    #: pipeline turns them into columns on its loop for every other column sink.
+    accepts_deferred: ClassVar[bool] = False
 
     def __init__(self, *, name: str | None = None) -> None:
         self._name = name or self.scheme or type(self).__name__.lower()

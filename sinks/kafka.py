@@ -56,6 +56,7 @@ from kvstream.errors import (
     SinkError,
 )
 from kvstream.events.columns import ColumnBatch
+from kvstream.events.deferred import DeferredBatch
 from kvstream.events.model import EventBatch, SourceId
 from kvstream.kafka_security import OPTIONS as SECURITY_OPTIONS
 from kvstream.kafka_security import KafkaSecurity, describe_error
@@ -153,8 +154,11 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 # --------------------------------------------------------------------------- the sink
 
 _Msg = tuple[bytes, bytes, list[tuple[str, bytes]], int]
-#: Chunks with fewer batches are encoded on the event loop (a thread hop costs more).
+#: Steps with fewer batches are encoded on the event loop (a thread hop costs more).
 _INLINE_ENCODE: Final = 32
+#: An export is encoded in steps of this many batches, in a worker thread; what the steps
+#: before it made is sent (and acknowledged) meanwhile.
+_ENCODE_STEP: Final = 64
 
 
 @dataclass(slots=True)
@@ -184,7 +188,10 @@ class _Doubt:
 @dataclass(slots=True)
 class _Chunk:
     batches: Sequence[EventBatch]
-    parts: list[_PartitionSend]
+    partitions: list[int]  # the topic's, when the chunk was first exported
+    parts: list[_PartitionSend] = field(default_factory=list)
+    by_partition: dict[int, _PartitionSend] = field(default_factory=dict)
+    encoded: int = 0  # batches[:encoded] have their messages in parts
 
     def same(self, batches: Sequence[EventBatch]) -> bool:
         mine = self.batches
@@ -204,6 +211,9 @@ class KafkaSink(Sink):
     scheme = "kafka"
     #: ColumnBatch (an engine bridge's) is encoded from its columns, no models built
     accepts_columns = True
+    #: a DeferredBatch (an emitter's) is turned into columns by the sink itself, in the
+    #: thread that encodes it, while what was encoded before is sent
+    accepts_deferred = True
 
     def __init__(
         self,
@@ -638,11 +648,9 @@ class KafkaSink(Sink):
             assert producer is not None
             chunk = self._pending
             if chunk is None or not chunk.same(batches):
-                chunk = self._pending = await self._prepare(producer, batches)
-            results = await asyncio.gather(
-                *(self._send_partition(producer, p) for p in chunk.parts if p.done < len(p.msgs)),
-                return_exceptions=True,
-            )
+                partitions = sorted(await producer.partitions_for(self.topic))
+                chunk = self._pending = _Chunk(batches, partitions)
+            results = await self._publish(producer, chunk)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -657,15 +665,61 @@ class KafkaSink(Sink):
             return permanent[0]
         return failures[0]
 
-    async def _prepare(self, producer: AIOKafkaProducer, batches: Sequence[EventBatch]) -> _Chunk:
-        partitions = sorted(await producer.partitions_for(self.topic))
-        if len(batches) < _INLINE_ENCODE:
-            return self._encode(batches, partitions)
-        # a big chunk is encoded in a worker thread so the event loop (and with it the other
-        # sinks' tasks) keeps running meanwhile
-        return await asyncio.to_thread(self._encode, batches, partitions)
+    async def _publish(self, producer: AIOKafkaProducer, chunk: _Chunk) -> list[BaseException]:
+        """Encode what of ``chunk`` is not yet, step by step, each step's messages handed to
+        the partitions' senders as soon as it is encoded (the next step is encoded while
+        they are sent); then wait for every sender. Returns the senders' failures. A retry
+        of the same chunk resumes where this one stopped (encoding and sending)."""
+        senders: dict[int, asyncio.Task[None]] = {}
+        done: list[asyncio.Task[None]] = []
 
-    def _encode(self, batches: Sequence[EventBatch], partitions: list[int]) -> _Chunk:
+        def send_more() -> bool:
+            # a sender for every partition with messages left; False once one has failed
+            for part in chunk.parts:
+                task = senders.get(part.partition)
+                if task is not None and task.done():
+                    done.append(task)
+                    del senders[part.partition]
+                    if task.cancelled() or task.exception() is not None:
+                        return False
+                if part.partition not in senders and part.done < len(part.msgs):
+                    senders[part.partition] = asyncio.create_task(
+                        self._send_partition(producer, part)
+                    )
+            return True
+
+        try:
+            n = len(chunk.batches)
+            while send_more() and chunk.encoded < n:
+                start = chunk.encoded
+                step = chunk.batches[start : start + _ENCODE_STEP]
+                if len(step) < _INLINE_ENCODE:
+                    out = self._encode(step, start, chunk.partitions)
+                else:  # in a worker thread: the loop sends what is encoded meanwhile
+                    out = await asyncio.to_thread(self._encode, step, start, chunk.partitions)
+                for part in out:
+                    mine = chunk.by_partition.get(part.partition)
+                    if mine is None:
+                        chunk.by_partition[part.partition] = part
+                        chunk.parts.append(part)
+                    else:
+                        mine.msgs += part.msgs
+                        mine.owners += part.owners
+                chunk.encoded = start + len(step)
+        except BaseException:
+            for task in senders.values():
+                task.cancel()
+            await asyncio.gather(*senders.values(), return_exceptions=True)
+            raise
+        results = await asyncio.gather(*done, *senders.values(), return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
+
+    def _encode(
+        self, batches: Sequence[EventBatch], first: int, partitions: list[int]
+    ) -> list[_PartitionSend]:
+        """The messages of ``batches`` (the chunk's from index ``first`` on) by partition; a
+        deferred batch is turned into its columns here (off the loop, in the worker thread
+        of a big step)."""
         n = len(partitions)
         if n != self._routes_for:
             self._routes.clear()
@@ -674,7 +728,12 @@ class KafkaSink(Sink):
         by_partition: dict[int, _PartitionSend] = {}
         codec, schema_id = self.codec, self.schema_registry_id
         base = self._base_headers
-        for index, b in enumerate(batches):
+        given: Sequence[Any] = batches  # with accepts_deferred: DeferredBatch objects too
+        for index, item in enumerate(given, first):
+            # a deferred batch's columns, no model built (accepts_deferred)
+            b: EventBatch | ColumnBatch = (
+                item.columns() if type(item) is DeferredBatch else item
+            )  # fmt: skip
             src = b.source
             route = routes.get(src.key)
             if route is None:
@@ -696,7 +755,7 @@ class KafkaSink(Sink):
                 part = by_partition[partition] = _PartitionSend(partition)
             part.msgs.append((key, value, headers, b.ts_ns // 1_000_000))
             part.owners.append(index)
-        return _Chunk(batches, list(by_partition.values()))
+        return list(by_partition.values())
 
     async def _send_partition(self, producer: AIOKafkaProducer, part: _PartitionSend) -> None:
         msgs = part.msgs

@@ -118,21 +118,28 @@ def small_chats(conversations: int, seed: int) -> Any:
 
 
 def cache_batches(
-    instance: str, rank: int | None, *, conversations: int = 6, seed: int = 0
-) -> list[EventBatch]:
+    instance: str,
+    rank: int | None,
+    *,
+    conversations: int = 6,
+    seed: int = 0,
+    deferred: bool = False,
+) -> list[Any]:
     """Run :func:`small_cache_manager` over :func:`small_chats`; the event batches it
-    emitted, one per iteration."""
+    emitted, one per iteration (``deferred``: its ``flush_events_deferred()`` hand-off, the
+    DeferredBatch objects an engine submits)."""
     mgr = small_cache_manager(instance, rank)
+    flush = mgr.flush_events_deferred if deferred else mgr.flush_events
     out = []
     for req in small_chats(conversations, seed):
         mgr.add_request(req.request_id, req.prompt)
         for i in range(0, len(req.output), 16):
             mgr.append_tokens(req.request_id, req.output[i : i + 16])
-            b = mgr.flush_events()
+            b = flush()
             if b is not None:
                 out.append(b)
         mgr.free_request(req.request_id)
-        b = mgr.flush_events()
+        b = flush()
         if b is not None:
             out.append(b)
     return out

@@ -131,6 +131,69 @@ async def test_cache_manager_to_kafka_and_back(kafka: KafkaEnv) -> None:
         assert len(partitions[src]) == 1  # one source, one partition: ordered
 
 
+@pytest.mark.parametrize("fault", [None, "stall"])
+async def test_deferred_batches_go_in_steps_and_resume_after_a_fault(
+    kafka: KafkaEnv, fault: str | None
+) -> None:
+    # the managers' own hand-off (DeferredBatch), queued long enough that one export holds
+    # several encoding steps (the sink builds the columns itself, in its encoding thread,
+    # while earlier steps are sent); a stalled broker mid-export fails it, and the retry
+    # resumes where it stopped: every event arrives, in order, equal to the models
+    topic = kafka.topic(f"deferred-{fault}")
+    emitted = {
+        (inst, rank): cache_batches(inst, rank, conversations=16, seed=i, deferred=True)
+        for i, (inst, rank) in enumerate([("engine-a", 0), ("engine-a", 1), ("engine-b", None)])
+    }
+    total = sum(len(bs) for bs in emitted.values())
+    assert total > 3 * 64  # more than one step of the sink's
+    cfg = PipelineConfig.load(
+        defaults={
+            "linger_s": 0.3,
+            "overflow": "block",
+            "max_export_batches": 4096,
+            "max_queue_batches": 4096,
+            "retry": OUTAGE_RETRY,
+        }
+    )
+    sink = kafka_sink(kafka, topic)
+    async with Pipeline([sink], cfg) as pipe:
+        for i in range(max(len(bs) for bs in emitted.values())):
+            for bs in emitted.values():
+                if i < len(bs):
+                    assert pipe.submit(bs[i])
+        if fault == "stall":  # a slow network makes the export long; stall it halfway
+            kafka.proxy.delay(0.05)
+            await asyncio.sleep(0.5)  # the linger (0.3 s) ended: the export is under way
+            kafka.proxy.stall()  # past the request timeout: the export fails, is retried
+            await asyncio.sleep(2.5)
+            kafka.proxy.restore()
+        assert await pipe.flush(30)
+        stats = pipe.stats()[sink.name]
+    if fault == "stall":
+        assert stats.retries >= 1
+    assert stats.events_out == sum(b.num_events for bs in emitted.values() for b in bs)
+    assert not any(b.materialized for bs in emitted.values() for b in bs)  # no model built
+    expected = {bs[0].source: sum(b.num_events for b in bs) for bs in emitted.values()}
+    reader = await TopicReader(kafka.bootstrap, topic, PARTITIONS).start()
+    try:
+        assert await reader.wait_for(have_all(expected), 20)
+    finally:
+        await reader.stop()
+    got: dict[SourceId, list[Any]] = defaultdict(list)
+    for b in decode(reader.records):
+        got[b.source].extend(b.events)
+    for batches in emitted.values():
+        events = [ev for b in batches for ev in b.materialize().events]
+        mine = got[batches[0].source]
+        if fault is None:
+            assert mine == events
+        else:  # a resent message may arrive twice (no idempotence): each id once, in order
+            first = {}
+            for ev in mine:
+                first.setdefault(ev.event_id, ev)
+            assert list(first.values()) == events
+
+
 async def test_confluent_wire_format(kafka: KafkaEnv) -> None:
     topic = kafka.topic("confluent")
     sink = kafka_sink(kafka, topic, schema_registry_id=42)

@@ -5,8 +5,10 @@ the pipeline's loop, by the first sink task that exports them; the batch caches 
 so every other sink gets the same :class:`~kvstream.events.model.EventBatch` for free. Column
 batches (:class:`~kvstream.events.columns.ColumnBatch`, an engine bridge's) go to a sink whose
 ``accepts_columns`` is true as they are (it encodes them without the models), materialised
-for any other; such a sink gets a deferred batch as its columns (built from the raw records,
-cached by the batch), so no model is built unless another sink needs one.
+for any other; such a sink gets a deferred batch as its columns (built from the raw records),
+so no model is built unless another sink needs one, or, when it also ``accepts_deferred``,
+the deferred batch itself (it builds the columns where it encodes them: the Kafka sink, in
+its encoding thread, while the messages encoded before are sent).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class SinkWorker:
         self._started = False
         #: the sink encodes ColumnBatch itself (no models needed)
         self._columns = bool(getattr(sink, "accepts_columns", False))
+        #: ... and turns deferred batches into columns itself
+        self._deferred = self._columns and bool(getattr(sink, "accepts_deferred", False))
         # the sink's synchronous export (see deliver_now); not with lingering, which exists
         # to make chunks fuller than one batch
         self._export_now: Callable[[Sequence[EventBatch]], bool] | None = (
@@ -145,7 +149,7 @@ class SinkWorker:
         retry = self.policy.retry
         counters = self.queue.counters
         try:
-            batches = _materialized(chunk.batches, self._columns)
+            batches = _materialized(chunk.batches, self._columns, self._deferred)
         except Exception as exc:
             self.last_error = f"materialising a deferred batch failed: {type(exc).__name__}: {exc}"
             counters.failures_permanent += 1
@@ -249,7 +253,7 @@ class SinkWorker:
             self.queue.failed(chunk, reason, 0.0, delivered=delivered, unknown=doubt)
             return
         try:
-            batches = _materialized(chunk.batches, self._columns)
+            batches = _materialized(chunk.batches, self._columns, self._deferred)
         except Exception:
             self.queue.failed(chunk, DropReason.SHUTDOWN, 0.0)
             return
@@ -290,11 +294,17 @@ async def _within(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
 _TIMEOUT: Any = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
-def _materialized(batches: Sequence[AnyBatch], columns: bool = False) -> Sequence[EventBatch]:
+def _materialized(
+    batches: Sequence[AnyBatch], columns: bool = False, deferred: bool = False
+) -> Sequence[EventBatch]:
     """The chunk's batches with every deferred one materialised (cached by the batch itself,
     so a batch shared by several sinks is built once); with ``columns``, column batches stay
     columns and deferred ones become theirs, built without the models (typed as the sink's
-    export takes them: such a sink declares it takes both)."""
+    export takes them: such a sink declares it takes both); with ``deferred`` too, every
+    batch stays as it is (the sink builds the columns)."""
+    if deferred:
+        same: list[Any] = list(batches)
+        return same
     if columns:
         cols: list[Any] = [b.columns() if isinstance(b, DeferredBatch) else b for b in batches]
         return cols
