@@ -25,6 +25,7 @@ from kvstream.engines.endpoint import DIALECTS
 from kvstream.engines.stream import EngineStream
 from kvstream.errors import KVStreamError
 from kvstream.index import PrefixIndex
+from kvstream.index.stats import SourceStats
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "data" / "golden"
@@ -179,3 +180,33 @@ def test_native_apply_refuses_bad_arguments() -> None:
         with pytest.raises((TypeError, ValueError)):
             call(*args)
     assert len(t) == len(tt) == 0
+
+
+def test_native_apply_takes_list_payloads_as_tuples() -> None:
+    # payloads and layout entries as lists (what a caller may build) apply as tuples do
+    from kvstream.index.table import native_apply_plain
+
+    native = native_apply_plain()
+    if native is None:
+        pytest.skip("no native core")
+    call, (_, token_table) = native
+    tokens = bytes(range(64))  # 16 u32 token ids: two blocks of 8
+    hashes = [b"\x01" * 8, b"\x02" * 8]
+    got = []
+    for as_list in (False, True):
+        t = token_table(1, True)
+        st = SourceStats()
+        payload: Any = (None, hashes, 0, 8)
+        entry: Any = (0, [8, 8])
+        if as_list:
+            payload, entry = list(payload), list(entry)
+        out = call([t], [100], [1], [payload], [entry], tokens, 0, st, 0, 0, 1)
+        assert out == (1, 1, 0, False)
+        got.append((len(t), t.present, dataclasses.asdict(st)))
+        removal: Any = [hashes[1:], None] if as_list else (hashes[1:], None)
+        assert call([t], [100], [2], [removal], [], tokens, 0, st, 0, 1, 1) == (1, 1, 1, False)
+        got.append((len(t), t.present))
+    assert got[0] == got[2]
+    assert got[1] == got[3]
+    assert got[0][1] == 2
+    assert got[1][1] == 1
