@@ -65,6 +65,22 @@ def have_all(expected: dict[SourceId, int]) -> Callable[[list[Any]], bool]:
     return done
 
 
+def interleaved(emitted: dict[Any, list[Any]]) -> list[Any]:
+    """The sources' batches in the order an engine thread interleaves its ranks' iterations."""
+    streams = list(emitted.values())
+    return [s[i] for i in range(max(len(s) for s in streams)) for s in streams if i < len(s)]
+
+
+async def read_all(kafka: KafkaEnv, topic: str, expected: dict[SourceId, int]) -> list[Any]:
+    """The topic's records once every source's ``expected`` events are in."""
+    reader = await TopicReader(kafka.bootstrap, topic, PARTITIONS).start()
+    try:
+        assert await reader.wait_for(have_all(expected), 20)
+    finally:
+        await reader.stop()
+    return reader.records
+
+
 def kafka_sink(env: KafkaEnv, topic: str, **kw: Any) -> KafkaSink:
     return KafkaSink(
         env.bootstrap,
@@ -97,23 +113,16 @@ async def test_cache_manager_to_kafka_and_back(kafka: KafkaEnv) -> None:
     async with Pipeline([kafka_sink(kafka, topic)], cfg) as pipe:
 
         def engine() -> None:  # the engine thread interleaves its ranks' iterations
-            streams = list(emitted.values())
-            for i in range(max(len(s) for s in streams)):
-                for s in streams:
-                    if i < len(s):
-                        assert pipe.submit(s[i])
+            for b in interleaved(emitted):
+                assert pipe.submit(b)
 
         await asyncio.to_thread(engine)
         assert await pipe.flush(10)
     expected = {bs[0].source: sum(len(b.events) for b in bs) for bs in emitted.values()}
-    reader = await TopicReader(kafka.bootstrap, topic, PARTITIONS).start()
-    try:
-        assert await reader.wait_for(have_all(expected), 20)
-    finally:
-        await reader.stop()
+    records = await read_all(kafka, topic, expected)
     partitions: dict[SourceId, set[int]] = defaultdict(set)
     got: dict[SourceId, list[Any]] = defaultdict(list)
-    for r in reader.records:
+    for r in records:
         b = CODEC.decode(r.value)
         partitions[b.source].add(r.partition)
         got[b.source].extend(b.events)
@@ -157,10 +166,8 @@ async def test_deferred_batches_go_in_steps_and_resume_after_a_fault(
     )
     sink = kafka_sink(kafka, topic)
     async with Pipeline([sink], cfg) as pipe:
-        for i in range(max(len(bs) for bs in emitted.values())):
-            for bs in emitted.values():
-                if i < len(bs):
-                    assert pipe.submit(bs[i])
+        for b in interleaved(emitted):
+            assert pipe.submit(b)
         if fault == "stall":  # a slow network makes the export long; stall it halfway
             kafka.proxy.delay(0.05)
             await asyncio.sleep(0.5)  # the linger (0.3 s) ended: the export is under way
@@ -174,13 +181,8 @@ async def test_deferred_batches_go_in_steps_and_resume_after_a_fault(
     assert stats.events_out == sum(b.num_events for bs in emitted.values() for b in bs)
     assert not any(b.materialized for bs in emitted.values() for b in bs)  # no model built
     expected = {bs[0].source: sum(b.num_events for b in bs) for bs in emitted.values()}
-    reader = await TopicReader(kafka.bootstrap, topic, PARTITIONS).start()
-    try:
-        assert await reader.wait_for(have_all(expected), 20)
-    finally:
-        await reader.stop()
     got: dict[SourceId, list[Any]] = defaultdict(list)
-    for b in decode(reader.records):
+    for b in decode(await read_all(kafka, topic, expected)):
         got[b.source].extend(b.events)
     for batches in emitted.values():
         events = [ev for b in batches for ev in b.materialize().events]
