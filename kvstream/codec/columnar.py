@@ -561,23 +561,10 @@ def _native_columns(
         if type(buf) is bytes
         else (bytes(buf[offset:end]), 0, end - offset, writer)
     )
-    out = ColumnBatch(
-        inst,
-        attention_dp_rank=rank,
-        incarnation=inc,
-        ts_ns=ts,
-        schema_version=writer.version,
-        tokens=tokens,
-        build=partial(_body_model, *body),
-        planes=planes,
-    )
-    out.event_ids = ids
-    out.kinds = kinds
-    out.hash_algos = algos
-    out.group_ids = gids
-    out.window_sizes = windows
-    out.payloads = payloads
-    out.token_layout = layout
+    out = ColumnBatch.decoded(
+        inst, rank, inc, ts, writer.version, tokens, planes, partial(_body_model, *body),
+        ids, kinds, algos, gids, windows, payloads, layout,
+    )  # fmt: skip
     return out, tuple(SkippedEvent(*s) for s in skipped) if skipped else (), end
 
 
