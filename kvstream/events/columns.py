@@ -169,34 +169,11 @@ class ColumnBatch:
         batch: EventBatch | None = None,
         planes: tuple[Any, ...] | None = None,
     ) -> None:
-        self.instance_id = instance_id
-        self.attention_dp_rank = attention_dp_rank
-        self.incarnation = incarnation
-        self.ts_ns = ts_ns
-        self.schema_version = schema_version
-        self._tokens = tokens
-        #: (unpack function, buffer, count, high_bits, low16 offset, planes offset) of valid
-        #: bit planes not unpacked yet (``tokens`` is None then)
-        self._planes = planes
-        self.event_ids: list[int] = []
-        self.kinds: list[int] = []
-        self.hash_algos: list[str] = []
-        self.group_ids: list[int] = []
-        self.window_sizes: list[int] = []
-        self.payloads: list[Any] = []
-        #: True when stored payloads carry the model's blocks as a fifth item (from_batch)
-        self.has_blocks = False
-        #: per stored event, what a publisher needs beyond the payload (see the class doc);
-        #: None in columns built for consumers
-        self.stored_extra: list[StoredExtra] | None = None
-        #: per stored event, in order: ``(index of its first token id in tokens (ids, not
-        #: bytes), each block's token count)`` when its blocks carry token ids only (no LoRA, salt,
-        #: multimodal, extra ids or extra keys), else None; None when the decoder did not say
-        self.token_layout: list[tuple[int, list[int]] | None] | None = None
-        #: builds the validated model (from the record or frame the columns came from)
-        self._build = build
+        self._fill(
+            instance_id, attention_dp_rank, incarnation, ts_ns, schema_version, tokens, planes,
+            build, [], [], [], [], [], [], None,
+        )  # fmt: skip
         self._batch = batch
-        self._source: SourceId | None = None
 
     @classmethod
     def decoded(  # noqa: PLR0917  (positional: the decoders' hot path, a call per message)
@@ -222,12 +199,39 @@ class ColumnBatch:
         (the constructor makes empty lists they would replace at once: about 1.3 µs a
         message). No stored extra, no model's blocks (a consumer's columns)."""
         self = cls.__new__(cls)
+        self._fill(
+            instance_id, attention_dp_rank, incarnation, ts_ns, schema_version, tokens, planes,
+            build, event_ids, kinds, hash_algos, group_ids, window_sizes, payloads, token_layout,
+        )  # fmt: skip
+        self._batch = None
+        return self
+
+    def _fill(  # noqa: PLR0917  (the constructors' one body)
+        self,
+        instance_id: str,
+        attention_dp_rank: int | None,
+        incarnation: int,
+        ts_ns: int,
+        schema_version: int,
+        tokens: bytes | None,
+        planes: tuple[Any, ...] | None,
+        build: Callable[[], EventBatch] | None,
+        event_ids: list[int],
+        kinds: list[int],
+        hash_algos: list[str],
+        group_ids: list[int],
+        window_sizes: list[int],
+        payloads: list[Any],
+        token_layout: list[tuple[int, list[int]] | None] | None,
+    ) -> None:
         self.instance_id = instance_id
         self.attention_dp_rank = attention_dp_rank
         self.incarnation = incarnation
         self.ts_ns = ts_ns
         self.schema_version = schema_version
         self._tokens = tokens
+        #: (unpack function, buffer, count, high_bits, low16 offset, planes offset) of valid
+        #: bit planes not unpacked yet (``tokens`` is None then)
         self._planes = planes
         self.event_ids = event_ids
         self.kinds = kinds
@@ -235,13 +239,18 @@ class ColumnBatch:
         self.group_ids = group_ids
         self.window_sizes = window_sizes
         self.payloads = payloads
+        #: True when stored payloads carry the model's blocks as a fifth item (from_batch)
         self.has_blocks = False
-        self.stored_extra = None
+        #: per stored event, what a publisher needs beyond the payload (see the class doc);
+        #: None in columns built for consumers
+        self.stored_extra: list[StoredExtra] | None = None
+        #: per stored event, in order: ``(index of its first token id in tokens (ids, not
+        #: bytes), each block's token count)`` when its blocks carry token ids only (no LoRA, salt,
+        #: multimodal, extra ids or extra keys), else None; None when the decoder did not say
         self.token_layout = token_layout
+        #: builds the validated model (from the record or frame the columns came from)
         self._build = build
-        self._batch = None
-        self._source = None
-        return self
+        self._source: SourceId | None = None
 
     @property
     def tokens(self) -> bytes:
